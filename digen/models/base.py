@@ -1,0 +1,361 @@
+"""The adapter protocol every backbone implements, and what the adapters share.
+
+An adapter wraps one diffusers pipeline (transformer + VAE + text encoders + scheduler) and
+exposes the few operations RL post-training needs, for image and video models alike:
+
+- ``encode_prompts(prompts)`` -> :class:`PromptEmbeds` (batch-first tensors);
+- ``initial_latents(generators)`` -> ``[B, *latent_shape]`` Gaussian noise, one generator per
+  sample so a sample does not depend on the batch it is made in;
+- ``predict_velocity(latents, sigma, cond, neg_cond, guidance_scale)`` -> velocity, fp32, the
+  same shape as ``latents`` (packing for FLUX / Qwen-Image happens inside);
+- ``decode(latents)`` -> ``uint8`` pixels ``[B, F, H, W, 3]`` (``F == 1`` for images);
+- ``sigmas(num_inference_steps)`` -> the flow-matching sigmas, ``[N + 1]`` ending in 0.
+
+Latents are always kept in the VAE's own layout, ``[B, C, H, W]`` for images and
+``[B, C, F, H, W]`` for video. Models are single-device code: nothing here knows about RPC or
+``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+
+from digen.errors import DigenError
+
+__all__ = [
+    "DiffusionAdapter",
+    "PromptEmbeds",
+    "tiny_cache_root",
+    "make_byte_tokenizer",
+]
+
+
+@dataclass(frozen=True)
+class PromptEmbeds:
+    """Text conditioning for a batch of prompts. Every tensor is batch-first."""
+
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    def select(self, index: torch.Tensor | Sequence[int] | slice) -> PromptEmbeds:
+        """Rows ``index`` of every tensor (a list of indices may repeat rows)."""
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, dtype=torch.long)
+        return PromptEmbeds({k: v[index] for k, v in self.tensors.items()})
+
+    def repeat_interleave(self, n: int) -> PromptEmbeds:
+        """Each prompt ``n`` times in a row: ``[p0, p0, p1, p1, ...]`` for ``n == 2``."""
+        return PromptEmbeds({k: v.repeat_interleave(n, dim=0) for k, v in self.tensors.items()})
+
+    def to(self, device: torch.device | str) -> PromptEmbeds:
+        return PromptEmbeds({k: v.to(device) for k, v in self.tensors.items()})
+
+    @staticmethod
+    def cat(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
+        """Concatenate along the batch; sequence lengths must already agree."""
+        keys = parts[0].tensors.keys()
+        return PromptEmbeds({k: torch.cat([p.tensors[k] for p in parts], dim=0) for k in keys})
+
+
+def tiny_cache_root() -> Path:
+    """Where tiny flavours are saved: ``$DIGEN_CACHE`` or ``~/.cache/digen``."""
+    root = os.environ.get("DIGEN_CACHE") or os.path.join(Path.home(), ".cache", "digen")
+    return Path(root) / "tiny"
+
+
+def make_byte_tokenizer(
+    *,
+    model_max_length: int,
+    bos_token: str | None = None,
+    eos_token: str | None = "</s>",
+    pad_token: str = "<pad>",
+    unk_token: str = "<unk>",
+    extra_special_tokens: Sequence[str] = (),
+    add_bos: bool = False,
+    add_eos: bool = True,
+):
+    """An offline byte-level tokenizer: 256 byte tokens + special tokens, no merges.
+
+    Any text tokenizes, nothing is downloaded, and the result saves as ``tokenizer.json`` and
+    reloads with ``PreTrainedTokenizerFast.from_pretrained``. Tiny flavours use it in place of
+    the real CLIP / T5 / Llama / Qwen tokenizers.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [t for t in (pad_token, unk_token, bos_token, eos_token) if t is not None]
+    specials += [t for t in extra_special_tokens if t not in specials]
+    vocab: dict[str, int] = {tok: i for i, tok in enumerate(specials)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk_token))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    single = " ".join(
+        ([bos_token] if add_bos and bos_token else []) + ["$A"] + ([eos_token] if add_eos and eos_token else [])
+    )
+    special_pairs = [(t, vocab[t]) for t in (bos_token, eos_token) if t is not None]
+    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special_pairs)
+    kwargs: dict[str, Any] = {"pad_token": pad_token, "unk_token": unk_token}
+    if bos_token is not None:
+        kwargs["bos_token"] = bos_token
+    if eos_token is not None:
+        kwargs["eos_token"] = eos_token
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, model_max_length=model_max_length, padding_side="right", **kwargs
+    )
+    if extra_special_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(extra_special_tokens)})
+    return fast
+
+
+class DiffusionAdapter(ABC):
+    """One backbone over its diffusers pipeline. Subclasses live one per file."""
+
+    #: registry name used by configs and the CLI (``flux``, ``sd3``, ...)
+    name: ClassVar[str]
+    #: the diffusers pipeline class whose ``from_pretrained`` loads the components
+    pipeline_class: ClassVar[type[DiffusionPipeline]]
+    #: True for video backbones (latents ``[B, C, F, H, W]``)
+    is_video: ClassVar[bool] = False
+    #: LoRA target modules (peft names) used when the config gives none
+    lora_targets: ClassVar[tuple[str, ...]]
+    #: bump when a tiny flavour's architecture changes so stale caches are rebuilt
+    tiny_version: ClassVar[int] = 1
+    #: default geometry of the tiny flavour, in pixels / frames
+    tiny_height: ClassVar[int] = 32
+    tiny_width: ClassVar[int] = 32
+    tiny_num_frames: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        pipe: DiffusionPipeline,
+        *,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int | None = None,
+        max_sequence_length: int | None = None,
+    ) -> None:
+        self.pipe = pipe
+        self.height = int(height or self.tiny_height)
+        self.width = int(width or self.tiny_width)
+        self.num_frames = int(num_frames or self.tiny_num_frames) if self.is_video else 1
+        self.max_sequence_length = max_sequence_length
+        for comp in self.frozen_modules():
+            comp.requires_grad_(False)
+            comp.eval()
+        self.transformer.requires_grad_(False)
+        self.transformer.eval()
+
+    # --- loading ------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        **geometry: Any,
+    ) -> DiffusionAdapter:
+        """Load a local diffusers-format directory (``model_index.json`` + subfolders)."""
+        path = Path(path)
+        if not path.is_dir():
+            raise DigenError(f"model path '{path}' does not exist or is not a directory.")
+        if not (path / "model_index.json").is_file():
+            raise DigenError(
+                f"model path '{path}' is not a diffusers model directory (no model_index.json)."
+            )
+        pipe = cls.pipeline_class.from_pretrained(str(path), torch_dtype=dtype)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to(device)
+        return cls(pipe, **geometry)
+
+    @classmethod
+    def tiny(
+        cls,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        cache_dir: str | os.PathLike | None = None,
+        **geometry: Any,
+    ) -> DiffusionAdapter:
+        """The tiny random-init flavour, saved once to the cache and loaded back from disk."""
+        return cls.from_pretrained(cls.tiny_path(cache_dir), device=device, dtype=dtype, **geometry)
+
+    @classmethod
+    def tiny_path(cls, cache_dir: str | os.PathLike | None = None) -> Path:
+        """Build (if needed) and save the tiny flavour; return its directory."""
+        root = Path(cache_dir) if cache_dir is not None else tiny_cache_root()
+        import diffusers
+        import transformers
+
+        tag = f"{cls.name}-v{cls.tiny_version}-{diffusers.__version__}-{transformers.__version__}"
+        target = root / f"{cls.name}-{hashlib.sha1(tag.encode()).hexdigest()[:10]}"
+        if (target / "model_index.json").is_file():
+            return target
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cls.name}-", dir=root))
+        try:
+            with _fork_rng(seed=0):
+                components = cls.build_tiny_components()
+            pipe = cls.pipeline_class(**components)
+            pipe.save_pretrained(str(tmp), safe_serialization=True)
+            (tmp / "digen_tiny.json").write_text(json.dumps({"tag": tag}) + "\n")
+            try:
+                os.rename(tmp, target)  # atomic: concurrent builders race harmlessly
+            except OSError:
+                if not (target / "model_index.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+    @classmethod
+    @abstractmethod
+    def build_tiny_components(cls) -> dict[str, Any]:
+        """Random-init components of the tiny flavour, as ``pipeline_class(**components)`` takes."""
+
+    # --- the protocol -------------------------------------------------------------------
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """Modules that never train (VAE, text encoders)."""
+        names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+        return [m for n in names if isinstance(m := getattr(self.pipe, n, None), torch.nn.Module)]
+
+    @property
+    def scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return self.pipe.scheduler
+
+    @abstractmethod
+    def latent_shape(self) -> tuple[int, ...]:
+        """Per-sample latent shape in the VAE layout: ``(C, H, W)`` or ``(C, F, H, W)``."""
+
+    def image_seq_len(self) -> int:
+        """Tokens the transformer sees per sample (used by dynamic shifting)."""
+        shape = self.latent_shape()
+        return int(torch.tensor(shape[1:]).prod().item()) // 4
+
+    def sigmas(self, num_inference_steps: int) -> torch.Tensor:
+        """Sigmas ``[N + 1]`` from the pipeline's scheduler (with its shift), ending in 0."""
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
+        kwargs: dict[str, Any] = {}
+        if sched.config.get("use_dynamic_shifting", False):
+            kwargs["mu"] = self._dynamic_shift_mu(sched)
+        base = torch.linspace(1.0, 1.0 / num_inference_steps, num_inference_steps).tolist()
+        sched.set_timesteps(sigmas=base, device="cpu", **kwargs)
+        return sched.sigmas.to(torch.float32).clone()
+
+    def _dynamic_shift_mu(self, sched: FlowMatchEulerDiscreteScheduler) -> float:
+        cfg = sched.config
+        seq = self.image_seq_len()
+        m = (cfg.max_shift - cfg.base_shift) / (cfg.max_image_seq_len - cfg.base_image_seq_len)
+        return seq * m + (cfg.base_shift - m * cfg.base_image_seq_len)
+
+    def initial_latents(self, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        """Standard normal latents ``[B, *latent_shape]``, one CPU generator per sample."""
+        shape = self.latent_shape()
+        rows = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
+        return torch.stack(rows).to(self.device)
+
+    @abstractmethod
+    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+        """Text conditioning for ``prompts`` (an empty string is the unconditional prompt)."""
+
+    @abstractmethod
+    def forward_velocity(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds
+    ) -> torch.Tensor:
+        """One transformer call: ``latents [B, ...]``, ``sigma [B]`` -> velocity ``[B, ...]``."""
+
+    def predict_velocity(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor | float,
+        cond: PromptEmbeds,
+        neg_cond: PromptEmbeds | None = None,
+        guidance_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Velocity in fp32, with classifier-free guidance when ``guidance_scale > 1``.
+
+        ``latents``: ``[B, *latent_shape]``; ``sigma``: scalar or ``[B]``.
+        """
+        b = latents.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
+        if sigma.ndim == 0:
+            sigma = sigma.expand(b)
+        x = latents.to(self.dtype)
+        if guidance_scale > 1.0 and neg_cond is not None:
+            both = _cat_padded([cond, neg_cond])
+            v = self.forward_velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), both).float()
+            v_pos, v_neg = v.chunk(2)
+            return v_neg + guidance_scale * (v_pos - v_neg)
+        return self.forward_velocity(x, sigma, cond).float()
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """``latents [B, *latent_shape]`` -> ``uint8`` pixels ``[B, F, H, W, 3]``."""
+
+    # --- helpers for subclasses ---------------------------------------------------------
+
+    @staticmethod
+    def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+        """VAE output in ``[-1, 1]``, ``[B, 3, F, H, W]`` or ``[B, 3, H, W]`` -> ``[B, F, H, W, 3]``."""
+        if pixels.ndim == 4:
+            pixels = pixels.unsqueeze(2)
+        x = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return x.permute(0, 2, 3, 4, 1).contiguous()
+
+
+def _cat_padded(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
+    """Concatenate conditionings whose sequence lengths (dim 1) may differ, zero-padding."""
+    keys = parts[0].tensors.keys()
+    out: dict[str, torch.Tensor] = {}
+    for k in keys:
+        ts = [p.tensors[k] for p in parts]
+        if ts[0].ndim >= 2 and len({t.shape[1] for t in ts}) > 1:
+            n = max(t.shape[1] for t in ts)
+            ts = [torch.nn.functional.pad(t, _pad_spec(t, n)) for t in ts]
+        out[k] = torch.cat(ts, dim=0)
+    return PromptEmbeds(out)
+
+
+def _pad_spec(t: torch.Tensor, n: int) -> list[int]:
+    spec = [0, 0] * (t.ndim - 2)
+    return spec + [0, n - t.shape[1]]
+
+
+@contextlib.contextmanager
+def _fork_rng(seed: int) -> Iterator[None]:
+    """Deterministic init of tiny weights without touching the caller's global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
