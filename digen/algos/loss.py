@@ -1,0 +1,62 @@
+"""The clipped policy-gradient loss and the KL to the reference policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LossStats", "clipped_policy_loss", "kl_to_reference"]
+
+
+@dataclass(frozen=True, slots=True)
+class LossStats:
+    """Diagnostics of one loss evaluation (detached floats)."""
+
+    policy_loss: float
+    clip_fraction: float
+    """Fraction of (sample, timestep) terms whose ratio left ``[1 - eps, 1 + eps]``."""
+    approx_kl: float
+    """``0.5 * mean((logp - old_logp)^2)``: how far the policy moved since sampling."""
+    ratio_mean: float
+
+
+def clipped_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio: float,
+    adv_clip_max: float | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """PPO-clip loss averaged over every (sample, trained timestep) term.
+
+    log_prob, old_log_prob: ``[B, K]`` (or ``[B]``); advantages: ``[B]`` or the same shape as
+    log_prob. Returns ``mean(max(-A r, -A clip(r, 1 - eps, 1 + eps)))`` and its stats.
+    """
+    adv = advantages.float()
+    if adv.ndim < log_prob.ndim:
+        adv = adv.view(adv.shape + (1,) * (log_prob.ndim - adv.ndim)).expand_as(log_prob)
+    if adv_clip_max is not None:
+        adv = adv.clamp(-adv_clip_max, adv_clip_max)
+    diff = log_prob.float() - old_log_prob.float()
+    ratio = torch.exp(diff)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
+    loss = torch.maximum(unclipped, clipped).mean()
+    with torch.no_grad():
+        stats = LossStats(
+            policy_loss=float(loss),
+            clip_fraction=float(((ratio - 1.0).abs() > clip_ratio).float().mean()),
+            approx_kl=float(0.5 * (diff**2).mean()),
+            ratio_mean=float(ratio.mean()),
+        )
+    return loss, stats
+
+
+def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL between two Gaussians with equal std: ``mean(||mu - mu_ref||^2) / (2 std^2)`` -> ``[B]``.
+
+    mean, ref_mean: ``[B, ...]``; std: broadcastable ``[B, 1, ...]``.
+    """
+    sq = ((mean.float() - ref_mean.float()) ** 2).mean(dim=tuple(range(1, mean.ndim)))
+    return sq / (2 * std.float().reshape(std.shape[0], -1)[:, 0] ** 2)

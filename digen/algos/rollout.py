@@ -1,0 +1,129 @@
+"""Sampling trajectories with log-probs, and re-scoring them under the current policy.
+
+These functions tie a backbone adapter to the SDE math. Sampling draws every sample's initial
+latent and step noise from that sample's own generator (see :mod:`digen.seeding`), in a fixed
+order: the latent first, then one draw per SDE-window step. A sample therefore comes out the
+same in any batch, on any worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from digen.algos.sde import StepOutput, ode_step, sde_step
+from digen.models.base import DiffusionAdapter, PromptEmbeds
+
+__all__ = ["Rollout", "SamplerSpec", "sample_rollout", "score_step"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerSpec:
+    """How a trajectory is sampled; shared by the sampler and the log-prob recomputation."""
+
+    sigmas: torch.Tensor
+    """``[N + 1]`` flow-matching sigmas, ending in 0."""
+    window: tuple[int, ...]
+    """Step indices that are stochastic (and trainable), ascending."""
+    sde_type: str = "sde"
+    noise_level: float = 0.7
+    guidance_scale: float = 1.0
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.numel() - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """B sampled trajectories, kept only where training needs them."""
+
+    latents: torch.Tensor
+    """``[B, K, *latent]``: ``x_i`` at each of the K window steps."""
+    next_latents: torch.Tensor
+    """``[B, K, *latent]``: ``x_{i+1}`` drawn by the SDE step."""
+    log_probs: torch.Tensor
+    """``[B, K]``: log-prob of each drawn step under the sampling policy."""
+    final: torch.Tensor
+    """``[B, *latent]``: the fully denoised latent, to decode and score."""
+
+
+def _velocity(
+    adapter: DiffusionAdapter,
+    x: torch.Tensor,
+    sigma: torch.Tensor,
+    cond: PromptEmbeds,
+    neg_cond: PromptEmbeds | None,
+    spec: SamplerSpec,
+) -> torch.Tensor:
+    return adapter.predict_velocity(x, sigma, cond, neg_cond, spec.guidance_scale)
+
+
+@torch.no_grad()
+def sample_rollout(
+    adapter: DiffusionAdapter,
+    cond: PromptEmbeds,
+    generators: Sequence[torch.Generator],
+    spec: SamplerSpec,
+    neg_cond: PromptEmbeds | None = None,
+) -> Rollout:
+    """Denoise ``len(generators)`` samples from noise, stochastic inside ``spec.window``.
+
+    cond (and neg_cond): one row per sample, ``B = len(generators)``.
+    """
+    x = adapter.initial_latents(generators).float()  # [B, *latent]
+    window = set(spec.window)
+    xs, nexts, logps = [], [], []
+    for i in range(spec.num_steps):
+        v = _velocity(adapter, x, spec.sigmas[i], cond, neg_cond, spec)
+        if i in window:
+            noise = torch.stack(
+                [torch.randn(x.shape[1:], generator=g, dtype=torch.float32) for g in generators]
+            ).to(x.device)
+            out = sde_step(spec.sde_type, v, x, spec.sigmas, i, spec.noise_level, noise=noise)
+            if out.log_prob is None:
+                raise ValueError(f"step {i} of the SDE window has no noise; raise noise_level")
+            xs.append(x)
+            nexts.append(out.prev_sample)
+            logps.append(out.log_prob)
+            x = out.prev_sample
+        else:
+            x = ode_step(v, x, spec.sigmas, i)
+    b = x.shape[0]
+    empty = x.new_zeros((b, 0) + tuple(x.shape[1:]))
+    return Rollout(
+        latents=torch.stack(xs, dim=1) if xs else empty,
+        next_latents=torch.stack(nexts, dim=1) if nexts else empty,
+        log_probs=torch.stack(logps, dim=1) if logps else x.new_zeros((b, 0)),
+        final=x,
+    )
+
+
+def score_step(
+    adapter: DiffusionAdapter,
+    latents: torch.Tensor,
+    next_latents: torch.Tensor,
+    step_index: int | torch.Tensor,
+    cond: PromptEmbeds,
+    spec: SamplerSpec,
+    neg_cond: PromptEmbeds | None = None,
+) -> StepOutput:
+    """Log-prob of ``x_i -> x_{i+1}`` under the adapter's current weights (with grad).
+
+    latents, next_latents: ``[B, *latent]``; step_index: int or ``[B]`` (a batch may mix
+    timesteps: the velocity is evaluated at each row's own sigma).
+    """
+    idx = torch.as_tensor(step_index, dtype=torch.long)
+    sigma = spec.sigmas[idx] if idx.ndim else spec.sigmas[int(idx)]
+    v = _velocity(adapter, latents, sigma, cond, neg_cond, spec)
+    return sde_step(
+        spec.sde_type,
+        v,
+        latents,
+        spec.sigmas,
+        step_index,
+        spec.noise_level,
+        prev_sample=next_latents,
+    )

@@ -1,0 +1,69 @@
+"""LoRA adapters (peft) on a backbone's transformer, and full fine-tuning.
+
+Single-device code: sharding and data parallelism wrap this from :mod:`digen.runtime`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+__all__ = ["adapters_disabled", "apply_lora", "enable_full_finetune", "trainable_parameters"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_lora(
+    transformer: torch.nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str],
+    init: str | bool = "gaussian",
+    dtype: str | None = None,
+) -> list[torch.nn.Parameter]:
+    """Attach a LoRA adapter to ``targets``; only its parameters train. Returns them.
+
+    The B matrices start at zero, so the adapted model equals the base model until trained.
+    ``dtype`` (``float32``, ``bfloat16``, ...) casts the LoRA weights, e.g. fp32 LoRA on a
+    bf16 backbone for a stabler update.
+    """
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    init_value: str | bool = {"true": True, "false": False}.get(str(init).lower(), init)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=init_value
+    )
+    transformer.add_adapter(config)
+    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    if not params:
+        raise ValueError(f"LoRA targets {list(targets)} matched no module of the transformer")
+    for p in params:
+        p.requires_grad_(True)
+        if dtype is not None:
+            p.data = p.data.to(_DTYPES[dtype])
+    return params
+
+
+def enable_full_finetune(transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Make every transformer parameter trainable (no LoRA). Returns them."""
+    transformer.requires_grad_(True)
+    return list(transformer.parameters())
+
+
+def trainable_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, parameter)`` of everything that trains, in a stable order."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def adapters_disabled(transformer: torch.nn.Module) -> Iterator[None]:
+    """Run the base model (the KL reference) with LoRA switched off, then switch it back."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
