@@ -2,11 +2,21 @@
 
 Every field has a docstring comment; every bad value fails at load time with one sentence
 naming the key, the value and what is allowed (a :class:`digen.errors.ConfigError`).
+
+Precedence when loading, lowest first: the dataclass defaults, a ``preset`` mapping, the YAML
+file, the ``base`` mapping (what the CLI's own flags set), then the ``key=value`` overrides.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from digen.errors import ConfigError
 
@@ -19,7 +29,140 @@ __all__ = [
     "RewardSpec",
     "RolloutConfig",
     "TrainConfig",
+    "config_to_dict",
+    "dump_config",
+    "load_config",
+    "validate",
 ]
+
+MODEL_NAMES = ("hunyuanvideo", "wan", "flux", "qwenimage", "sd3")
+VIDEO_MODELS = ("hunyuanvideo", "wan")
+DTYPES = ("float32", "bfloat16", "float16")
+SDE_TYPES = ("sde", "cps", "dance")
+ALGO_NAMES = ("flowgrpo", "dancegrpo")
+ADV_NORMS = ("group", "none")
+# The stochastic steps each algorithm is defined with.
+ALGO_SDE_TYPES = {"flowgrpo": ("sde", "cps"), "dancegrpo": ("dance",)}
+# Names resolved by digen.algos.rewards without an import (kept here so loading a config
+# needs no torch); a test keeps the two lists equal.
+BUILTIN_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility")
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def _show(value: Any) -> str:
+    """A value as the user would write it back (tuples print as lists)."""
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value)
+
+
+def _bad(key: str, value: Any, allowed: str) -> ConfigError:
+    """``<key> = <value> is not allowed: <allowed>.`` -- one sentence."""
+    return ConfigError(f"{key} = {_show(value)} is not allowed: {allowed}.")
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _choice(key: str, value: str, options: Sequence[str]) -> None:
+    if value not in options:
+        raise _bad(key, value, "choose one of " + ", ".join(options))
+
+
+# --------------------------------------------------------------------------- type coercion
+
+
+def _as_int(value: Any, key: str) -> int:
+    # bool is an int subclass, and 2.0 would hide a typo such as n: 2.5 elsewhere: ints only.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(key, value, "it must be an integer")
+    return int(value)
+
+
+def _as_float(value: Any, key: str) -> float:
+    # PyYAML reads `1e-4` (no dot) as a string, so numeric strings are accepted here.
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise _bad(key, value, "it must be a number") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(key, value, "it must be a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise _bad(key, value, "it must be a finite number")
+    return value
+
+
+def _as_str(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(key, value, "it must be a string")
+    return value
+
+
+def _as_pair(value: Any, key: str) -> tuple[int, int]:
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int) for v in value)
+    ):
+        raise _bad(key, value, "it must be a pair of integers [lo, hi] or null")
+    return (int(value[0]), int(value[1]))
+
+
+def _as_str_list(value: Any, key: str) -> list[str]:
+    if (
+        not isinstance(value, list | tuple)
+        or not value
+        or any(not isinstance(v, str) or not v for v in value)
+    ):
+        raise _bad(key, value, "it must be a non-empty list of module names or null")
+    return list(value)
+
+
+def _optional(convert: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    def convert_optional(value: Any, key: str) -> Any:
+        return None if value is None else convert(value, key)
+
+    return convert_optional
+
+
+# Field annotations (strings, because of `from __future__ import annotations`) -> converter.
+_CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
+    "int": _as_int,
+    "float": _as_float,
+    "str": _as_str,
+    "int | None": _optional(_as_int),
+    "str | None": _optional(_as_str),
+    "tuple[int, int] | None": _optional(_as_pair),
+    "list[str] | None": _optional(_as_str_list),
+}
+
+
+def _validate_section(section: Any, prefix: str) -> None:
+    """Coerce every field of one section to its declared type, then run its own checks."""
+    for f in fields(section):
+        convert = _CONVERTERS[f.type]
+        setattr(section, f.name, convert(getattr(section, f.name), _key(prefix, f.name)))
+    section._check_values(prefix)
+
+
+def _at_least(prefix: str, name: str, value: float, low: float, why: str = "") -> None:
+    if value < low:
+        raise _bad(_key(prefix, name), value, f"it must be at least {low}{why}")
+
+
+def _positive(prefix: str, name: str, value: float, why: str = "") -> None:
+    if value <= 0:
+        raise _bad(_key(prefix, name), value, f"it must be greater than 0{why}")
+
+
+# --------------------------------------------------------------------------- sections
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +183,35 @@ class ModelConfig:
     """Video frames (video backbones only); None takes the flavour's default. Must be 4k+1."""
     max_sequence_length: int | None = None
     """Text tokens per prompt; None takes the pipeline's default."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "model")
+
+    def _check_values(self, p: str) -> None:
+        _choice(_key(p, "name"), self.name, MODEL_NAMES)
+        _choice(_key(p, "dtype"), self.dtype, DTYPES)
+        if not self.device:
+            raise _bad(_key(p, "device"), self.device, "name a torch device such as cpu or cuda:0")
+        for side in ("height", "width"):
+            value = getattr(self, side)
+            if value is not None and (value < 16 or value % 16):
+                raise _bad(_key(p, side), value, "it must be a positive multiple of 16 or null")
+        frames = self.num_frames
+        if frames is not None:
+            if frames < 1 or (frames - 1) % 4:
+                raise _bad(
+                    _key(p, "num_frames"),
+                    frames,
+                    "it must be of the form 4k+1 (1, 5, 9, ...) or null",
+                )
+            if frames > 1 and self.name not in VIDEO_MODELS:
+                raise _bad(
+                    _key(p, "num_frames"),
+                    frames,
+                    f"{self.name} is an image backbone, so leave it null (or 1)",
+                )
+        if self.max_sequence_length is not None:
+            _at_least(p, "max_sequence_length", self.max_sequence_length, 1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,6 +235,47 @@ class RolloutConfig:
     negative_prompt: str = ""
     """Negative prompt used with CFG."""
 
+    def __post_init__(self) -> None:
+        _validate_section(self, "rollout")
+
+    def _check_values(self, p: str) -> None:
+        if self.n < 2:
+            raise _bad(
+                _key(p, "n"),
+                self.n,
+                "the group size must be at least 2 (advantages are group-relative)",
+            )
+        _at_least(p, "num_inference_steps", self.num_inference_steps, 1)
+        _choice(_key(p, "sde_type"), self.sde_type, SDE_TYPES)
+        _at_least(p, "noise_level", self.noise_level, 0.0)
+        steps = self.num_inference_steps
+        size = self.sde_window_size
+        if size < 0 or size > steps:
+            raise _bad(
+                _key(p, "sde_window_size"),
+                size,
+                f"it must be from 0 (every step) to {_key(p, 'num_inference_steps')} = {steps}",
+            )
+        if self.sde_window_range is not None:
+            lo, hi = self.sde_window_range
+            if not 0 <= lo <= hi <= steps:
+                raise _bad(
+                    _key(p, "sde_window_range"),
+                    self.sde_window_range,
+                    f"it must be [lo, hi] with 0 <= lo <= hi <= "
+                    f"{_key(p, 'num_inference_steps')} = {steps}",
+                )
+            if size > 0 and hi - lo < size:
+                raise _bad(
+                    _key(p, "sde_window_range"),
+                    self.sde_window_range,
+                    f"it must span at least {_key(p, 'sde_window_size')} = {size} steps "
+                    f"(hi - lo >= {size})",
+                )
+        if not 0 < self.timestep_fraction <= 1:
+            raise _bad(_key(p, "timestep_fraction"), self.timestep_fraction, "it must be in (0, 1]")
+        _at_least(p, "guidance_scale", self.guidance_scale, 1.0, " (1.0 turns guidance off)")
+
 
 @dataclass(kw_only=True, slots=True)
 class AlgoConfig:
@@ -80,6 +293,24 @@ class AlgoConfig:
     """Weight of the KL to the reference (the base model, LoRA off); 0 turns it off."""
     best_of_n: int = 0
     """DanceGRPO best-of-N: train only the top and bottom k/2 samples of each group; 0 keeps all."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "algo")
+
+    def _check_values(self, p: str) -> None:
+        _choice(_key(p, "name"), self.name, ALGO_NAMES)
+        _choice(_key(p, "adv_norm"), self.adv_norm, ADV_NORMS)
+        _at_least(p, "adv_eps", self.adv_eps, 0.0)
+        _positive(p, "adv_clip_max", self.adv_clip_max)
+        _positive(p, "clip_ratio", self.clip_ratio)
+        _at_least(p, "kl_coef", self.kl_coef, 0.0, " (0 turns the KL term off)")
+        # The upper bound (rollout.n) lives in another section: see _check_cross.
+        if self.best_of_n != 0 and (self.best_of_n < 2 or self.best_of_n % 2):
+            raise _bad(
+                _key(p, "best_of_n"),
+                self.best_of_n,
+                "use 0 (keep every sample) or an even number from 2 to rollout.n",
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,6 +338,24 @@ class TrainConfig:
     num_devices: int = 1
     """Data-parallel training devices the mini-batch is split over."""
 
+    def __post_init__(self) -> None:
+        _validate_section(self, "train")
+
+    def _check_values(self, p: str) -> None:
+        _positive(p, "lr", self.lr)
+        _at_least(p, "weight_decay", self.weight_decay, 0.0)
+        _at_least(p, "max_grad_norm", self.max_grad_norm, 0.0, " (0 turns clipping off)")
+        _at_least(p, "lora_rank", self.lora_rank, 0, " (0 means full fine-tuning)")
+        _positive(p, "lora_alpha", self.lora_alpha)
+        if not self.lora_init:
+            raise _bad(_key(p, "lora_init"), self.lora_init, "name a peft initialisation")
+        if self.lora_dtype is not None:
+            _choice(_key(p, "lora_dtype"), self.lora_dtype, DTYPES)
+        if self.mini_batch_size is not None:
+            _at_least(p, "mini_batch_size", self.mini_batch_size, 1)
+        _at_least(p, "micro_batch_size", self.micro_batch_size, 1)
+        _at_least(p, "num_devices", self.num_devices, 1)
+
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
@@ -115,6 +364,14 @@ class DataConfig:
     train_batch_size: int = 2
     """Unique prompts per train step (each replicated n times)."""
 
+    def __post_init__(self) -> None:
+        _validate_section(self, "data")
+
+    def _check_values(self, p: str) -> None:
+        if self.prompts is not None and not self.prompts:
+            raise _bad(_key(p, "prompts"), self.prompts, "give a prompt file path or null")
+        _at_least(p, "train_batch_size", self.train_batch_size, 1)
+
 
 @dataclass(kw_only=True, slots=True)
 class RewardSpec:
@@ -122,6 +379,30 @@ class RewardSpec:
     """A built-in reward (jpeg_compressibility, jpeg_incompressibility), `module:function`, or `path.py:function`."""
     weight: float = 1.0
     """Weight of this reward in the weighted sum."""
+
+    def __post_init__(self) -> None:
+        # Inside a DigenConfig the key gets its index (rewards.0.weight): see validate().
+        _validate_section(self, "reward")
+
+    def _check_values(self, p: str) -> None:
+        name = self.name
+        module, sep, attr = name.rpartition(":")
+        if name not in BUILTIN_REWARDS and not (sep and module and attr):
+            raise _bad(
+                _key(p, "name"),
+                name,
+                "use a built-in (" + ", ".join(BUILTIN_REWARDS) + "), "
+                "module:function or path/to/file.py:function",
+            )
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "rollout": RolloutConfig,
+    "algo": AlgoConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,3 +417,299 @@ class DigenConfig:
     """Run seed: prompt order, initial noise, SDE noise and window choices all derive from it."""
     steps: int = 10
     """Training steps (each: sample, score, update)."""
+
+    def __post_init__(self) -> None:
+        # Sections may be given as plain mappings (the loader does): build them here, so
+        # their keys carry the section name.
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if value is None:  # an empty YAML section (`rollout:` with nothing under it)
+                value = {}
+            if isinstance(value, Mapping):
+                setattr(self, name, _make(cls, value, name))
+            elif not isinstance(value, cls):
+                raise _bad(name, value, f"it must be a mapping of {name} settings")
+        self.rewards = _make_rewards(self.rewards)
+        validate(self)
+
+
+def _make(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    """Build section ``cls`` from a mapping, naming keys ``prefix.<field>`` in every error."""
+    names = [f.name for f in fields(cls)]
+    for key in values:
+        if key not in names:
+            owner = "a reward" if cls is RewardSpec else prefix
+            raise ConfigError(
+                f"unknown config key '{_key(prefix, str(key))}'; {owner} has: {', '.join(names)}."
+            )
+    section = cls()  # the defaults are valid; the user's values are checked below
+    for key, value in values.items():
+        setattr(section, key, value)
+    _validate_section(section, prefix)
+    return section
+
+
+def _make_rewards(value: Any) -> list[RewardSpec]:
+    if not isinstance(value, list | tuple):
+        raise _bad("rewards", value, "it must be a list of {name, weight} entries")
+    specs = []
+    for i, item in enumerate(value):
+        key = f"rewards.{i}"
+        if isinstance(item, str):  # a bare name: weight 1
+            item = {"name": item}
+        if isinstance(item, Mapping):
+            if "name" not in item:
+                raise _bad(key, dict(item), "each reward needs a name")
+            item = _make(RewardSpec, item, key)
+        elif not isinstance(item, RewardSpec):
+            raise _bad(key, item, "each reward must be a {name, weight} mapping")
+        specs.append(item)
+    return specs
+
+
+def validate(cfg: DigenConfig) -> None:
+    """Check every value of ``cfg`` and the rules that span sections; raise :class:`ConfigError`.
+
+    Runs when a :class:`DigenConfig` is built; call it again after changing fields in place.
+    """
+    for name in _SECTIONS:
+        _validate_section(getattr(cfg, name), name)
+    for i, spec in enumerate(cfg.rewards):
+        _validate_section(spec, f"rewards.{i}")
+    cfg.seed = _as_int(cfg.seed, "seed")
+    cfg.steps = _as_int(cfg.steps, "steps")
+    if cfg.seed < 0:
+        raise _bad("seed", cfg.seed, "it must be at least 0")
+    _at_least("", "steps", cfg.steps, 1)
+    _check_cross(cfg)
+
+
+def _check_cross(cfg: DigenConfig) -> None:
+    rollout, algo, train, data = cfg.rollout, cfg.algo, cfg.train, cfg.data
+
+    allowed = ALGO_SDE_TYPES[algo.name]
+    if rollout.sde_type not in allowed:
+        raise _bad(
+            "rollout.sde_type",
+            rollout.sde_type,
+            f"algo.name = {algo.name!r} steps with " + " or ".join(repr(s) for s in allowed),
+        )
+
+    if algo.best_of_n > rollout.n:
+        raise _bad(
+            "algo.best_of_n",
+            algo.best_of_n,
+            f"use 0 (keep every sample) or an even number from 2 to rollout.n = {rollout.n}",
+        )
+
+    if not cfg.rewards:
+        raise _bad(
+            "rewards", cfg.rewards, "give at least one reward (a built-in, module:function or file)"
+        )
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(cfg.rewards):
+        if spec.name in seen:
+            raise _bad(
+                f"rewards.{i}.name",
+                spec.name,
+                f"each reward may appear once and it is already rewards.{seen[spec.name]}",
+            )
+        seen[spec.name] = i
+
+    # Nested batch sizes: train_batch_size prompts -> mini-batches of mini_batch_size prompts
+    # (whole groups) -> split over num_devices -> micro-batches of micro_batch_size samples.
+    prompts = data.train_batch_size
+    mini = prompts if train.mini_batch_size is None else train.mini_batch_size
+    if prompts % mini:
+        raise _bad(
+            "train.mini_batch_size",
+            mini,
+            f"it must divide data.train_batch_size = {prompts} (mini-batches hold whole groups)",
+        )
+    kept = algo.best_of_n or rollout.n  # samples per group that are trained
+    per_group = (
+        f"algo.best_of_n {kept} kept per group" if algo.best_of_n else f"rollout.n {rollout.n}"
+    )
+    samples = mini * kept
+    if samples % train.num_devices:
+        raise _bad(
+            "train.num_devices",
+            train.num_devices,
+            f"it must divide the {samples} samples of a mini-batch "
+            f"(train.mini_batch_size {mini} x {per_group})",
+        )
+    per_device = samples // train.num_devices
+    if per_device % train.micro_batch_size:
+        raise _bad(
+            "train.micro_batch_size",
+            train.micro_batch_size,
+            f"it must divide the {per_device} samples each device trains per mini-batch "
+            f"({samples} samples / train.num_devices {train.num_devices})",
+        )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    base: Mapping[str, Any] | None = None,
+    *,
+    preset: Mapping[str, Any] | None = None,
+) -> DigenConfig:
+    """Load a config: defaults <- ``preset`` <- YAML ``path`` <- ``base`` <- ``key=value`` overrides.
+
+    ``preset`` is a starting point the file may change (a model x algorithm recipe); ``base``
+    holds settings that win over the file (the CLI's own flags).
+
+    The YAML file is a nested mapping matching the dataclasses (``rewards`` is a list of
+    ``{name, weight}``). Override values are parsed as YAML (``rollout.n=8``,
+    ``model.path=null``, ``rollout.sde_window_range=[0,5]``); ``rewards.0.weight=2`` sets one
+    field of one reward, and the index one past the end appends a reward. With
+    ``algo.name=dancegrpo`` and no ``rollout.sde_type`` given, the SDE type becomes ``dance``.
+    """
+    data: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
+    if preset:
+        data = _merge(preset, data)
+    if base:
+        data = _merge(data, base)
+    for item in overrides:
+        _apply_override(data, item)
+    _default_sde_type(data)
+    names = [f.name for f in fields(DigenConfig)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown config key '{key}'; the top level has: {', '.join(names)}.")
+    return DigenConfig(**data)
+
+
+def _default_sde_type(data: dict[str, Any]) -> None:
+    """DanceGRPO only steps with the `dance` SDE: pick it when the user named no sde_type."""
+    algo = data.get("algo")
+    if not isinstance(algo, Mapping) or algo.get("name") != "dancegrpo":
+        return
+    if data.get("rollout") is None:
+        data["rollout"] = {}
+    if isinstance(data["rollout"], dict):
+        data["rollout"].setdefault("sde_type", "dance")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file '{path}' does not exist.")
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' is not a file.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "a syntax error"
+        raise ConfigError(f"config file '{path}' is not valid YAML ({problem}{where}).") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file '{path}' must hold a mapping of sections "
+            f"({', '.join(f.name for f in fields(DigenConfig))}) at the top level, "
+            f"not a {type(data).__name__}."
+        )
+    return data
+
+
+def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge two nested mappings; ``high`` wins and lists are replaced, not merged."""
+    out = copy.deepcopy(dict(low))
+    for key, value in high.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    """Set one dotted ``key=value`` into the nested ``data`` mapping."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} is malformed: write key=value, as in rollout.n=8.")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(
+            f"override {item!r} has a value that is not valid YAML (quote it to pass a string)."
+        ) from None
+    parts = key.split(".")
+    top = parts[0]
+    names = [f.name for f in fields(DigenConfig)]
+    if top not in names:
+        raise ConfigError(f"unknown config key '{key}'; the top level has: {', '.join(names)}.")
+    if len(parts) == 1:
+        data[top] = value
+    elif top in _SECTIONS:
+        section = data.setdefault(top, {})
+        if not isinstance(section, dict) or len(parts) > 2:
+            raise ConfigError(f"config key '{key}' does not exist: {top} holds plain settings.")
+        allowed = [f.name for f in fields(_SECTIONS[top])]
+        if parts[1] not in allowed:
+            raise ConfigError(f"unknown config key '{key}'; {top} has: {', '.join(allowed)}.")
+        section[parts[1]] = value
+    elif top == "rewards":
+        _override_reward(data, key, parts[1:], value)
+    else:
+        raise ConfigError(f"config key '{key}' does not exist: {top} is a single value.")
+
+
+def _override_reward(data: dict[str, Any], key: str, parts: list[str], value: Any) -> None:
+    """``rewards.<i>=<mapping>`` or ``rewards.<i>.<field>=<value>``; index len(rewards) appends."""
+    rewards = data.get("rewards")
+    if rewards is None:  # start from the default reward list, so rewards.0.weight=2 edits it
+        rewards = data["rewards"] = [config_to_dict(spec) for spec in DigenConfig().rewards]
+    if not isinstance(rewards, list):
+        raise ConfigError(f"config key '{key}' does not exist: rewards is not a list here.")
+    if not parts[0].isdigit() or len(parts) > 2:
+        raise ConfigError(
+            f"unknown config key '{key}'; rewards entries are set by index, "
+            "as in rewards.0.weight=2."
+        )
+    index = int(parts[0])
+    if index > len(rewards):
+        raise ConfigError(
+            f"config key '{key}' is out of range: rewards has {len(rewards)} entries, "
+            f"so use an index up to {len(rewards)} (that one appends)."
+        )
+    if index == len(rewards):
+        rewards.append({})
+    if len(parts) == 1:
+        rewards[index] = value
+        return
+    allowed = [f.name for f in fields(RewardSpec)]
+    if parts[1] not in allowed:
+        raise ConfigError(f"unknown config key '{key}'; a reward has: {', '.join(allowed)}.")
+    if isinstance(rewards[index], str):
+        rewards[index] = {"name": rewards[index]}
+    if not isinstance(rewards[index], dict):
+        raise ConfigError(f"config key '{key}' does not exist: rewards.{index} is not a mapping.")
+    rewards[index][parts[1]] = value
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """A config (or one section) as plain YAML-safe types: dicts, lists, str, int, float, None."""
+    if isinstance(cfg, list | tuple):
+        return [config_to_dict(v) for v in cfg]
+    if hasattr(cfg, "__dataclass_fields__"):
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in fields(cfg)}
+    return cfg
+
+
+def dump_config(cfg: DigenConfig, path: str | Path) -> Path:
+    """Write ``cfg`` as YAML that :func:`load_config` reads back to an equal config."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return path

@@ -1,0 +1,1 @@
+"""Data files shipped with digen (the built-in prompt set)."""

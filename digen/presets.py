@@ -1,0 +1,113 @@
+"""Starting configs per model x algorithm.
+
+Two scales. With real weights (``model.path`` set) the settings follow the published
+recipes: Flow-GRPO (SDE noise 0.7, a 2-step SDE window in the first half of 10 steps, clip
+1e-4, advantages clipped at 5, KL 0.04, LoRA rank 32 / alpha 64, lr 3e-4) and DanceGRPO
+(eta 0.3, 16 steps, 60 % of timesteps trained, clip 1e-4, advantages clipped at 5). The tiny
+flavours run the same algorithms scaled down so a run takes minutes on a laptop CPU: fewer
+steps and samples, a small LoRA, and a larger learning rate so learning is visible quickly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from digen.errors import DigenError
+from digen.models import MODEL_NAMES
+
+__all__ = ["ALGO_NAMES", "preset"]
+
+ALGO_NAMES = ("flowgrpo", "dancegrpo")
+
+# real-weight sampling settings per backbone: resolution, frames, CFG
+_REAL_MODEL: dict[str, dict[str, Any]] = {
+    "hunyuanvideo": {"height": 320, "width": 512, "num_frames": 33, "guidance_scale": 1.0},
+    "wan": {"height": 480, "width": 832, "num_frames": 33, "guidance_scale": 5.0},
+    "flux": {"height": 512, "width": 512, "num_frames": None, "guidance_scale": 1.0},
+    "qwenimage": {"height": 512, "width": 512, "num_frames": None, "guidance_scale": 4.0},
+    "sd3": {"height": 512, "width": 512, "num_frames": None, "guidance_scale": 4.5},
+}
+
+
+def preset(model: str, algo: str, *, real_weights: bool = False) -> dict[str, Any]:
+    """The nested config dict for ``model`` x ``algo`` (tiny flavour unless ``real_weights``)."""
+    if model not in MODEL_NAMES:
+        raise DigenError(f"unknown model '{model}'; choose one of: {', '.join(MODEL_NAMES)}.")
+    if algo not in ALGO_NAMES:
+        raise DigenError(f"unknown algorithm '{algo}'; choose one of: {', '.join(ALGO_NAMES)}.")
+    cfg: dict[str, Any] = {"model": {"name": model}, "algo": {"name": algo}}
+    if real_weights:
+        _real(cfg, model, algo)
+    else:
+        _tiny(cfg, algo)
+    return cfg
+
+
+def _tiny(cfg: dict[str, Any], algo: str) -> None:
+    cfg["data"] = {"train_batch_size": 2}
+    cfg["train"] = {
+        "lr": 5e-3,
+        "lora_rank": 8,
+        "lora_alpha": 8.0,
+        "mini_batch_size": 1,  # two optimizer steps per train step: the second one is off-policy
+        "micro_batch_size": 4,
+        "max_grad_norm": 1.0,
+    }
+    if algo == "flowgrpo":
+        cfg["rollout"] = {
+            "n": 4,
+            "num_inference_steps": 6,
+            "sde_type": "sde",
+            "noise_level": 0.7,
+            "sde_window_size": 2,
+            "sde_window_range": [0, 3],
+        }
+        cfg["algo"].update({"clip_ratio": 1e-4, "adv_clip_max": 5.0, "kl_coef": 0.04})
+    else:
+        cfg["rollout"] = {
+            "n": 4,
+            "num_inference_steps": 6,
+            "sde_type": "dance",
+            "noise_level": 0.3,
+            "sde_window_size": 0,
+            "timestep_fraction": 0.5,
+        }
+        cfg["algo"].update({"clip_ratio": 1e-4, "adv_clip_max": 5.0, "kl_coef": 0.0})
+
+
+def _real(cfg: dict[str, Any], model: str, algo: str) -> None:
+    m = _REAL_MODEL[model]
+    cfg["model"].update({"height": m["height"], "width": m["width"], "dtype": "bfloat16"})
+    if m["num_frames"] is not None:
+        cfg["model"]["num_frames"] = m["num_frames"]
+    cfg["data"] = {"train_batch_size": 8}
+    cfg["train"] = {
+        "lr": 3e-4,
+        "lora_rank": 32,
+        "lora_alpha": 64.0,
+        "lora_dtype": "float32",
+        "mini_batch_size": 4,
+        "micro_batch_size": 4,
+    }
+    if algo == "flowgrpo":
+        cfg["rollout"] = {
+            "n": 16,
+            "num_inference_steps": 10,
+            "sde_type": "sde",
+            "noise_level": 0.7,
+            "sde_window_size": 2,
+            "sde_window_range": [0, 5],
+            "guidance_scale": m["guidance_scale"],
+        }
+        cfg["algo"].update({"clip_ratio": 1e-4, "adv_clip_max": 5.0, "kl_coef": 0.04})
+    else:
+        cfg["rollout"] = {
+            "n": 12,
+            "num_inference_steps": 16,
+            "sde_type": "dance",
+            "noise_level": 0.3,
+            "sde_window_size": 0,
+            "timestep_fraction": 0.6,
+            "guidance_scale": m["guidance_scale"],
+        }
+        cfg["algo"].update({"clip_ratio": 1e-4, "adv_clip_max": 5.0, "kl_coef": 0.0})

@@ -1,0 +1,330 @@
+"""Config: defaults, YAML + overrides, round trip, and one sentence per bad value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from digen.config import (
+    AlgoConfig,
+    DigenConfig,
+    RewardSpec,
+    RolloutConfig,
+    config_to_dict,
+    dump_config,
+    load_config,
+    validate,
+)
+from digen.errors import ConfigError
+
+# The worked example of nested batch sizes: 32 prompts x 16 samples, mini-batches of 16
+# prompts (256 samples) over 4 devices (64 each) in micro-batches of 16.
+WORKED = [
+    "data.train_batch_size=32",
+    "rollout.n=16",
+    "train.mini_batch_size=16",
+    "train.num_devices=4",
+    "train.micro_batch_size=16",
+]
+
+
+def assert_one_sentence(message: str) -> None:
+    assert "\n" not in message
+    assert message.endswith(".")
+    assert ". " not in message, message
+
+
+def test_defaults_load() -> None:
+    cfg = load_config()
+    assert cfg == DigenConfig()
+    assert cfg.model.name == "flux"
+    assert cfg.rollout.n == 4
+    assert cfg.rewards == [RewardSpec(name="jpeg_incompressibility", weight=1.0)]
+
+
+def test_worked_batch_example_is_valid() -> None:
+    cfg = load_config(overrides=WORKED)
+    assert (cfg.data.train_batch_size, cfg.rollout.n) == (32, 16)
+    assert (cfg.train.mini_batch_size, cfg.train.num_devices, cfg.train.micro_batch_size) == (
+        16,
+        4,
+        16,
+    )
+
+
+def test_yaml_then_base_then_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": "sd3", "height": 64, "width": 64},
+                "rollout": {"n": 6, "noise_level": 0.5},
+                "train": {"lr": "1e-5"},  # PyYAML reads 1e-5 as a string
+                "rewards": [{"name": "jpeg_compressibility", "weight": 0.5}],
+                "seed": 3,
+            }
+        )
+    )
+    cfg = load_config(
+        path,
+        overrides=[
+            "rollout.n=8",
+            "model.path=null",
+            "rollout.sde_window_size=2",
+            "rollout.sde_window_range=[0,5]",
+            "train.lora_targets=[to_q,to_k]",
+            "rewards.0.weight=2",
+            "rewards.1.name=jpeg_incompressibility",
+            "steps=3",
+        ],
+        base={"model": {"width": 128}, "seed": 5},
+    )
+    assert cfg.model.name == "sd3"
+    assert (cfg.model.height, cfg.model.width) == (64, 128)  # base overrides the file
+    assert cfg.model.path is None
+    assert cfg.rollout.n == 8
+    assert cfg.rollout.noise_level == 0.5
+    assert cfg.rollout.sde_window_range == (0, 5)
+    assert cfg.train.lr == pytest.approx(1e-5)
+    assert cfg.train.lora_targets == ["to_q", "to_k"]
+    assert cfg.rewards == [
+        RewardSpec(name="jpeg_compressibility", weight=2.0),
+        RewardSpec(name="jpeg_incompressibility", weight=1.0),
+    ]
+    assert (cfg.seed, cfg.steps) == (5, 3)
+
+
+def test_preset_sits_under_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  n: 6\n")
+    preset = {"rollout": {"n": 12, "noise_level": 0.3}}
+    cfg = load_config(path, base={"seed": 2}, preset=preset)
+    assert (cfg.rollout.n, cfg.rollout.noise_level, cfg.seed) == (6, 0.3, 2)
+
+
+def test_whole_reward_list_override() -> None:
+    cfg = load_config(overrides=["rewards=[{name: jpeg_compressibility, weight: 1.5}]"])
+    assert cfg.rewards == [RewardSpec(name="jpeg_compressibility", weight=1.5)]
+    cfg = load_config(overrides=["rewards.0.weight=2"])  # edits the default reward
+    assert cfg.rewards == [RewardSpec(name="jpeg_incompressibility", weight=2.0)]
+
+
+def test_dancegrpo_picks_dance_sde_unless_told() -> None:
+    assert load_config(overrides=["algo.name=dancegrpo"]).rollout.sde_type == "dance"
+    with pytest.raises(ConfigError, match="rollout.sde_type = 'sde'"):
+        load_config(overrides=["algo.name=dancegrpo", "rollout.sde_type=sde"])
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    cfg = load_config(
+        overrides=[
+            *WORKED,
+            "model.name=wan",
+            "model.num_frames=9",
+            "rollout.sde_window_size=3",
+            "rollout.sde_window_range=[1,8]",
+            "train.lora_targets=[to_q]",
+            "rewards=[{name: jpeg_compressibility, weight: -0.5}, {name: 'm:f', weight: 2}]",
+        ]
+    )
+    plain = config_to_dict(cfg)
+    assert plain["rollout"]["sde_window_range"] == [1, 8]
+    assert yaml.safe_load(yaml.safe_dump(plain)) == plain
+    path = dump_config(cfg, tmp_path / "out" / "config.yaml")
+    assert load_config(path) == cfg
+
+
+def test_sections_from_mappings_and_direct_checks() -> None:
+    assert DigenConfig(rollout={"n": 8}).rollout == RolloutConfig(n=8)
+    with pytest.raises(ConfigError, match=r"^rollout\.n = 1 is not allowed"):
+        RolloutConfig(n=1)
+    with pytest.raises(ConfigError, match=r"^algo\.clip_ratio = 0\.0 is not allowed"):
+        DigenConfig(algo=AlgoConfig(clip_ratio=0))
+    cfg = DigenConfig()
+    cfg.rollout.n = 0  # changed in place: validate() finds it
+    with pytest.raises(ConfigError, match=r"^rollout\.n = 0"):
+        validate(cfg)
+
+
+# (overrides, dotted key, value as printed)
+BAD = [
+    # types
+    (["rollout.n=2.5"], "rollout.n", "2.5"),
+    (["rollout.n=true"], "rollout.n", "True"),
+    (["train.lr=fast"], "train.lr", "'fast'"),
+    (["train.lr=.nan"], "train.lr", "nan"),
+    (["model.name=[flux]"], "model.name", "['flux']"),
+    (["rollout.sde_window_range=[1,2,3]"], "rollout.sde_window_range", "[1, 2, 3]"),
+    (["train.lora_targets=to_q"], "train.lora_targets", "'to_q'"),
+    (["seed=1.5"], "seed", "1.5"),
+    # choices
+    (["model.name=sdxl"], "model.name", "'sdxl'"),
+    (["model.dtype=fp8"], "model.dtype", "'fp8'"),
+    (["rollout.sde_type=ode"], "rollout.sde_type", "'ode'"),
+    (["algo.name=ppo"], "algo.name", "'ppo'"),
+    (["algo.adv_norm=batch"], "algo.adv_norm", "'batch'"),
+    (["train.lora_dtype=int8"], "train.lora_dtype", "'int8'"),
+    # ranges
+    (["rollout.n=1"], "rollout.n", "1"),
+    (["rollout.num_inference_steps=0"], "rollout.num_inference_steps", "0"),
+    (["rollout.noise_level=-0.1"], "rollout.noise_level", "-0.1"),
+    (["rollout.timestep_fraction=0"], "rollout.timestep_fraction", "0.0"),
+    (["rollout.timestep_fraction=1.5"], "rollout.timestep_fraction", "1.5"),
+    (["rollout.guidance_scale=0.5"], "rollout.guidance_scale", "0.5"),
+    (["algo.clip_ratio=0"], "algo.clip_ratio", "0.0"),
+    (["algo.adv_clip_max=-1"], "algo.adv_clip_max", "-1.0"),
+    (["algo.kl_coef=-0.01"], "algo.kl_coef", "-0.01"),
+    (["train.lr=0"], "train.lr", "0.0"),
+    (["train.lora_rank=-1"], "train.lora_rank", "-1"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size", "0"),
+    (["train.num_devices=0"], "train.num_devices", "0"),
+    (["train.mini_batch_size=0"], "train.mini_batch_size", "0"),
+    (["data.train_batch_size=0"], "data.train_batch_size", "0"),
+    (["steps=0"], "steps", "0"),
+    (["model.height=100"], "model.height", "100"),
+    (["model.width=8"], "model.width", "8"),
+    (["model.name=wan", "model.num_frames=8"], "model.num_frames", "8"),
+    (["model.num_frames=5"], "model.num_frames", "5"),  # flux is an image backbone
+    (["algo.best_of_n=3"], "algo.best_of_n", "3"),
+    (["algo.best_of_n=1"], "algo.best_of_n", "1"),
+    (["rollout.n=4", "algo.best_of_n=6"], "algo.best_of_n", "6"),
+    (["rewards=[{name: jpeg_compressibility, weight: .inf}]"], "rewards.0.weight", "inf"),
+    (["rewards.0.name=no_such_reward"], "rewards.0.name", "'no_such_reward'"),
+    # SDE window
+    (["rollout.sde_window_size=11"], "rollout.sde_window_size", "11"),
+    (["rollout.sde_window_range=[-1,5]"], "rollout.sde_window_range", "[-1, 5]"),
+    (["rollout.sde_window_range=[0,11]"], "rollout.sde_window_range", "[0, 11]"),
+    (["rollout.sde_window_range=[6,5]"], "rollout.sde_window_range", "[6, 5]"),
+    (
+        ["rollout.sde_window_size=3", "rollout.sde_window_range=[2,4]"],
+        "rollout.sde_window_range",
+        "[2, 4]",
+    ),
+    # algorithm / SDE pairing
+    (["algo.name=dancegrpo", "rollout.sde_type=cps"], "rollout.sde_type", "'cps'"),
+    (["rollout.sde_type=dance"], "rollout.sde_type", "'dance'"),
+    # rewards
+    (["rewards=[]"], "rewards", "[]"),
+    (
+        ["rewards=[jpeg_compressibility, jpeg_compressibility]"],
+        "rewards.1.name",
+        "'jpeg_compressibility'",
+    ),
+    # nested batch sizes, each breaking one rule of the worked example
+    ([*WORKED, "train.mini_batch_size=12"], "train.mini_batch_size", "12"),
+    ([*WORKED, "train.mini_batch_size=64"], "train.mini_batch_size", "64"),
+    ([*WORKED, "train.mini_batch_size=1", "rollout.n=6"], "train.num_devices", "4"),
+    ([*WORKED, "train.num_devices=3"], "train.num_devices", "3"),
+    ([*WORKED, "train.micro_batch_size=24"], "train.micro_batch_size", "24"),
+    ([*WORKED, "train.micro_batch_size=128"], "train.micro_batch_size", "128"),
+    # best-of-N: 16 prompts x 2 kept = 32 samples -> 8 per device, so micro 16 no longer fits
+    (
+        [*WORKED, "algo.name=dancegrpo", "algo.best_of_n=2"],
+        "train.micro_batch_size",
+        "16",
+    ),
+    # ... and 2 prompts x 2 kept = 4 samples cannot be split over 8 devices
+    (
+        [
+            *WORKED,
+            "algo.name=dancegrpo",
+            "algo.best_of_n=2",
+            "train.mini_batch_size=2",
+            "train.num_devices=8",
+            "train.micro_batch_size=1",
+        ],
+        "train.num_devices",
+        "8",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "value"), BAD, ids=[" ".join(row[0][-2:]) for row in BAD]
+)
+def test_bad_values(overrides: list[str], key: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    message = str(info.value)
+    assert message.startswith(f"{key} = {value} is not allowed: "), message
+    assert_one_sentence(message)
+
+
+def test_best_of_n_counts_kept_samples() -> None:
+    # 16 prompts x 2 kept = 32 samples over 4 devices = 8 each: micro-batches of 8 fit.
+    cfg = load_config(
+        overrides=[*WORKED, "algo.name=dancegrpo", "algo.best_of_n=2", "train.micro_batch_size=8"]
+    )
+    assert cfg.algo.best_of_n == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["rollout.nn=3"], "unknown config key 'rollout.nn'; rollout has: n, num_inference_steps,"),
+        (["foo=1"], "unknown config key 'foo'; the top level has: model, rollout,"),
+        (
+            ["rewards.0.wieght=2"],
+            "unknown config key 'rewards.0.wieght'; a reward has: name, weight.",
+        ),
+        (["rewards.x=2"], "unknown config key 'rewards.x'"),
+        (["rewards.5.name=a:b"], "config key 'rewards.5.name' is out of range"),
+        (["rollout.n.x=3"], "config key 'rollout.n.x' does not exist"),
+        (["seed.x=3"], "config key 'seed.x' does not exist"),
+        (["rollout.n"], "override 'rollout.n' is malformed: write key=value"),
+        (["=3"], "override '=3' is malformed"),
+        (
+            ["rollout.negative_prompt=[oops"],
+            "override 'rollout.negative_prompt=[oops' has a value that",
+        ),
+        (["rollout=5"], "rollout = 5 is not allowed: it must be a mapping of rollout settings."),
+        (["rewards=[{weight: 2}]"], "rewards.0 = {'weight': 2} is not allowed"),
+        (["rewards=jpeg"], "rewards = 'jpeg' is not allowed"),
+    ],
+)
+def test_bad_keys_and_overrides(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    assert str(info.value).startswith(expected), str(info.value)
+    assert_one_sentence(str(info.value))
+
+
+def test_unknown_key_in_yaml_section(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  clip_ratoi: 0.2\n")
+    with pytest.raises(
+        ConfigError, match=r"^unknown config key 'algo\.clip_ratoi'; algo has: name,"
+    ):
+        load_config(path)
+    path.write_text("rewards:\n  - {name: jpeg_compressibility, weigth: 2}\n")
+    with pytest.raises(ConfigError, match=r"'rewards\.0\.weigth'; a reward has: name, weight\.$"):
+        load_config(path)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^config file '.*missing\.yaml' does not exist\.$"):
+        load_config(tmp_path / "missing.yaml")
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(listed)
+    assert "must hold a mapping of sections" in str(info.value)
+    assert str(info.value).endswith("not a list.")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [flux\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(broken)
+    assert "is not valid YAML" in str(info.value)
+    assert_one_sentence(str(info.value))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == DigenConfig()
+
+
+def test_builtin_reward_names_match_the_rewards_module() -> None:
+    from digen.algos import rewards
+    from digen.config import BUILTIN_REWARDS
+
+    assert set(BUILTIN_REWARDS) == set(rewards.BUILTIN_REWARDS)
