@@ -1,0 +1,252 @@
+"""FLUX.1 (dev / schnell) over diffusers' ``FluxPipeline``.
+
+The transformer works on 2x2-packed latent tokens with 3-axis RoPE position ids; the adapter
+keeps latents in the VAE layout ``[B, C, H, W]`` and packs / unpacks inside
+:meth:`FluxAdapter.forward_velocity`. FLUX.1-dev is guidance-distilled: the guidance value
+enters the transformer as an embedding (``guidance_embeds=True``), unrelated to
+classifier-free guidance, which stays available through ``predict_velocity``'s ``neg_cond``
+("true CFG" in diffusers' terms). FLUX.1-schnell has no guidance embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+)
+
+from digen.errors import DigenError
+from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+
+__all__ = ["FluxAdapter", "pack_latents", "unpack_latents"]
+
+#: T5 sequence length the FLUX pipeline uses when nothing else is set
+_PIPELINE_MAX_SEQUENCE_LENGTH = 512
+#: the pipeline's default for the distilled guidance value (FLUX.1-dev)
+DEFAULT_EMBEDDED_GUIDANCE = 3.5
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, H, W]`` -> ``[B, (H/2)(W/2), 4C]``: one token per 2x2 latent patch."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2)  # [B, C, H/2, 2, W/2, 2]
+    x = x.permute(0, 2, 4, 1, 3, 5)  # [B, H/2, W/2, C, 2, 2]
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``[B, (H/2)(W/2), 4C]`` -> ``[B, C, H, W]`` (``height``/``width`` in latent pixels)."""
+    b, _, d = tokens.shape
+    c = d // 4
+    x = tokens.view(b, height // 2, width // 2, c, 2, 2)  # [B, H/2, W/2, C, 2, 2]
+    x = x.permute(0, 3, 1, 4, 2, 5)  # [B, C, H/2, 2, W/2, 2]
+    return x.reshape(b, c, height, width)
+
+
+class FluxAdapter(DiffusionAdapter):
+    """FLUX.1: MMDiT with double- and single-stream blocks, CLIP (pooled) + T5 text encoders."""
+
+    name: ClassVar[str] = "flux"
+    pipeline_class: ClassVar[type[FluxPipeline]] = FluxPipeline
+    is_video: ClassVar[bool] = False
+    lora_targets: ClassVar[tuple[str, ...]] = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+        "proj_mlp",
+    )
+    tiny_version: ClassVar[int] = 1
+    tiny_height: ClassVar[int] = 32
+    tiny_width: ClassVar[int] = 32
+
+    def __init__(
+        self,
+        pipe: FluxPipeline,
+        *,
+        embedded_guidance: float = DEFAULT_EMBEDDED_GUIDANCE,
+        **geometry: Any,
+    ) -> None:
+        super().__init__(pipe, **geometry)
+        #: value fed to the guidance embedding (ignored when the transformer has none)
+        self.embedded_guidance = float(embedded_guidance)
+        f = self.vae_scale_factor * 2
+        if self.height % f or self.width % f:
+            raise DigenError(
+                f"FLUX needs height and width divisible by {f}, got {self.height}x{self.width}."
+            )
+
+    # --- tiny flavour -------------------------------------------------------------------
+
+    @classmethod
+    def build_tiny_components(cls, *, guidance_embeds: bool = True) -> dict[str, Any]:
+        """Random-init FLUX.1 at toy size: 8x VAE with 4 latent channels, 32-wide text."""
+        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+        tokenizer = make_byte_tokenizer(
+            model_max_length=32,
+            bos_token="<|startoftext|>",
+            eos_token="<|endoftext|>",
+            add_bos=True,
+        )
+        tokenizer_2 = make_byte_tokenizer(model_max_length=32, eos_token="</s>")
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                max_position_embeddings=tokenizer.model_max_length,
+                projection_dim=32,
+                hidden_act="quick_gelu",
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+        text_encoder_2 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_2),
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=32,
+                feed_forward_proj="gated-gelu",
+                is_encoder_decoder=False,
+                use_cache=False,
+                pad_token_id=tokenizer_2.pad_token_id,
+                eos_token_id=tokenizer_2.eos_token_id,
+                decoder_start_token_id=tokenizer_2.pad_token_id,
+            )
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 16, 16),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=32,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            scaling_factor=0.3611,  # FLUX.1's VAE statistics
+            shift_factor=0.1159,
+        )
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * 4,  # 2x2-packed latent channels
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,  # T5 d_model
+            pooled_projection_dim=32,  # CLIP hidden size
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
+        )
+        # FLUX.1-dev's scheduler: shift depends on the image token count
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
+        return {
+            "scheduler": scheduler,
+            "vae": vae,
+            "text_encoder": text_encoder,
+            "tokenizer": tokenizer,
+            "text_encoder_2": text_encoder_2,
+            "tokenizer_2": tokenizer_2,
+            "transformer": transformer,
+        }
+
+    # --- the protocol -------------------------------------------------------------------
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return int(self.pipe.vae_scale_factor)
+
+    def latent_shape(self) -> tuple[int, ...]:
+        c = self.pipe.vae.config.latent_channels
+        f = self.vae_scale_factor
+        return (c, self.height // f, self.width // f)
+
+    def image_seq_len(self) -> int:
+        """Packed tokens per sample: one per 2x2 latent patch."""
+        _, h, w = self.latent_shape()
+        return (h // 2) * (w // 2)
+
+    def _text_length(self) -> int:
+        if self.max_sequence_length is not None:
+            return int(self.max_sequence_length)
+        return min(_PIPELINE_MAX_SEQUENCE_LENGTH, int(self.pipe.tokenizer_2.model_max_length))
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+        """``prompt_embeds [B, L, D_t5]`` (T5) and ``pooled_prompt_embeds [B, D_clip]`` (CLIP)."""
+        prompt_embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=list(prompts),
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self._text_length(),
+        )
+        return PromptEmbeds({"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled})
+
+    def forward_velocity(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds
+    ) -> torch.Tensor:
+        """``latents [B, C, H, W]``, ``sigma [B]`` -> velocity ``[B, C, H, W]``."""
+        b, _, h, w = latents.shape
+        dtype, device = self.dtype, latents.device
+        tokens = pack_latents(latents.to(dtype))  # [B, N, 4C], N = (H/2)(W/2)
+        img_ids = self.pipe._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)  # [N, 3]
+        text = cond.tensors["prompt_embeds"].to(device, dtype)  # [B, L, D]
+        pooled = cond.tensors["pooled_prompt_embeds"].to(device, dtype)  # [B, D_pool]
+        txt_ids = torch.zeros(text.shape[1], 3, device=device, dtype=dtype)  # [L, 3]
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((b,), self.embedded_guidance, device=device, dtype=torch.float32)
+        out = self.transformer(
+            hidden_states=tokens,
+            timestep=sigma.to(device, dtype),  # the pipeline passes t / 1000, i.e. sigma
+            guidance=guidance,
+            pooled_projections=pooled,
+            encoder_hidden_states=text,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]  # [B, N, 4C]
+        return unpack_latents(out, h, w)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """``latents [B, C, H, W]`` -> ``uint8 [B, 1, 8H, 8W, 3]``."""
+        vae = self.pipe.vae
+        z = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        pixels = vae.decode(z, return_dict=False)[0]  # [B, 3, 8H, 8W] in [-1, 1]
+        return self.to_uint8(pixels)

@@ -1,0 +1,237 @@
+"""Stable Diffusion 3 / 3.5 over diffusers' ``StableDiffusion3Pipeline``.
+
+The MMDiT patchifies the VAE latents itself, so latents go in and out in the VAE layout
+``[B, C, H, W]``. Text conditioning joins two CLIP encoders (penultimate hidden states and
+projected pooled outputs) with T5; classifier-free guidance uses a negative conditioning
+encoded the same way (``encode_prompts([""] * B)`` for the usual empty negative prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+
+from digen.errors import DigenError
+from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+
+__all__ = ["SD3Adapter"]
+
+#: T5 sequence length the SD3 pipeline uses when nothing else is set
+_PIPELINE_MAX_SEQUENCE_LENGTH = 256
+
+
+class SD3Adapter(DiffusionAdapter):
+    """SD3 / SD3.5: joint-attention MMDiT, CLIP-L + CLIP-G + T5 text encoders."""
+
+    name: ClassVar[str] = "sd3"
+    pipeline_class: ClassVar[type[StableDiffusion3Pipeline]] = StableDiffusion3Pipeline
+    is_video: ClassVar[bool] = False
+    # attention projections of both streams (``attn`` and SD3.5-medium's ``attn2``)
+    lora_targets: ClassVar[tuple[str, ...]] = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
+    tiny_version: ClassVar[int] = 1
+    tiny_height: ClassVar[int] = 32
+    tiny_width: ClassVar[int] = 32
+
+    def __init__(self, pipe: StableDiffusion3Pipeline, **geometry: Any) -> None:
+        super().__init__(pipe, **geometry)
+        f = self.vae_scale_factor * int(self.transformer.config.patch_size)
+        if self.height % f or self.width % f:
+            raise DigenError(
+                f"SD3 needs height and width divisible by {f}, got {self.height}x{self.width}."
+            )
+
+    # --- tiny flavour -------------------------------------------------------------------
+
+    @classmethod
+    def build_tiny_components(cls) -> dict[str, Any]:
+        """Random-init SD3.5 at toy size: 8x VAE with 4 latent channels, 2 small CLIPs + T5."""
+        from transformers import (
+            CLIPTextConfig,
+            CLIPTextModelWithProjection,
+            T5Config,
+            T5EncoderModel,
+        )
+
+        def clip_tokenizer():
+            return make_byte_tokenizer(
+                model_max_length=32,
+                bos_token="<|startoftext|>",
+                eos_token="<|endoftext|>",
+                add_bos=True,
+            )
+
+        def clip_encoder(tok, hidden: int) -> CLIPTextModelWithProjection:
+            return CLIPTextModelWithProjection(
+                CLIPTextConfig(
+                    vocab_size=len(tok),
+                    hidden_size=hidden,
+                    intermediate_size=2 * hidden,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    max_position_embeddings=tok.model_max_length,
+                    projection_dim=hidden,
+                    hidden_act="gelu",
+                    bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id,
+                )
+            )
+
+        tokenizer, tokenizer_2 = clip_tokenizer(), clip_tokenizer()
+        tokenizer_3 = make_byte_tokenizer(model_max_length=32, eos_token="</s>")
+        # CLIP-L / CLIP-G stand-ins: hidden 16 + 24 = 40 <= T5 width 48 (the pipeline pads
+        # the concatenated CLIP states up to the T5 width), pooled 16 + 24 = 40
+        text_encoder = clip_encoder(tokenizer, 16)
+        text_encoder_2 = clip_encoder(tokenizer_2, 24)
+        text_encoder_3 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_3),
+                d_model=48,
+                d_kv=12,
+                d_ff=96,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=32,
+                feed_forward_proj="gated-gelu",
+                is_encoder_decoder=False,
+                use_cache=False,
+                pad_token_id=tokenizer_3.pad_token_id,
+                eos_token_id=tokenizer_3.eos_token_id,
+                decoder_start_token_id=tokenizer_3.pad_token_id,
+            )
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 16, 16),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=32,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            scaling_factor=1.5305,  # SD3's VAE statistics
+            shift_factor=0.0609,
+        )
+        transformer = SD3Transformer2DModel(
+            sample_size=4,  # latent side at the tiny geometry
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=48,  # T5 d_model
+            caption_projection_dim=32,  # = heads * head_dim
+            pooled_projection_dim=40,  # CLIP-L + CLIP-G projections
+            pos_embed_max_size=32,  # latents up to 64x64 (512 px)
+            dual_attention_layers=(0,),  # SD3.5-medium style self-attention branch
+            qk_norm="rms_norm",
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+        return {
+            "scheduler": scheduler,
+            "vae": vae,
+            "text_encoder": text_encoder,
+            "tokenizer": tokenizer,
+            "text_encoder_2": text_encoder_2,
+            "tokenizer_2": tokenizer_2,
+            "text_encoder_3": text_encoder_3,
+            "tokenizer_3": tokenizer_3,
+            "transformer": transformer,
+        }
+
+    # --- the protocol -------------------------------------------------------------------
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return int(self.pipe.vae_scale_factor)
+
+    def latent_shape(self) -> tuple[int, ...]:
+        c = self.pipe.vae.config.latent_channels
+        f = self.vae_scale_factor
+        return (c, self.height // f, self.width // f)
+
+    def image_seq_len(self) -> int:
+        """Patch tokens per sample."""
+        _, h, w = self.latent_shape()
+        p = int(self.transformer.config.patch_size)
+        return (h // p) * (w // p)
+
+    def sigmas(self, num_inference_steps: int) -> torch.Tensor:
+        """Sigmas ``[N + 1]`` of the SD3 pipeline's default schedule, ending in 0.
+
+        Unlike FLUX, the SD3 pipeline passes no sigmas: the scheduler spaces the timesteps
+        evenly between its shifted ``sigma_max`` (1) and ``sigma_min`` and shifts them again,
+        which ends much closer to 0 than ``linspace(1, 1 / N, N)`` does.
+        """
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
+        kwargs: dict[str, Any] = {}
+        if sched.config.get("use_dynamic_shifting", False):
+            kwargs["mu"] = self._dynamic_shift_mu(sched)
+        sched.set_timesteps(num_inference_steps=num_inference_steps, device="cpu", **kwargs)
+        return sched.sigmas.to(torch.float32).clone()
+
+    def _text_length(self) -> int:
+        if self.max_sequence_length is not None:
+            return int(self.max_sequence_length)
+        tok = self.pipe.tokenizer_3
+        limit = int(tok.model_max_length) if tok is not None else _PIPELINE_MAX_SEQUENCE_LENGTH
+        return min(_PIPELINE_MAX_SEQUENCE_LENGTH, limit)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+        """``prompt_embeds [B, L_clip + L_t5, D_t5]`` and ``pooled_prompt_embeds [B, D_pool]``."""
+        prompt_embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=list(prompts),
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self._text_length(),
+        )
+        return PromptEmbeds({"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled})
+
+    def forward_velocity(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds
+    ) -> torch.Tensor:
+        """``latents [B, C, H, W]``, ``sigma [B]`` -> velocity ``[B, C, H, W]``."""
+        dtype, device = self.dtype, latents.device
+        # the pipeline passes the scheduler's timestep, sigma * num_train_timesteps, in fp32
+        t = sigma.to(device, torch.float32) * self.scheduler.config.num_train_timesteps  # [B]
+        return self.transformer(
+            hidden_states=latents.to(dtype),
+            timestep=t,
+            encoder_hidden_states=cond.tensors["prompt_embeds"].to(device, dtype),  # [B, L, D]
+            pooled_projections=cond.tensors["pooled_prompt_embeds"].to(device, dtype),  # [B, P]
+            return_dict=False,
+        )[0]  # [B, C, H, W]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """``latents [B, C, H, W]`` -> ``uint8 [B, 1, 8H, 8W, 3]``."""
+        vae = self.pipe.vae
+        z = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        pixels = vae.decode(z, return_dict=False)[0]  # [B, 3, 8H, 8W] in [-1, 1]
+        return self.to_uint8(pixels)
