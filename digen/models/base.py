@@ -182,7 +182,7 @@ class DiffusionAdapter(ABC):
             raise DigenError(
                 f"model path '{path}' is not a diffusers model directory (no model_index.json)."
             )
-        pipe = cls.pipeline_class.from_pretrained(str(path), torch_dtype=dtype)
+        pipe = cls.pipeline_class.from_pretrained(str(path), dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
         return cls(pipe, **geometry)
@@ -212,6 +212,7 @@ class DiffusionAdapter(ABC):
             return target
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{cls.name}-", dir=root))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any model dir
         try:
             with _fork_rng(seed=0):
                 components = cls.build_tiny_components()
