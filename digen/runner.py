@@ -1,0 +1,279 @@
+"""``DigenRunner``: the one object a user drives, from the CLI or from Python.
+
+    result = await DigenRunner(cfg, out_dir="runs/demo").run()
+
+It resolves the config, loads prompts and rewards (failing early, in one sentence, on bad
+input), runs the training loop, and writes everything a run leaves behind (see
+:mod:`digen.runtime.outputs`). Ctrl-C stops at the next step boundary with every output
+written so far intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from digen.algos.rewards import CompositeReward, RewardFn, build_reward
+from digen.config import DigenConfig, config_to_dict, load_config
+from digen.prompts import PromptSet
+from digen.runtime.outputs import RunOutputs
+
+__all__ = ["DigenRunner", "RunResult"]
+
+
+@dataclass(slots=True)
+class RunResult:
+    """What :meth:`DigenRunner.run` returns."""
+
+    metrics: list[dict[str, Any]]
+    """One dict per completed step (the rows of ``metrics.jsonl``)."""
+    out_dir: Path
+    interrupted: bool = False
+    weights: Path | None = None
+    """The saved LoRA adapter (``lora/``) or full transformer (``transformer/``)."""
+    final_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    """The trained parameters at the end (name -> tensor), for checks and chaining."""
+
+
+class DigenRunner:
+    """Configure once, then ``await run()``."""
+
+    def __init__(
+        self,
+        cfg: DigenConfig | dict[str, Any] | str | os.PathLike | None = None,
+        *,
+        rewards: Sequence[Any] | None = None,
+        out_dir: str | os.PathLike | None = None,
+        progress: bool = True,
+        sample_every: int = 5,
+        save_weights: bool = True,
+    ) -> None:
+        """
+        cfg: a :class:`DigenConfig`, a nested dict, a YAML path, or None for the defaults.
+        rewards: reward hooks as objects (callables, ``(callable, weight)`` pairs or
+            :class:`RewardFn`); they replace ``cfg.rewards`` when given.
+        out_dir: where outputs go (a temporary directory when None).
+        """
+        if isinstance(cfg, DigenConfig):
+            self.cfg = cfg
+        elif isinstance(cfg, dict):
+            self.cfg = load_config(base=cfg)
+        else:
+            self.cfg = load_config(cfg)
+        self.reward: CompositeReward = build_reward(
+            list(rewards) if rewards is not None else self.cfg.rewards
+        )
+        self.prompts = PromptSet.load(self.cfg.data.prompts)
+        self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
+        self.progress = progress
+        self.sample_every = max(1, int(sample_every))
+        self.save_weights = save_weights
+        self._stop = False
+
+    def request_stop(self) -> None:
+        """Finish the current step, write its outputs, then stop."""
+        self._stop = True
+
+    async def run(self) -> RunResult:
+        world = self.cfg.train.num_devices
+        if world > 1:
+            return await asyncio.to_thread(self._run_data_parallel, world)
+        return await self._run_worker(rank=0, world=1)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    async def _run_worker(self, rank: int, world: int) -> RunResult:
+        from digen.runtime.colocated import ColocatedTrainer
+
+        cfg = self.cfg
+        lead = rank == 0
+        outputs = RunOutputs(self.out_dir) if lead else None
+        log, log_fh = _open_log(outputs.log_path if outputs else None)
+        if outputs:
+            outputs.write_config(config_to_dict(cfg))
+        log.info(
+            "run_start", model=cfg.model.name, algo=cfg.algo.name, steps=cfg.steps, world=world
+        )
+        t0 = time.perf_counter()
+        trainer = ColocatedTrainer(cfg, self.reward, self.prompts, rank=rank, world=world)
+        log.info("model_loaded", seconds=round(time.perf_counter() - t0, 3))
+        bar = _progress(cfg.steps, enabled=self.progress and lead)
+        restore = _catch_sigint(self) if lead else None
+        metrics: list[dict[str, Any]] = []
+        interrupted = False
+        try:
+            for step in range(cfg.steps):
+                if self._stop_everywhere(world):
+                    interrupted = True
+                    break
+                res = await trainer.train_step(step)
+                metrics.append(res.metrics)
+                if outputs:
+                    outputs.append_metrics(res.metrics)
+                    last = step == cfg.steps - 1
+                    if step == 0 or last or (step + 1) % self.sample_every == 0:
+                        outputs.save_samples(step, res.pixels, res.captions)
+                log.info("step", **res.metrics)
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{res.metrics['reward_mean']:.4f}",
+                    loss=f"{res.metrics['loss']:.4f}",
+                    s=f"{res.metrics['step_time_s']:.1f}",
+                )
+        finally:
+            bar.close()
+            if restore:
+                restore()
+        weights = None
+        if outputs and self.save_weights and metrics:
+            weights = trainer.policy.save_weights(self.out_dir)
+            log.info("weights_saved", path=str(weights))
+        log.info("run_end", steps=len(metrics), interrupted=interrupted)
+        log_fh.close()
+        return RunResult(
+            metrics=metrics,
+            out_dir=self.out_dir,
+            interrupted=interrupted,
+            weights=weights,
+            final_state=trainer.policy.trainable_state(),
+        )
+
+    def _stop_everywhere(self, world: int) -> bool:
+        if world == 1:
+            return self._stop
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self._stop else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # --- data-parallel colocated: W processes, rank 0 is this one ------------------------
+
+    def _run_data_parallel(self, world: int) -> RunResult:
+        import torch.multiprocessing as mp
+
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(
+                target=_dp_worker, args=(self._spawn_state(), rank, world, port), daemon=True
+            )
+            for rank in range(1, world)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            _init_group(0, world, port)
+            try:
+                return asyncio.run(self._run_worker(0, world))
+            finally:
+                _destroy_group()
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+            bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
+            if bad:
+                raise RuntimeError(f"a data-parallel worker exited with code {bad[0]}")
+
+    def _spawn_state(self) -> dict[str, Any]:
+        return {
+            "cfg": config_to_dict(self.cfg),
+            "rewards": [RewardFn(f.name, f.fn, f.weight) for f in self.reward.fns],
+            "out_dir": str(self.out_dir),
+        }
+
+
+def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    runner = DigenRunner(
+        load_config(base=state["cfg"]),
+        rewards=state["rewards"],
+        out_dir=state["out_dir"],
+        progress=False,
+        save_weights=False,
+    )
+    _init_group(rank, world, port)
+    try:
+        asyncio.run(runner._run_worker(rank, world))
+    finally:
+        _destroy_group()
+
+
+def _init_group(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _catch_sigint(runner: DigenRunner):
+    """First Ctrl-C: stop at the next step boundary. Second: the usual KeyboardInterrupt."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        runner.request_stop()
+        print("\nstopping after this step (Ctrl-C again to abort)", file=sys.stderr)
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handler)
+    return lambda: signal.signal(signal.SIGINT, previous)
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def set_postfix(self, **kw: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _open_log(path: Path | None):
+    fh = path.open("a", encoding="utf-8") if path else open(os.devnull, "w")  # noqa: SIM115
+    logger = structlog.wrap_logger(
+        structlog.WriteLogger(fh),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+    )
+    return logger, fh

@@ -1,0 +1,93 @@
+"""What a run leaves in its output directory.
+
+``config.yaml`` (fully resolved), ``metrics.jsonl`` (one JSON object per step), sample grids
+``samples/step_XXXX.png``, ``trainer.log`` (structured log lines) and the final weights: a
+LoRA adapter in the diffusers / peft format (``lora/``) or a full transformer (``transformer/``).
+Every file is written whole (temp file + rename) or appended line by line, so an interrupted
+run never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, ImageDraw
+
+__all__ = ["RunOutputs", "sample_grid"]
+
+
+def sample_grid(
+    pixels: torch.Tensor, captions: Sequence[str] | None = None, cols: int = 4
+) -> Image.Image:
+    """A grid of samples; each video sample is a strip of its first, middle and last frame.
+
+    pixels: ``uint8 [B, F, H, W, 3]``.
+    """
+    b, f, h, w, _ = pixels.shape
+    frames = [0] if f == 1 else sorted({0, f // 2, f - 1})
+    tile_w = w * len(frames)
+    label_h = 12 if captions else 0
+    cols = max(1, min(cols, b))
+    rows = math.ceil(b / cols)
+    grid = Image.new("RGB", (cols * tile_w, rows * (h + label_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i in range(b):
+        r, c = divmod(i, cols)
+        x0, y0 = c * tile_w, r * (h + label_h)
+        for j, fr in enumerate(frames):
+            tile = Image.fromarray(pixels[i, fr].numpy(), "RGB")
+            grid.paste(tile, (x0 + j * w, y0 + label_h))
+        if captions:
+            draw.text((x0 + 1, y0), captions[i][: max(4, tile_w // 6)], fill="black")
+    return grid
+
+
+class RunOutputs:
+    """The output directory of one run."""
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "samples").mkdir(exist_ok=True)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "trainer.log"
+
+    def write_config(self, cfg_dict: dict[str, Any]) -> None:
+        import yaml
+
+        _atomic_write(self.dir / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
+
+    def append_metrics(self, row: dict[str, Any]) -> None:
+        with self.metrics_path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row, sort_keys=False) + "\n")
+            fh.flush()
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
+
+    def save_samples(self, step: int, pixels: torch.Tensor, captions: Sequence[str]) -> Path:
+        path = self.dir / "samples" / f"step_{step:04d}.png"
+        tmp = path.with_suffix(".tmp.png")
+        sample_grid(pixels, captions).save(tmp)
+        os.replace(tmp, path)
+        return path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

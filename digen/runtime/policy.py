@@ -1,0 +1,344 @@
+"""One copy of the policy on one device: sampling, log-prob recomputation and updates.
+
+The same class serves the colocated trainer, and (later) the generator and trainer actors: a
+generator only calls :meth:`Policy.generate`; a trainer also calls :meth:`Policy.accumulate`
+and :meth:`Policy.optimizer_step`. Which samples a call makes or trains is given by explicit
+:class:`SampleKey` s, so the work can be split any way without changing any sample.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from digen.algos.loss import clipped_policy_loss, kl_to_reference
+from digen.algos.rollout import Rollout, SamplerSpec, sample_rollout, score_step
+from digen.algos.timesteps import sde_window, train_timesteps
+from digen.config import DigenConfig
+from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
+from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
+from digen.seeding import sample_generator
+
+__all__ = ["Generated", "Policy", "SampleKey", "StepStats", "TrainItem"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SampleKey:
+    """Identity of one sample: train step, prompt position in the step, sample in the group."""
+
+    step: int
+    prompt: int
+    sample: int
+
+
+@dataclass(slots=True)
+class Generated:
+    """What :meth:`Policy.generate` returns for a list of keys (rows in key order)."""
+
+    keys: list[SampleKey]
+    rollout: Rollout
+    pixels: torch.Tensor
+    """``uint8 [B, F, H, W, 3]`` decoded samples, for scoring and sample grids."""
+    version: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class TrainItem:
+    """The samples of one update call: trajectories, prompts and advantages (rows aligned)."""
+
+    keys: list[SampleKey]
+    prompts: list[str]
+    rollout: Rollout
+    advantages: torch.Tensor
+    """``[B]`` fp32."""
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Sums over (sample, trained timestep) terms; divide by ``terms`` for means."""
+
+    terms: int = 0
+    loss: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    approx_kl: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def add(self, other: StepStats) -> None:
+        self.terms += other.terms
+        self.loss += other.loss
+        self.kl += other.kl
+        self.clip_fraction += other.clip_fraction
+        self.approx_kl += other.approx_kl
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor(
+            [self.terms, self.loss, self.kl, self.clip_fraction, self.approx_kl],
+            dtype=torch.float64,
+        )
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> StepStats:
+        terms, loss, kl, clip, akl = t.tolist()
+        return cls(int(terms), loss, kl, clip, akl)
+
+    def means(self) -> dict[str, float]:
+        n = max(self.terms, 1)
+        return {
+            "loss": self.loss / n,
+            "kl": self.kl / n,
+            "clip_fraction": self.clip_fraction / n,
+            "approx_kl": self.approx_kl / n,
+        }
+
+
+class Policy:
+    """The policy on one device. ``trainable=False`` makes a sampling-only copy."""
+
+    def __init__(
+        self,
+        cfg: DigenConfig,
+        *,
+        trainable: bool = True,
+        adapter: DiffusionAdapter | None = None,
+    ) -> None:
+        self.cfg = cfg
+        m = cfg.model
+        self.adapter = adapter or load_adapter(
+            m.name,
+            m.path,
+            device=m.device,
+            dtype=_DTYPES[m.dtype],
+            height=m.height,
+            width=m.width,
+            num_frames=m.num_frames,
+            max_sequence_length=m.max_sequence_length,
+        )
+        self.version = 0
+        self.sigmas = self.adapter.sigmas(cfg.rollout.num_inference_steps)
+        self._cond_cache: dict[str, PromptEmbeds] = {}
+        self.reference: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.params: list[torch.nn.Parameter] = []
+        t = cfg.train
+        if t.lora_rank > 0:
+            targets = t.lora_targets or list(self.adapter.lora_targets)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed)  # LoRA A init: same on every worker
+                self.params = apply_lora(
+                    self.adapter.transformer,
+                    rank=t.lora_rank,
+                    alpha=t.lora_alpha,
+                    targets=targets,
+                    init=t.lora_init,
+                    dtype=t.lora_dtype,
+                )
+        if trainable:
+            if t.lora_rank == 0:
+                if cfg.algo.kl_coef > 0:
+                    self.reference = copy.deepcopy(self.adapter.transformer).requires_grad_(False)
+                self.params = enable_full_finetune(self.adapter.transformer)
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8
+            )
+
+    # --- sampling -----------------------------------------------------------------------
+
+    def sampler_spec(self, step: int) -> SamplerSpec:
+        r = self.cfg.rollout
+        window = sde_window(
+            seed=self.cfg.seed,
+            step=step,
+            num_inference_steps=r.num_inference_steps,
+            window_size=r.sde_window_size,
+            window_range=r.sde_window_range,
+            sde_type=r.sde_type,
+        )
+        return SamplerSpec(
+            sigmas=self.sigmas,
+            window=tuple(window),
+            sde_type=r.sde_type,
+            noise_level=r.noise_level,
+            guidance_scale=r.guidance_scale,
+        )
+
+    def conditioning(self, prompts: Sequence[str]) -> PromptEmbeds:
+        """Text conditioning per prompt (cached: text encoders are frozen)."""
+        missing = sorted({p for p in prompts if p not in self._cond_cache})
+        if missing:
+            with torch.no_grad():
+                enc = self.adapter.encode_prompts(missing)
+            for i, p in enumerate(missing):
+                self._cond_cache[p] = enc.select([i])
+        return _cat_rows([self._cond_cache[p] for p in prompts])
+
+    def negative_conditioning(self, batch: int) -> PromptEmbeds | None:
+        r = self.cfg.rollout
+        if r.guidance_scale <= 1.0:
+            return None
+        return self.conditioning([r.negative_prompt] * batch)
+
+    def generate(self, keys: Sequence[SampleKey], prompts: Sequence[str]) -> Generated:
+        """Sample and decode one trajectory per key (``prompts[i]`` is key i's prompt)."""
+        t0 = time.perf_counter()
+        keys = list(keys)
+        spec = self.sampler_spec(keys[0].step)
+        if any(k.step != keys[0].step for k in keys):
+            raise ValueError("one generate call makes samples of one train step")
+        gens = [sample_generator(self.cfg.seed, k.step, k.prompt, k.sample) for k in keys]
+        cond = self.conditioning(prompts)
+        rollout = sample_rollout(
+            self.adapter, cond, gens, spec, self.negative_conditioning(len(keys))
+        )
+        with torch.no_grad():
+            pixels = self.adapter.decode(rollout.final.to(self.adapter.dtype)).cpu()
+        return Generated(keys, rollout, pixels, self.version, time.perf_counter() - t0)
+
+    # --- training -----------------------------------------------------------------------
+
+    def accumulate(self, item: TrainItem, loss_scale: float) -> StepStats:
+        """Forward/backward over the trained timesteps of ``item``, one timestep at a time.
+
+        Gradients accumulate (no optimizer step). Each backward is scaled by ``loss_scale``
+        (``1 / total terms`` of the optimizer step), so the accumulated gradient is that of
+        the mean loss however the terms are split over calls and workers.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("this policy copy is not trainable")
+        cfg = self.cfg
+        spec = self.sampler_spec(item.keys[0].step)
+        positions = torch.tensor(
+            [
+                train_timesteps(
+                    list(spec.window),
+                    cfg.rollout.timestep_fraction,
+                    seed=cfg.seed,
+                    step=k.step,
+                    prompt_index=k.prompt,
+                    sample_index=k.sample,
+                )
+                for k in item.keys
+            ]
+        )  # [B, K']: positions into the window, per sample
+        window = torch.tensor(spec.window)
+        cond = self.conditioning(item.prompts)
+        neg = self.negative_conditioning(len(item.keys))
+        ro = item.rollout
+        rows = torch.arange(len(item.keys))
+        stats = StepStats()
+        self.adapter.transformer.train()
+        for j in range(positions.shape[1]):
+            pos = positions[:, j]  # [B]
+            x_t = ro.latents[rows, pos]  # [B, *latent]
+            x_next = ro.next_latents[rows, pos]
+            old = ro.log_probs[rows, pos]  # [B]
+            out = score_step(self.adapter, x_t, x_next, window[pos], cond, spec, neg)
+            loss, ls = clipped_policy_loss(
+                out.log_prob, old, item.advantages, cfg.algo.clip_ratio, cfg.algo.adv_clip_max
+            )
+            b = len(item.keys)
+            kl_val = 0.0
+            if cfg.algo.kl_coef > 0:
+                ref_mean = self._reference_mean(x_t, window[pos], cond, spec, neg)
+                kl = kl_to_reference(out.mean, ref_mean, out.std).mean()
+                loss = loss + cfg.algo.kl_coef * kl
+                kl_val = float(kl.detach())
+            (loss * (b * loss_scale)).backward()
+            stats.add(
+                StepStats(
+                    terms=b,
+                    loss=float(loss.detach()) * b,
+                    kl=kl_val * b,
+                    clip_fraction=ls.clip_fraction * b,
+                    approx_kl=ls.approx_kl * b,
+                )
+            )
+        self.adapter.transformer.eval()
+        return stats
+
+    @torch.no_grad()
+    def _reference_mean(self, x_t, step_index, cond, spec, neg) -> torch.Tensor:
+        if self.reference is None:
+            with adapters_disabled(self.adapter.transformer):
+                return score_step(self.adapter, x_t, x_t, step_index, cond, spec, neg).mean
+        live = self.adapter.pipe.transformer
+        self.adapter.pipe.transformer = self.reference
+        try:
+            return score_step(self.adapter, x_t, x_t, step_index, cond, spec, neg).mean
+        finally:
+            self.adapter.pipe.transformer = live
+
+    def grads(self) -> list[torch.Tensor]:
+        """The accumulated gradients of the trainable parameters (zeros where none)."""
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+    def optimizer_step(self) -> float:
+        """Clip, step, zero the gradients; bump the policy version. Returns the grad norm."""
+        assert self.optimizer is not None
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        max_norm = self.cfg.train.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.params, max_norm if max_norm > 0 else float("inf")
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return float(norm)
+
+    def save_weights(self, out_dir: str | os.PathLike) -> Path:
+        """Save the trained weights; returns the directory.
+
+        LoRA: ``out_dir/lora`` via the pipeline's ``save_lora_weights`` (load it back with
+        ``pipe.load_lora_weights``). Full fine-tuning: ``out_dir/transformer`` via
+        ``save_pretrained`` (load with the transformer class's ``from_pretrained``).
+        """
+        transformer = self.adapter.transformer
+        if self.cfg.train.lora_rank > 0:
+            from peft.utils import get_peft_model_state_dict
+
+            final = Path(out_dir) / "lora"
+            tmp = _atomic_dir(final)
+            self.adapter.pipeline_class.save_lora_weights(
+                str(tmp),
+                transformer_lora_layers=get_peft_model_state_dict(transformer),
+                transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+            )
+        else:
+            final = Path(out_dir) / "transformer"
+            tmp = _atomic_dir(final)
+            transformer.save_pretrained(str(tmp), safe_serialization=True)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return final
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Name -> tensor of everything that trains (the LoRA weights, or the full model)."""
+        return {
+            n: p.detach().clone()
+            for n, p in self.adapter.transformer.named_parameters()
+            if p.requires_grad or (self.cfg.train.lora_rank > 0 and "lora_" in n)
+        }
+
+
+def _atomic_dir(final: Path) -> Path:
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _cat_rows(rows: Sequence[PromptEmbeds]) -> PromptEmbeds:
+    from digen.models.base import _cat_padded
+
+    return _cat_padded(rows)
