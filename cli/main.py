@@ -44,13 +44,37 @@ def main() -> None:
 @main.command(context_settings={"ignore_unknown_options": False})
 @click.option("--model", help="hunyuanvideo, wan, flux, qwenimage or sd3 [default: flux].")
 @click.option("--algo", help="flowgrpo or dancegrpo [default: flowgrpo].")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help="A YAML config file.")
-@click.option("--model-path", type=click.Path(path_type=Path), help="Local diffusers model directory (default: the tiny flavour).")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A YAML config file.",
+)
+@click.option(
+    "--model-path",
+    type=click.Path(path_type=Path),
+    help="Local diffusers model directory (default: the tiny flavour).",
+)
 @click.option("--steps", type=int, help="Training steps.")
 @click.option("--seed", type=int, help="Run seed.")
-@click.option("--prompts", type=click.Path(path_type=Path), help="Prompt file: .txt (one per line) or .jsonl.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/latest"), show_default=True, help="Output directory.")
-@click.option("--sample-every", type=int, default=5, show_default=True, help="Save a sample grid every K steps.")
+@click.option(
+    "--prompts", type=click.Path(path_type=Path), help="Prompt file: .txt (one per line) or .jsonl."
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("runs/latest"),
+    show_default=True,
+    help="Output directory.",
+)
+@click.option(
+    "--sample-every",
+    type=int,
+    default=5,
+    show_default=True,
+    help="Save a sample grid every K steps.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar; print only the final summary.")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.argument("overrides", nargs=-1)
@@ -72,8 +96,17 @@ def run(
     _quiet_imports()
     try:
         result = _run(
-            model, algo, config_path, model_path, steps, seed, prompts, out_dir, sample_every,
-            quiet, overrides,
+            model,
+            algo,
+            config_path,
+            model_path,
+            steps,
+            seed,
+            prompts,
+            out_dir,
+            sample_every,
+            quiet,
+            overrides,
         )
     except KeyboardInterrupt:
         click.echo("interrupted; outputs written so far are in place.", err=True)
@@ -97,7 +130,19 @@ def run(
     click.echo(json.dumps(summary) if quiet else _pretty(summary))
 
 
-def _run(model, algo, config_path, model_path, steps, seed, prompts, out_dir, sample_every, quiet, overrides):
+def _run(
+    model,
+    algo,
+    config_path,
+    model_path,
+    steps,
+    seed,
+    prompts,
+    out_dir,
+    sample_every,
+    quiet,
+    overrides,
+):
     from digen.config import load_config
     from digen.errors import DigenError
     from digen.presets import preset
@@ -106,7 +151,9 @@ def _run(model, algo, config_path, model_path, steps, seed, prompts, out_dir, sa
     if model_path is not None and not model_path.exists():
         raise DigenError(f"--model-path '{model_path}' does not exist.")
     if model_path is not None and not (model_path / "model_index.json").is_file():
-        raise DigenError(f"--model-path '{model_path}' is not a diffusers model directory (no model_index.json).")
+        raise DigenError(
+            f"--model-path '{model_path}' is not a diffusers model directory (no model_index.json)."
+        )
     cli: dict[str, Any] = {}
     if model_path is not None:
         cli.setdefault("model", {})["path"] = str(model_path)

@@ -28,6 +28,7 @@ __all__ = [
     "ModelConfig",
     "RewardSpec",
     "RolloutConfig",
+    "RuntimeConfig",
     "TrainConfig",
     "config_to_dict",
     "dump_config",
@@ -125,6 +126,12 @@ def _as_str_list(value: Any, key: str) -> list[str]:
     return list(value)
 
 
+def _as_bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(key, value, "it must be true or false")
+    return value
+
+
 def _optional(convert: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
     def convert_optional(value: Any, key: str) -> Any:
         return None if value is None else convert(value, key)
@@ -137,6 +144,7 @@ _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
     "int": _as_int,
     "float": _as_float,
     "str": _as_str,
+    "bool": _as_bool,
     "int | None": _optional(_as_int),
     "str | None": _optional(_as_str),
     "tuple[int, int] | None": _optional(_as_pair),
@@ -396,12 +404,65 @@ class RewardSpec:
             )
 
 
+MODES = ("colocated", "disaggregated")
+MICROBATCH_AXES = ("generation", "prompt")
+WEIGHT_SYNCS = ("rpc", "broadcast")
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    mode: str = "colocated"
+    """colocated (every worker samples, then trains) or disaggregated (generator and trainer pools over RPC)."""
+    generators: int = 1
+    """Generator workers (disaggregated): sample and score."""
+    trainers: int = 1
+    """Trainer workers (disaggregated): data-parallel among themselves."""
+    generator_device: str | None = None
+    """Device of the generator pool; None uses model.device."""
+    trainer_device: str | None = None
+    """Device of the trainer pool; None uses model.device."""
+    threads_per_worker: int = 1
+    """CPU threads each worker process may use (torch.set_num_threads)."""
+    microbatch_axis: str = "generation"
+    """generation: a prompt's n samples are spread over the generators (GAP); prompt: whole groups per micro-batch."""
+    samples_per_microbatch: int | None = None
+    """Samples in one generation micro-batch; None = ceil(n / generators) on the generation axis, n on the prompt axis."""
+    tsp_degree: int = 1
+    """Timesteps a trainer evaluates in one batched forward/backward (TSP); 1 = one timestep at a time."""
+    pipeline: bool = True
+    """Overlap generation and training; false = naive disaggregation (generate the whole batch, then train)."""
+    weight_sync: str = "rpc"
+    """How new weights reach the generators: rpc (tensors over RPC) or broadcast (a gloo/NCCL group)."""
+    address: str = "127.0.0.1"
+    """Address the RPC and process groups listen on; loopback keeps everything on this machine."""
+    rpc_timeout_s: float = 600.0
+    """Longest a single remote call may take before the run stops with an error."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "runtime")
+
+    def _check_values(self, p: str) -> None:
+        _choice(_key(p, "mode"), self.mode, MODES)
+        _at_least(p, "generators", self.generators, 1)
+        _at_least(p, "trainers", self.trainers, 1)
+        _at_least(p, "threads_per_worker", self.threads_per_worker, 1)
+        _choice(_key(p, "microbatch_axis"), self.microbatch_axis, MICROBATCH_AXES)
+        if self.samples_per_microbatch is not None:
+            _at_least(p, "samples_per_microbatch", self.samples_per_microbatch, 1)
+        _at_least(p, "tsp_degree", self.tsp_degree, 1)
+        _choice(_key(p, "weight_sync"), self.weight_sync, WEIGHT_SYNCS)
+        if not self.address:
+            raise _bad(_key(p, "address"), self.address, "give an IP address such as 127.0.0.1")
+        _positive(p, "rpc_timeout_s", self.rpc_timeout_s)
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "rollout": RolloutConfig,
     "algo": AlgoConfig,
     "train": TrainConfig,
     "data": DataConfig,
+    "runtime": RuntimeConfig,
 }
 
 
@@ -412,6 +473,7 @@ class DigenConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     seed: int = 0
     """Run seed: prompt order, initial noise, SDE noise and window choices all derive from it."""
@@ -545,6 +607,20 @@ def _check_cross(cfg: DigenConfig) -> None:
             train.micro_batch_size,
             f"it must divide the {per_device} samples each device trains per mini-batch "
             f"({samples} samples / train.num_devices {train.num_devices})",
+        )
+    if (prompts * rollout.n) % train.num_devices:
+        raise _bad(
+            "train.num_devices",
+            train.num_devices,
+            f"it must divide the {prompts * rollout.n} samples of a train step "
+            f"(data.train_batch_size {prompts} x rollout.n {rollout.n}), which it shares out",
+        )
+    if cfg.runtime.mode == "disaggregated" and mini != prompts:
+        raise _bad(
+            "train.mini_batch_size",
+            mini,
+            "disaggregated runs step the optimizer once per train step, so leave it null "
+            f"or equal to data.train_batch_size = {prompts}",
         )
 
 

@@ -24,7 +24,9 @@ def derive_seed(*parts: int | str) -> int:
 
 def sample_generator(seed: int, step: int, prompt_index: int, sample_index: int) -> torch.Generator:
     """The CPU generator of one sample: its initial latent, then its SDE noise, in order."""
-    return torch.Generator("cpu").manual_seed(derive_seed("sample", seed, step, prompt_index, sample_index))
+    return torch.Generator("cpu").manual_seed(
+        derive_seed("sample", seed, step, prompt_index, sample_index)
+    )
 
 
 def step_generator(seed: int, step: int, purpose: str) -> torch.Generator:

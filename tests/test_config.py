@@ -238,6 +238,35 @@ BAD = [
         "train.num_devices",
         "8",
     ),
+    # colocated data parallelism shares out every sample of a step
+    (
+        [
+            "data.train_batch_size=1",
+            "rollout.n=6",
+            "algo.name=dancegrpo",
+            "algo.best_of_n=4",
+            "train.num_devices=4",
+            "train.micro_batch_size=1",
+        ],
+        "train.num_devices",
+        "4",
+    ),
+    # runtime
+    (["runtime.mode=async"], "runtime.mode", "'async'"),
+    (["runtime.generators=0"], "runtime.generators", "0"),
+    (["runtime.trainers=0"], "runtime.trainers", "0"),
+    (["runtime.threads_per_worker=0"], "runtime.threads_per_worker", "0"),
+    (["runtime.microbatch_axis=sample"], "runtime.microbatch_axis", "'sample'"),
+    (["runtime.samples_per_microbatch=0"], "runtime.samples_per_microbatch", "0"),
+    (["runtime.tsp_degree=0"], "runtime.tsp_degree", "0"),
+    (["runtime.pipeline=maybe"], "runtime.pipeline", "'maybe'"),
+    (["runtime.weight_sync=nccl"], "runtime.weight_sync", "'nccl'"),
+    (["runtime.rpc_timeout_s=0"], "runtime.rpc_timeout_s", "0.0"),
+    (
+        ["runtime.mode=disaggregated", "data.train_batch_size=2", "train.mini_batch_size=1"],
+        "train.mini_batch_size",
+        "1",
+    ),
 ]
 
 

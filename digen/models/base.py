@@ -108,7 +108,9 @@ def make_byte_tokenizer(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     single = " ".join(
-        ([bos_token] if add_bos and bos_token else []) + ["$A"] + ([eos_token] if add_eos and eos_token else [])
+        ([bos_token] if add_bos and bos_token else [])
+        + ["$A"]
+        + ([eos_token] if add_eos and eos_token else [])
     )
     special_pairs = [(t, vocab[t]) for t in (bos_token, eos_token) if t is not None]
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special_pairs)
