@@ -28,6 +28,7 @@ def _quiet_imports() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
@@ -54,6 +55,11 @@ def main() -> None:
     "--model-path",
     type=click.Path(path_type=Path),
     help="Local diffusers model directory (default: the tiny flavour).",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["colocated", "disaggregated"]),
+    help="colocated (one pool alternates) or disaggregated (generator + trainer pools) [default: colocated].",
 )
 @click.option("--steps", type=int, help="Training steps.")
 @click.option("--seed", type=int, help="Run seed.")
@@ -83,6 +89,7 @@ def run(
     algo: str | None,
     config_path: Path | None,
     model_path: Path | None,
+    mode: str | None,
     steps: int | None,
     seed: int | None,
     prompts: Path | None,
@@ -100,6 +107,7 @@ def run(
             algo,
             config_path,
             model_path,
+            mode,
             steps,
             seed,
             prompts,
@@ -113,8 +121,14 @@ def run(
         sys.exit(130)
     except Exception as exc:  # one sentence for the user's mistakes, tracebacks for ours
         from digen.errors import DigenError
+        from digen.runtime.actors import WorkerDied
 
-        if debug or not isinstance(exc, DigenError):
+        if debug:
+            raise
+        if isinstance(exc, WorkerDied):  # not the user's mistake, but nothing to debug here
+            click.echo(f"error: {exc} Outputs so far are in {out_dir}.", err=True)
+            sys.exit(1)
+        if not isinstance(exc, DigenError):
             raise
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -135,6 +149,7 @@ def _run(
     algo,
     config_path,
     model_path,
+    mode,
     steps,
     seed,
     prompts,
@@ -163,8 +178,9 @@ def _run(
         cli["seed"] = seed
     if prompts is not None:
         cli.setdefault("data", {})["prompts"] = str(prompts)
-    model, algo = _names_from_yaml(config_path, model, algo)
-    base = preset(model, algo, real_weights=model_path is not None)
+    model, algo, mode = _names_from_yaml(config_path, model, algo, mode, overrides)
+    base = preset(model, algo, real_weights=model_path is not None, mode=mode)
+    cli.setdefault("runtime", {})["mode"] = mode
     cli.setdefault("model", {}).setdefault("name", model)
     cli.setdefault("algo", {}).setdefault("name", algo)
     cfg = load_config(config_path, overrides, base=cli, preset=base)
@@ -172,8 +188,15 @@ def _run(
     return _run_async(runner.run())
 
 
-def _names_from_yaml(path: Path | None, model: str | None, algo: str | None) -> tuple[str, str]:
-    """--model / --algo win; else the YAML's model.name / algo.name; else flux / flowgrpo."""
+def _names_from_yaml(
+    path: Path | None,
+    model: str | None,
+    algo: str | None,
+    mode: str | None,
+    overrides: tuple[str, ...],
+) -> tuple[str, str, str]:
+    """Model, algorithm and mode pick the preset: a flag wins, then an override, then the
+    YAML file, then the defaults (flux, flowgrpo, colocated)."""
     data: dict[str, Any] = {}
     if path is not None and path.is_file():
         import yaml
@@ -184,13 +207,22 @@ def _names_from_yaml(path: Path | None, model: str | None, algo: str | None) -> 
             loaded = None  # load_config reports it in one sentence
         data = loaded if isinstance(loaded, dict) else {}
 
-    def pick(section: str, given: str | None, default: str) -> str:
+    def pick(section: str, key: str, given: str | None, default: str) -> str:
         if given is not None:
             return given
-        value = data.get(section, {}).get("name") if isinstance(data.get(section), dict) else None
+        for item in reversed(overrides):
+            name, sep, value = item.partition("=")
+            if sep and name.strip() == f"{section}.{key}":
+                return value.strip()
+        sec = data.get(section)
+        value = sec.get(key) if isinstance(sec, dict) else None
         return value if isinstance(value, str) else default
 
-    return pick("model", model, "flux"), pick("algo", algo, "flowgrpo")
+    return (
+        pick("model", "name", model, "flux"),
+        pick("algo", "name", algo, "flowgrpo"),
+        pick("runtime", "mode", mode, "colocated"),
+    )
 
 
 def _run_async(coro):

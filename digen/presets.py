@@ -30,8 +30,13 @@ _REAL_MODEL: dict[str, dict[str, Any]] = {
 }
 
 
-def preset(model: str, algo: str, *, real_weights: bool = False) -> dict[str, Any]:
-    """The nested config dict for ``model`` x ``algo`` (tiny flavour unless ``real_weights``)."""
+def preset(
+    model: str, algo: str, *, real_weights: bool = False, mode: str = "colocated"
+) -> dict[str, Any]:
+    """The nested config dict for ``model`` x ``algo`` (tiny flavour unless ``real_weights``).
+
+    ``mode="disaggregated"`` steps the optimizer once per train step (no mini-batches).
+    """
     if model not in MODEL_NAMES:
         raise DigenError(f"unknown model '{model}'; choose one of: {', '.join(MODEL_NAMES)}.")
     if algo not in ALGO_NAMES:
@@ -41,6 +46,9 @@ def preset(model: str, algo: str, *, real_weights: bool = False) -> dict[str, An
         _real(cfg, model, algo)
     else:
         _tiny(cfg, model, algo)
+    cfg["runtime"] = {"mode": mode}
+    if mode == "disaggregated":
+        cfg["train"].pop("mini_batch_size", None)
     return cfg
 
 

@@ -29,6 +29,7 @@ from digen.algos.rewards import CompositeReward, RewardFn, build_reward
 from digen.config import DigenConfig, config_to_dict, load_config
 from digen.prompts import PromptSet
 from digen.runtime.outputs import RunOutputs
+from digen.sched.trace import Trace
 
 __all__ = ["DigenRunner", "RunResult"]
 
@@ -75,6 +76,9 @@ class DigenRunner:
         self.reward: CompositeReward = build_reward(
             list(rewards) if rewards is not None else self.cfg.rewards
         )
+        # hooks given as objects travel to the generator processes as they are; hooks named
+        # in the config are loaded again there by name
+        self._reward_objects = list(self.reward.fns) if rewards is not None else None
         self.prompts = PromptSet.load(self.cfg.data.prompts)
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
         self.progress = progress
@@ -95,8 +99,6 @@ class DigenRunner:
     # --- the loop -----------------------------------------------------------------------
 
     async def _run_worker(self, rank: int, world: int) -> RunResult:
-        from digen.runtime.colocated import ColocatedTrainer
-
         cfg = self.cfg
         lead = rank == 0
         outputs = RunOutputs(self.out_dir) if lead else None
@@ -104,50 +106,82 @@ class DigenRunner:
         if outputs:
             outputs.write_config(config_to_dict(cfg))
         log.info(
-            "run_start", model=cfg.model.name, algo=cfg.algo.name, steps=cfg.steps, world=world
+            "run_start",
+            model=cfg.model.name,
+            algo=cfg.algo.name,
+            mode=cfg.runtime.mode,
+            steps=cfg.steps,
+            world=world,
         )
-        t0 = time.perf_counter()
-        trainer = ColocatedTrainer(cfg, self.reward, self.prompts, rank=rank, world=world)
-        log.info("model_loaded", seconds=round(time.perf_counter() - t0, 3))
-        bar = _progress(cfg.steps, enabled=self.progress and lead)
-        restore = _catch_sigint(self) if lead else None
+        trace = Trace()
         metrics: list[dict[str, Any]] = []
         interrupted = False
-        try:
-            for step in range(cfg.steps):
-                if self._stop_everywhere(world):
-                    interrupted = True
-                    break
-                res = await trainer.train_step(step)
-                metrics.append(res.metrics)
-                if outputs:
-                    outputs.append_metrics(res.metrics)
-                    last = step == cfg.steps - 1
-                    if step == 0 or last or (step + 1) % self.sample_every == 0:
-                        outputs.save_samples(step, res.pixels, res.captions)
-                log.info("step", **res.metrics)
-                bar.update(1)
-                bar.set_postfix(
-                    reward=f"{res.metrics['reward_mean']:.4f}",
-                    loss=f"{res.metrics['loss']:.4f}",
-                    s=f"{res.metrics['step_time_s']:.1f}",
-                )
-        finally:
-            bar.close()
-            if restore:
-                restore()
         weights = None
-        if outputs and self.save_weights and metrics:
-            weights = trainer.policy.save_weights(self.out_dir)
-            log.info("weights_saved", path=str(weights))
-        log.info("run_end", steps=len(metrics), interrupted=interrupted)
-        log_fh.close()
+        t0 = time.perf_counter()
+        try:
+            async with self._backend(rank, world, trace) as backend:
+                log.info("workers_ready", seconds=round(time.perf_counter() - t0, 3))
+                bar = _progress(cfg.steps, enabled=self.progress and lead)
+                restore = _catch_sigint(self) if lead else None
+                try:
+                    for step in range(cfg.steps):
+                        if self._stop_everywhere(world):
+                            interrupted = True
+                            break
+                        res = await backend.train_step(step)
+                        metrics.append(res.metrics)
+                        if outputs:
+                            outputs.append_metrics(res.metrics)
+                            last = step == cfg.steps - 1
+                            if step == 0 or last or (step + 1) % self.sample_every == 0:
+                                outputs.save_samples(step, res.pixels, res.captions)
+                        log.info("step", **res.metrics)
+                        bar.update(1)
+                        bar.set_postfix(
+                            reward=f"{res.metrics['reward_mean']:.4f}",
+                            loss=f"{res.metrics['loss']:.4f}",
+                            s=f"{res.metrics['step_time_s']:.1f}",
+                        )
+                finally:
+                    bar.close()
+                    if restore:
+                        restore()
+                if outputs and self.save_weights and metrics:
+                    weights = await backend.save_weights(self.out_dir)
+                    log.info("weights_saved", path=str(weights))
+                final_state = await backend.final_state()
+        except Exception as exc:
+            log.error("run_failed", error=f"{type(exc).__name__}: {exc}", steps=len(metrics))
+            raise
+        finally:
+            if outputs and len(trace):
+                trace.write_chrome(outputs.dir / "trace.json")
+                trace.save_jsonl(outputs.dir / "trace.jsonl")
+                trace.plot_timeline(
+                    outputs.dir / "timeline.png",
+                    title=f"{cfg.model.name} / {cfg.algo.name} / {cfg.runtime.mode}",
+                )
+            log.info("run_end", steps=len(metrics), interrupted=interrupted)
+            log_fh.close()
         return RunResult(
             metrics=metrics,
             out_dir=self.out_dir,
             interrupted=interrupted,
             weights=weights,
-            final_state=trainer.policy.trainable_state(),
+            final_state=final_state,
+        )
+
+    def _backend(self, rank: int, world: int, trace: Trace):
+        """The colocated trainer, or the disaggregated driver with its worker processes."""
+        if self.cfg.runtime.mode == "disaggregated":
+            from digen.runtime.driver import Driver
+
+            rewards = self._reward_objects if self._reward_objects is not None else None
+            return Driver(self.cfg, rewards, self.prompts, trace)
+        from digen.runtime.colocated import ColocatedTrainer
+
+        return ColocatedTrainer(
+            self.cfg, self.reward, self.prompts, rank=rank, world=world, trace=trace
         )
 
     def _stop_everywhere(self, world: int) -> bool:

@@ -49,6 +49,22 @@ class Rollout:
     final: torch.Tensor
     """``[B, *latent]``: the fully denoised latent, to decode and score."""
 
+    def select(self, rows: torch.Tensor | slice) -> Rollout:
+        """The trajectories at ``rows`` (an index tensor or a slice)."""
+        return Rollout(
+            self.latents[rows], self.next_latents[rows], self.log_probs[rows], self.final[rows]
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[Rollout]) -> Rollout:
+        """Concatenate batches of trajectories (same window length)."""
+        return Rollout(
+            torch.cat([p.latents for p in parts]),
+            torch.cat([p.next_latents for p in parts]),
+            torch.cat([p.log_probs for p in parts]),
+            torch.cat([p.final for p in parts]),
+        )
+
 
 def _velocity(
     adapter: DiffusionAdapter,

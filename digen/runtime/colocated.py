@@ -15,9 +15,11 @@ group (gloo on CPU, NCCL on GPU) and gradients are summed, each backward already
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,17 +30,17 @@ from digen.algos.rewards import CompositeReward
 from digen.algos.rollout import Rollout
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
-from digen.runtime.policy import Generated, Policy, SampleKey, StepStats, TrainItem
+from digen.runtime.policy import (
+    Generated,
+    Policy,
+    SampleKey,
+    StepResult,
+    StepStats,
+    TrainItem,
+)
+from digen.sched.trace import Trace
 
-__all__ = ["ColocatedTrainer", "StepResult"]
-
-
-@dataclass(slots=True)
-class StepResult:
-    metrics: dict[str, Any]
-    pixels: torch.Tensor
-    """This worker's decoded samples of the step, ``uint8 [b, F, H, W, 3]``."""
-    captions: list[str]
+__all__ = ["ColocatedTrainer"]
 
 
 class ColocatedTrainer:
@@ -53,12 +55,27 @@ class ColocatedTrainer:
         rank: int = 0,
         world: int = 1,
         policy: Policy | None = None,
+        trace: Trace | None = None,
     ) -> None:
         self.cfg = cfg
         self.reward = reward
         self.prompts = prompts
         self.rank, self.world = rank, world
         self.policy = policy or Policy(cfg, trainable=True)
+        self.trace = trace
+        self.worker = f"worker-{rank}"
+
+    async def __aenter__(self) -> ColocatedTrainer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def save_weights(self, out_dir: str | os.PathLike) -> Path:
+        return self.policy.save_weights(out_dir)
+
+    async def final_state(self) -> dict[str, torch.Tensor]:
+        return self.policy.trainable_state()
 
     # --- one step -----------------------------------------------------------------------
 
@@ -87,17 +104,19 @@ class ColocatedTrainer:
         mb = cfg.train.micro_batch_size
         for i in range(0, len(keys), mb):
             chunk = keys[i : i + mb]
-            parts.append(self.policy.generate(chunk, [texts[k.prompt] for k in chunk]))
-        rollout = _cat_rollouts([p.rollout for p in parts])
+            with self._span("generate", step, i // mb):
+                parts.append(self.policy.generate(chunk, [texts[k.prompt] for k in chunk]))
+        rollout = Rollout.cat([p.rollout for p in parts])
         pixels = torch.cat([p.pixels for p in parts])
         t_generate = time.perf_counter() - t0
 
         # 2. score, gather, advantages
         _phase(on_phase, "score")
         t0 = time.perf_counter()
-        scored = await self.reward(
-            pixels, [texts[k.prompt] for k in keys], [meta[k.prompt] for k in keys]
-        )
+        with self._span("score", step, -1):
+            scored = await self.reward(
+                pixels, [texts[k.prompt] for k in keys], [meta[k.prompt] for k in keys]
+            )
         t_score = time.perf_counter() - t0
         names = list(scored.components)
         mine = torch.stack([scored.total] + [scored.components[c] for c in names], dim=1)
@@ -129,12 +148,14 @@ class ColocatedTrainer:
                 item = TrainItem(
                     keys=chunk,
                     prompts=[texts[k.prompt] for k in chunk],
-                    rollout=_select_rollout(rollout, rows),
+                    rollout=rollout.select(rows),
                     advantages=torch.stack([adv[k.prompt, k.sample] for k in chunk]),
                 )
-                stats.add(self.policy.accumulate(item, 1.0 / total_terms))
-            self._all_reduce_grads()
-            grad_norms.append(self.policy.optimizer_step())
+                with self._span("update", step, i // mb):
+                    stats.add(self.policy.accumulate(item, 1.0 / total_terms))
+            with self._span("step", step, -1):
+                self._all_reduce_grads()
+                grad_norms.append(self.policy.optimizer_step())
         t_train = time.perf_counter() - t0
         stats = self._reduce_stats(stats)
 
@@ -162,6 +183,14 @@ class ColocatedTrainer:
         )
         captions = [texts[k.prompt] for k in keys]
         return StepResult(metrics=metrics, pixels=pixels, captions=captions)
+
+    @contextlib.contextmanager
+    def _span(self, kind: str, step: int, mb: int) -> Iterator[None]:
+        """Record the enclosed work as a trace event of this worker."""
+        version, t0 = self.policy.version, time.time()
+        yield
+        if self.trace is not None:
+            self.trace.record(kind, self.worker, step, mb, version, t0, time.time())
 
     def _trained_per_sample(self, step: int) -> int:
         window = self.policy.sampler_spec(step).window
@@ -204,21 +233,3 @@ class ColocatedTrainer:
 def _phase(cb: Callable[[str], None] | None, name: str) -> None:
     if cb is not None:
         cb(name)
-
-
-def _cat_rollouts(parts: list[Rollout]) -> Rollout:
-    return Rollout(
-        latents=torch.cat([p.latents for p in parts]),
-        next_latents=torch.cat([p.next_latents for p in parts]),
-        log_probs=torch.cat([p.log_probs for p in parts]),
-        final=torch.cat([p.final for p in parts]),
-    )
-
-
-def _select_rollout(ro: Rollout, rows: torch.Tensor) -> Rollout:
-    return Rollout(
-        latents=ro.latents[rows],
-        next_latents=ro.next_latents[rows],
-        log_probs=ro.log_probs[rows],
-        final=ro.final[rows],
-    )

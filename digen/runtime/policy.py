@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
 from digen.seeding import sample_generator
 
-__all__ = ["Generated", "Policy", "SampleKey", "StepStats", "TrainItem"]
+__all__ = ["Generated", "Policy", "SampleKey", "StepResult", "StepStats", "TrainItem"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +51,16 @@ class Generated:
     """``uint8 [B, F, H, W, 3]`` decoded samples, for scoring and sample grids."""
     version: int
     seconds: float
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One finished train step, as the runner writes it out."""
+
+    metrics: dict[str, Any]
+    pixels: torch.Tensor
+    """Decoded samples of the step (this worker's share when data-parallel), ``uint8``."""
+    captions: list[str]
 
 
 @dataclass(slots=True)
@@ -206,12 +217,15 @@ class Policy:
 
     # --- training -----------------------------------------------------------------------
 
-    def accumulate(self, item: TrainItem, loss_scale: float) -> StepStats:
-        """Forward/backward over the trained timesteps of ``item``, one timestep at a time.
+    def accumulate(self, item: TrainItem, loss_scale: float, tsp_degree: int = 1) -> StepStats:
+        """Forward/backward over the trained timesteps of ``item``; gradients accumulate.
 
-        Gradients accumulate (no optimizer step). Each backward is scaled by ``loss_scale``
-        (``1 / total terms`` of the optimizer step), so the accumulated gradient is that of
-        the mean loss however the terms are split over calls and workers.
+        ``tsp_degree`` timesteps go through the transformer together, as one batch of
+        ``tsp_degree x B`` rows each at its own sigma (timestep parallelism, TSP); 1 is the
+        timestep-by-timestep loop of the colocated tools. The gradient is the same either
+        way. Each backward is scaled by ``loss_scale`` (``1 / total terms`` of the optimizer
+        step), so the accumulated gradient is that of the mean loss however the terms are
+        split over calls, chunks and workers. No optimizer step here.
         """
         if self.optimizer is None:
             raise RuntimeError("this policy copy is not trainable")
@@ -231,36 +245,45 @@ class Policy:
             ]
         )  # [B, K']: positions into the window, per sample
         window = torch.tensor(spec.window)
+        b = len(item.keys)
         cond = self.conditioning(item.prompts)
-        neg = self.negative_conditioning(len(item.keys))
+        neg = self.negative_conditioning(b)
         ro = item.rollout
-        rows = torch.arange(len(item.keys))
+        rows = torch.arange(b)
         stats = StepStats()
         self.adapter.transformer.train()
-        for j in range(positions.shape[1]):
-            pos = positions[:, j]  # [B]
-            x_t = ro.latents[rows, pos]  # [B, *latent]
-            x_next = ro.next_latents[rows, pos]
-            old = ro.log_probs[rows, pos]  # [B]
-            out = score_step(self.adapter, x_t, x_next, window[pos], cond, spec, neg)
+        for j0 in range(0, positions.shape[1], tsp_degree):
+            pos = positions[:, j0 : j0 + tsp_degree].T.reshape(-1)  # [d*B], timestep-major
+            d = pos.numel() // b
+            r = rows.repeat(d)  # [d*B]
+            x_t = ro.latents[r, pos]  # [d*B, *latent]
+            x_next = ro.next_latents[r, pos]
+            old = ro.log_probs[r, pos]  # [d*B]
+            cond_d = cond if d == 1 else PromptEmbeds.cat([cond] * d)
+            neg_d = neg if neg is None or d == 1 else PromptEmbeds.cat([neg] * d)
+            out = score_step(self.adapter, x_t, x_next, window[pos], cond_d, spec, neg_d)
             loss, ls = clipped_policy_loss(
-                out.log_prob, old, item.advantages, cfg.algo.clip_ratio, cfg.algo.adv_clip_max
+                out.log_prob,
+                old,
+                item.advantages.repeat(d),
+                cfg.algo.clip_ratio,
+                cfg.algo.adv_clip_max,
             )
-            b = len(item.keys)
             kl_val = 0.0
             if cfg.algo.kl_coef > 0:
-                ref_mean = self._reference_mean(x_t, window[pos], cond, spec, neg)
+                ref_mean = self._reference_mean(x_t, window[pos], cond_d, spec, neg_d)
                 kl = kl_to_reference(out.mean, ref_mean, out.std).mean()
                 loss = loss + cfg.algo.kl_coef * kl
                 kl_val = float(kl.detach())
-            (loss * (b * loss_scale)).backward()
+            terms = d * b
+            (loss * (terms * loss_scale)).backward()
             stats.add(
                 StepStats(
-                    terms=b,
-                    loss=float(loss.detach()) * b,
-                    kl=kl_val * b,
-                    clip_fraction=ls.clip_fraction * b,
-                    approx_kl=ls.approx_kl * b,
+                    terms=terms,
+                    loss=float(loss.detach()) * terms,
+                    kl=kl_val * terms,
+                    clip_fraction=ls.clip_fraction * terms,
+                    approx_kl=ls.approx_kl * terms,
                 )
             )
         self.adapter.transformer.eval()

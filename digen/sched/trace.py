@@ -1,0 +1,465 @@
+"""Task trace of a run: events, per-step statistics, Chrome trace export and a timeline plot.
+
+Every task a worker runs is one :class:`TraceEvent` (``kind, worker, step, mb, version, t0,
+t1``). The real runtime and the simulator produce the same events, so everything here is
+computed from a plain list of them and the same plot draws both. Times are seconds on any
+clock (wall clock or simulated); only differences matter.
+
+Per-step statistics (:meth:`Trace.step_stats`), for the events whose ``step`` field is ``s``:
+
+- ``wall_s``: the step window, from the earliest ``t0`` to the latest ``t1`` of those events
+  (all workers, the driver included).
+- ``busy_s[w]``: the length of the union of worker ``w``'s task intervals of the step, so
+  overlapping tasks on one worker count once.
+- ``utilisation = sum(busy_s) / (wall_s * len(workers))``; ``bubble_fraction = 1 -
+  utilisation``. By default the workers are every worker seen anywhere in the trace except
+  ``"driver"``, so a worker idle for the whole step counts as idle.
+- ``ideal_bound_s = max(total_work_s / len(workers), critical_path_s)`` with ``total_work_s =
+  sum(busy_s)``. ``critical_path_s`` is, for now, the busiest worker's busy time: a lower
+  bound on any chain of tasks the step must run, since one worker runs its tasks one after
+  another. (With this choice the bound equals the busiest worker's time.)
+- ``efficiency = ideal_bound_s / wall_s``: measured against the bound, as benchmarks report.
+
+This module imports nothing heavy; matplotlib is imported only when a timeline is drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["KINDS", "KIND_COLOURS", "StepStats", "Trace", "TraceEvent"]
+
+KINDS = ("generate", "tag", "score", "update", "step", "sync")
+"""Task kinds; ``tag`` is a generation run on a trainer (trainer-assisted generation)."""
+
+KIND_COLOURS = {
+    "generate": "#1f77b4",
+    "tag": "#ff7f0e",
+    "score": "#2ca02c",
+    "update": "#d62728",
+    "step": "#9467bd",
+    "sync": "#7f7f7f",
+}
+"""One fixed colour per kind, so timelines of different runs read the same."""
+
+_ROLE_RANK = {"driver": 0, "generator": 1, "trainer": 2}
+_ROLE_RE = re.compile(r"(driver|generator|trainer)(?:-(\d+))?")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEvent:
+    """One task: what ran, where, for which step / micro-batch / policy version, and when."""
+
+    kind: str
+    """One of :data:`KINDS`."""
+    worker: str
+    """The worker that ran it, e.g. ``"generator-0"``, ``"trainer-1"``, ``"driver"``."""
+    step: int
+    """Train step the task belongs to."""
+    mb: int
+    """Micro-batch id within the step; -1 where none applies (``step``, ``sync``)."""
+    version: int
+    """Policy version the task used."""
+    t0: float
+    """Start, in seconds."""
+    t1: float
+    """End, in seconds (``t1 >= t0``)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"trace event kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if not isinstance(self.worker, str) or not self.worker:
+            raise ValueError(f"trace event worker must be a non-empty string, got {self.worker!r}")
+        # Coerce numpy scalars and the like so events always serialise to JSON.
+        for name in ("step", "mb", "version"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("t0", "t1"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if not (math.isfinite(self.t0) and math.isfinite(self.t1)):
+            raise ValueError(f"trace event times must be finite, got t0={self.t0}, t1={self.t1}")
+        if self.t1 < self.t0:
+            raise ValueError(f"trace event ends before it starts: t0={self.t0}, t1={self.t1}")
+
+    @property
+    def duration(self) -> float:
+        """``t1 - t0`` in seconds."""
+        return self.t1 - self.t0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event as a JSON-ready dict with one key per field."""
+        return {
+            "kind": self.kind,
+            "worker": self.worker,
+            "step": self.step,
+            "mb": self.mb,
+            "version": self.version,
+            "t0": self.t0,
+            "t1": self.t1,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TraceEvent:
+        """Inverse of :meth:`to_dict`; extra keys are ignored."""
+        return cls(
+            kind=d["kind"],
+            worker=d["worker"],
+            step=d["step"],
+            mb=d["mb"],
+            version=d["version"],
+            t0=d["t0"],
+            t1=d["t1"],
+        )
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """How well one step kept its workers busy (definitions in the module docstring)."""
+
+    step: int
+    wall_s: float
+    """Span of the step: earliest start to latest end of its events."""
+    busy_s: dict[str, float]
+    """Per counted worker, the union length of its task intervals in the step."""
+    utilisation: float
+    """``sum(busy_s) / (wall_s * len(busy_s))``."""
+    bubble_fraction: float
+    """``1 - utilisation``."""
+    total_work_s: float
+    """``sum(busy_s)``."""
+    critical_path_s: float
+    """Lower bound on the step's longest task chain: the busiest worker's busy time."""
+    ideal_bound_s: float
+    """``max(total_work_s / len(busy_s), critical_path_s)``."""
+    efficiency: float
+    """``ideal_bound_s / wall_s`` (1.0 for a zero-length step)."""
+
+
+class Trace:
+    """Collects events; appending is thread-safe (the runtime records from RPC callbacks)."""
+
+    def __init__(self, events: Iterable[TraceEvent] = ()) -> None:
+        self._lock = threading.Lock()
+        self._events: list[TraceEvent] = []
+        self._sorted = True
+        self.extend(events)
+
+    # -- collecting -------------------------------------------------------------------------
+
+    def _append(self, ev: TraceEvent) -> None:  # caller holds the lock
+        if self._events and ev.t0 < self._events[-1].t0:
+            self._sorted = False
+        self._events.append(ev)
+
+    def record(
+        self, kind: str, worker: str, step: int, mb: int, version: int, t0: float, t1: float
+    ) -> TraceEvent:
+        """Add one event and return it."""
+        ev = TraceEvent(kind, worker, step, mb, version, t0, t1)
+        with self._lock:
+            self._append(ev)
+        return ev
+
+    def extend(self, events: Iterable[TraceEvent]) -> None:
+        """Add several events."""
+        evs = list(events)
+        for ev in evs:
+            if not isinstance(ev, TraceEvent):
+                raise TypeError(f"expected a TraceEvent, got {type(ev).__name__}")
+        with self._lock:
+            for ev in evs:
+                self._append(ev)
+
+    @property
+    def events(self) -> list[TraceEvent]:
+        """A copy of the events, sorted by start time (ties keep recording order)."""
+        with self._lock:
+            if not self._sorted:
+                self._events.sort(key=lambda e: e.t0)
+                self._sorted = True
+            return list(self._events)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+    # -- simple views -----------------------------------------------------------------------
+
+    def workers(self) -> list[str]:
+        """Workers with events: driver, generators by index, trainers by index, then others."""
+        with self._lock:
+            names = {e.worker for e in self._events}
+        return sorted(names, key=_worker_key)
+
+    def steps(self) -> list[int]:
+        """The distinct step numbers, ascending."""
+        with self._lock:
+            return sorted({e.step for e in self._events})
+
+    @property
+    def start(self) -> float:
+        """Earliest ``t0`` (0.0 for an empty trace); exported times are relative to it."""
+        with self._lock:
+            return min((e.t0 for e in self._events), default=0.0)
+
+    @property
+    def end(self) -> float:
+        """Latest ``t1`` (0.0 for an empty trace)."""
+        with self._lock:
+            return max((e.t1 for e in self._events), default=0.0)
+
+    def step_boundaries(self) -> dict[int, float]:
+        """Per step, when it ended: the end of its last ``step`` event, else of its last event."""
+        last: dict[int, float] = {}
+        last_step_ev: dict[int, float] = {}
+        for e in self.events:
+            last[e.step] = max(last.get(e.step, e.t1), e.t1)
+            if e.kind == "step":
+                last_step_ev[e.step] = max(last_step_ev.get(e.step, e.t1), e.t1)
+        return {s: last_step_ev.get(s, last[s]) for s in sorted(last)}
+
+    # -- statistics -------------------------------------------------------------------------
+
+    def step_stats(self, step: int, workers: Sequence[str] | None = None) -> StepStats:
+        """Wall time, busy time, utilisation and ideal bound of one step.
+
+        ``workers`` are the workers counted in utilisation; by default every worker in the
+        trace except ``"driver"``. Events of other workers still widen the step window.
+        """
+        evs = [e for e in self.events if e.step == step]
+        if not evs:
+            raise ValueError(f"the trace has no events for step {step}")
+        counted = [w for w in self.workers() if w != "driver"] if workers is None else list(workers)
+        if not counted:
+            raise ValueError(f"no workers to compute step {step}'s utilisation over")
+        t0 = min(e.t0 for e in evs)
+        wall = max(e.t1 for e in evs) - t0
+        per_worker: dict[str, list[tuple[float, float]]] = {w: [] for w in counted}
+        for e in evs:
+            if e.worker in per_worker:
+                per_worker[e.worker].append((e.t0, e.t1))
+        busy = {w: _union_length(iv) for w, iv in per_worker.items()}
+        total = sum(busy.values())
+        critical = max(busy.values())
+        ideal = max(total / len(counted), critical)
+        if wall > 0:
+            util = total / (wall * len(counted))
+            eff = ideal / wall
+        else:  # every event has zero length: nothing idled, nothing to gain
+            util, eff = 1.0, 1.0
+        return StepStats(
+            step=step,
+            wall_s=wall,
+            busy_s=busy,
+            utilisation=util,
+            bubble_fraction=1.0 - util,
+            total_work_s=total,
+            critical_path_s=critical,
+            ideal_bound_s=ideal,
+            efficiency=eff,
+        )
+
+    # -- files ------------------------------------------------------------------------------
+
+    def to_chrome(self) -> dict[str, Any]:
+        """The trace in Chrome trace format (opens in Perfetto and chrome://tracing).
+
+        One process per worker, ordered as :meth:`workers`; each task is a complete (``"X"``)
+        event with ``ts`` / ``dur`` in microseconds from the trace start. Tasks of one worker
+        that overlap go on separate threads of its process, so every thread nests cleanly.
+        """
+        events = self.events
+        start = min((e.t0 for e in events), default=0.0)
+        out: list[dict[str, Any]] = []
+        pid_of: dict[str, int] = {}
+        for i, w in enumerate(self.workers()):
+            pid = pid_of[w] = i + 1
+            out.append(_meta("process_name", pid, 0, {"name": w}))
+            out.append(_meta("process_sort_index", pid, 0, {"sort_index": i}))
+        lane_ends: dict[str, list[float]] = {w: [] for w in pid_of}
+        for e in events:  # sorted by t0: first-fit lanes never overlap
+            ends = lane_ends[e.worker]
+            tid = next((k for k, end in enumerate(ends) if end <= e.t0), len(ends))
+            if tid == len(ends):
+                ends.append(e.t1)
+                name = "tasks" if tid == 0 else f"tasks (overlap {tid})"
+                out.append(_meta("thread_name", pid_of[e.worker], tid, {"name": name}))
+            else:
+                ends[tid] = e.t1
+            ts = round((e.t0 - start) * 1e6, 3)
+            dur = round(round((e.t1 - start) * 1e6, 3) - ts, 3)
+            out.append(
+                {
+                    "ph": "X",
+                    "name": e.kind,
+                    "cat": e.kind,
+                    "pid": pid_of[e.worker],
+                    "tid": tid,
+                    "ts": ts,
+                    "dur": dur,
+                    "args": {"step": e.step, "mb": e.mb, "version": e.version},
+                }
+            )
+        return {
+            "traceEvents": out,
+            "displayTimeUnit": "ms",
+            "otherData": {"trace_start_s": start},
+        }
+
+    def write_chrome(self, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`to_chrome` as JSON (whole file or nothing) and return the path."""
+        text = json.dumps(self.to_chrome(), separators=(",", ":"))
+        return _write_text(Path(path), text)
+
+    def save_jsonl(self, path: str | os.PathLike[str]) -> Path:
+        """Write the raw events, one JSON object per line, sorted by start time."""
+        lines = [json.dumps(e.to_dict()) + "\n" for e in self.events]
+        return _write_text(Path(path), "".join(lines))
+
+    @classmethod
+    def load_jsonl(cls, path: str | os.PathLike[str]) -> Trace:
+        """Read a file written by :meth:`save_jsonl` (blank lines are skipped)."""
+        evs: list[TraceEvent] = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    evs.append(TraceEvent.from_dict(json.loads(line)))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}:{lineno}: not a trace event ({exc})") from exc
+        return cls(evs)
+
+    # -- plot -------------------------------------------------------------------------------
+
+    def plot_timeline(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        title: str | None = None,
+        size_px: tuple[int, int] = (1600, 600),
+        dpi: int = 100,
+    ) -> Path:
+        """Draw one lane per worker (order of :meth:`workers`), coloured by kind, and save it.
+
+        Step ends (:meth:`step_boundaries`) are dashed vertical lines; x is seconds from the
+        trace start. The image is exactly ``size_px`` pixels; the format follows the suffix.
+        """
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+
+        events = self.events
+        workers = self.workers()
+        start = min((e.t0 for e in events), default=0.0)
+        span = max((e.t1 for e in events), default=start) - start
+
+        fig = Figure(figsize=(size_px[0] / dpi, size_px[1] / dpi), dpi=dpi)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        fig.subplots_adjust(left=0.09, right=0.985, bottom=0.09, top=0.9)
+        if title:
+            fig.text(0.01, 0.985, title, ha="left", va="top", fontsize=11)
+
+        lane = {w: i for i, w in enumerate(workers)}
+        bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for e in events:
+            bars.setdefault((e.worker, e.kind), []).append((e.t0 - start, e.t1 - e.t0))
+        for i in range(1, len(workers), 2):  # light banding keeps many lanes apart
+            ax.axhspan(i - 0.5, i + 0.5, color="#f2f2f2", linewidth=0, zorder=0)
+        for kind in KINDS:  # fixed drawing order: later kinds on top where tasks overlap
+            for w in workers:
+                xr = bars.get((w, kind))
+                if xr:
+                    ax.broken_barh(
+                        xr,
+                        (lane[w] - 0.4, 0.8),
+                        facecolors=KIND_COLOURS[kind],
+                        linewidth=0,
+                        zorder=2,
+                    )
+
+        bounds = self.step_boundaries()
+        xaxis = ax.get_xaxis_transform()
+        if bounds:
+            xs = [b - start for b in bounds.values()]
+            ax.vlines(xs, 0, 1, transform=xaxis, colors="black", linestyles="--", lw=1.2, zorder=3)
+            if len(bounds) <= 40:
+                for s, x in zip(bounds, xs, strict=True):
+                    ax.text(
+                        x, 1.005, f"s{s}", transform=xaxis, ha="center", va="bottom", fontsize=7
+                    )
+
+        n = len(workers)
+        ax.set_yticks(range(n), labels=workers, fontsize=max(5.0, min(9.0, 360 / max(n, 1))))
+        ax.set_ylim(n - 0.5, -0.5)
+        ax.set_xlim(0, span if span > 0 else 1.0)
+        ax.set_xlabel("seconds from trace start")
+        ax.grid(axis="x", alpha=0.3, zorder=1)
+        ax.set_axisbelow(True)
+        if not events:
+            ax.text(0.5, 0.5, "no events", transform=ax.transAxes, ha="center", va="center")
+        present = [k for k in KINDS if any(kk == k for _, kk in bars)]
+        if present:
+            handles = [Patch(facecolor=KIND_COLOURS[k], label=k) for k in present]
+            fig.legend(
+                handles=handles,
+                loc="upper right",
+                bbox_to_anchor=(0.985, 0.995),
+                ncol=len(handles),
+                frameon=False,
+                fontsize=9,
+            )
+
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        fig.savefig(tmp, format=out.suffix.lstrip(".").lower() or "png", dpi=dpi)
+        os.replace(tmp, out)
+        return out
+
+
+def _worker_key(name: str) -> tuple[int, int, tuple[tuple[int, int, str], ...]]:
+    m = _ROLE_RE.fullmatch(name)
+    if m:
+        return _ROLE_RANK[m[1]], int(m[2] or -1), ()
+    # Anything else after the known roles, in natural order ("x-2" before "x-10").
+    parts = tuple(
+        (0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p
+    )
+    return 3, 0, parts
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by a set of intervals (overlaps count once)."""
+    total = 0.0
+    cur_a = cur_b = None
+    for a, b in sorted(intervals):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+    return {"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args}
+
+
+def _write_text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,76 @@
+"""Actor classes and functions for test_actors.py; a plain module so spawned workers import it."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from digen.runtime.actors import ActorHandle, run_sync
+
+
+class Accumulator:
+    """Holds a tensor; ``bump`` reads, sleeps, then writes, so unserialised calls lose updates."""
+
+    def __init__(self, size: int, start: float = 0.0) -> None:
+        self.total = torch.full((size,), start)
+        self.count = 0
+        self.log: list[int] = []
+
+    def ping(self) -> None:
+        return None
+
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        self.total += x
+        return self.total.clone()
+
+    def bump(self) -> int:
+        seen = self.count
+        time.sleep(0.05)
+        self.count = seen + 1
+        return self.count
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    def record(self, item: int) -> None:
+        time.sleep(0.002)  # long enough for the next calls to pile up at the lock
+        self.log.append(item)
+
+    def records(self) -> list[int]:
+        return self.log
+
+    def exit_now(self, code: int) -> None:
+        os._exit(code)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def threads(self) -> tuple[int, str | None]:
+        return torch.get_num_threads(), os.environ.get("DIGEN_TEST_MARK")
+
+    def ask_peer(self, peer: ActorHandle, x: torch.Tensor) -> torch.Tensor:
+        """Worker-to-worker: call an actor in another worker from inside this one."""
+        return peer.call_sync("add", x)
+
+    def run_on(self, worker: str, a: int, b: int) -> tuple[int, int]:
+        """Worker-to-worker: run a module-level function in another worker."""
+        return run_sync(worker, where_am_i, a, b)
+
+
+class Broken:
+    def __init__(self) -> None:
+        raise KeyError("no such thing")
+
+
+def where_am_i(a: int, b: int) -> tuple[int, int]:
+    return os.getpid(), a * b
+
+
+def echo(x: object) -> object:
+    return x

@@ -1,0 +1,292 @@
+"""The actor layer with real worker processes and real RPC (no mocks).
+
+Start-up dominates the run time (each worker imports torch), so most tests share one
+two-worker system (class-scoped); the tests that kill workers or the driver start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import types
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+import torch
+from actor_classes import Accumulator, Broken, echo, where_am_i
+
+from digen.runtime.actors import (
+    ActorHandle,
+    ActorSystem,
+    ActorSystemClosed,
+    WorkerDied,
+    WorkerSpec,
+)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (an orphan's is reaped by whoever adopts it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+_DRIVER_SCRIPT = """
+import asyncio, json, sys
+from digen.runtime.actors import ActorSystem, WorkerSpec
+
+async def main():
+    async with ActorSystem([WorkerSpec("generator-0"), WorkerSpec("trainer-0")]) as system:
+        print(json.dumps(system.pids()), flush=True)
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def test_workers_exit_when_the_driver_is_killed() -> None:
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER_SCRIPT], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = driver.stdout.readline() if driver.stdout else ""
+        assert line, "the driver did not start its workers"
+        pids = json.loads(line)
+        assert sorted(pids) == ["generator-0", "trainer-0"]
+        driver.kill()  # no stop(), no atexit: only the workers' watch on their parent
+        deadline = time.monotonic() + 5.0
+        while not all(_gone(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(pid) for pid in pids.values())
+    finally:
+        driver.kill()
+        driver.wait(10)
+        if driver.stdout:
+            driver.stdout.close()
+
+
+@pytest.mark.asyncio
+async def test_dead_workers_fail_calls_and_stop_leaves_no_process() -> None:
+    names = ["generator-0", "generator-1", "trainer-0"]
+    system = ActorSystem([WorkerSpec(n) for n in names], stop_timeout_s=1.0)
+    await system.start()
+    try:
+        pids = system.pids()
+        g0 = system.actor("generator-0", Accumulator, 2)
+        g1 = system.actor("generator-1", Accumulator, 2)
+        trainer = system.actor("trainer-0", Accumulator, 2)
+        assert await g1.call("pid") == pids["generator-1"]
+        # Still running when stop() comes: stop must not wait for it.
+        stuck = asyncio.create_task(trainer.call("sleep", 30.0))
+
+        pending = asyncio.create_task(g1.call("sleep", 30.0))
+        await asyncio.sleep(0.2)  # the call is running in the worker
+        os.kill(pids["generator-1"], signal.SIGKILL)
+        killed_at = time.perf_counter()
+        with pytest.raises(WorkerDied, match="'generator-1'") as info:
+            await asyncio.wait_for(pending, 3.0)
+        assert time.perf_counter() - killed_at < 3.0
+        assert str(info.value) == (
+            f"worker 'generator-1' (pid {pids['generator-1']}) was killed by signal SIGKILL."
+        )
+        with pytest.raises(WorkerDied, match="'generator-1'"):  # later calls fail at once
+            await g1.call("ping")
+
+        # The other worker is untouched until it exits by itself, from inside a method.
+        assert (await g0.call("add", torch.ones(2))).tolist() == [1.0, 1.0]
+        with pytest.raises(WorkerDied) as info:
+            await asyncio.wait_for(g0.call("exit_now", 3), 3.0)
+        assert str(info.value) == (
+            f"worker 'generator-0' (pid {pids['generator-0']}) died with exit code 3."
+        )
+        assert sorted(system.dead()) == ["generator-0", "generator-1"]
+    finally:
+        start = time.perf_counter()
+        await system.stop()
+        stop_s = time.perf_counter() - start
+    assert stop_s < 3.0
+    with pytest.raises(ActorSystemClosed):
+        await stuck
+    assert all(_gone(pid) for pid in pids.values())
+    await system.stop()  # idempotent
+    assert system.statistics()["state"] == "stopped"
+    with pytest.raises(ActorSystemClosed):
+        await g0.call("ping")
+
+
+@contextlib.contextmanager
+def _ghost_module() -> Iterator[type]:
+    """A class importable in this process only (its module exists just in sys.modules)."""
+    module = types.ModuleType("digen_test_ghost")
+    ghost = type("Ghost", (), {"__module__": module.__name__})
+    module.Ghost = ghost
+    sys.modules[module.__name__] = module
+    try:
+        yield ghost
+    finally:
+        del sys.modules[module.__name__]
+
+
+@pytest_asyncio.fixture(loop_scope="class", scope="class")
+async def system() -> AsyncIterator[ActorSystem]:
+    workers = [
+        WorkerSpec("generator-0"),
+        WorkerSpec("trainer-0", threads=2, env={"DIGEN_TEST_MARK": "trainer"}),
+    ]
+    async with ActorSystem(workers) as system:
+        yield system
+    assert all(_gone(pid) for pid in system.pids().values())
+
+
+@pytest.mark.asyncio(loop_scope="class")
+class TestSharedSystem:
+    async def test_calls_keep_state_and_round_trip_tensors(self, system: ActorSystem) -> None:
+        acc = system.actor("generator-0", Accumulator, 3, start=0.5)
+        x = torch.tensor([1.0, 2.0, 3.0])
+        assert (await acc.call("add", x)).tolist() == [1.5, 2.5, 3.5]
+        assert (await acc.call("add", x)).tolist() == [2.5, 4.5, 6.5]
+        big = torch.arange(100_000, dtype=torch.float32)
+        other = system.actor("trainer-0", Accumulator, 100_000)
+        assert torch.equal(await other.call("add", big), big)
+
+    async def test_spec_sets_threads_and_env(self, system: ActorSystem) -> None:
+        gen = system.actor("generator-0", Accumulator, 1)
+        trainer = system.actor("trainer-0", Accumulator, 1)
+        assert await gen.call("threads") == (1, None)
+        assert await trainer.call("threads") == (2, "trainer")
+        assert await trainer.call("pid") == system.pids()["trainer-0"]
+
+    async def test_calls_to_one_actor_are_serialised(self, system: ActorSystem) -> None:
+        acc = system.actor("generator-0", Accumulator, 1)
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(acc.call("bump") for _ in range(8)))
+        assert counts == list(range(1, 9))  # each read-sleep-write saw the one before
+        assert time.perf_counter() - t0 >= 8 * 0.05
+
+    async def test_actors_on_different_workers_run_in_parallel(self, system: ActorSystem) -> None:
+        a = system.actor("generator-0", Accumulator, 1)
+        b = system.actor("trainer-0", Accumulator, 1)
+        await asyncio.gather(a.call("ping"), b.call("ping"))
+        t0 = time.perf_counter()
+        assert await asyncio.gather(a.call("sleep", 0.3), b.call("sleep", 0.3)) == [0.3, 0.3]
+        assert time.perf_counter() - t0 < 0.55
+
+    async def test_a_busy_actor_leaves_its_worker_responsive(self, system: ActorSystem) -> None:
+        busy = system.actor("generator-0", Accumulator, 1)
+        other = system.actor("generator-0", Accumulator, 1)
+        await asyncio.gather(busy.call("ping"), other.call("ping"))
+        backlog = [asyncio.create_task(busy.call("sleep", 0.5))]
+        backlog += [asyncio.create_task(busy.call("bump")) for _ in range(24)]  # > RPC threads
+        await asyncio.sleep(0.05)
+        start = time.perf_counter()
+        await other.call("ping")
+        await system.run("generator-0", where_am_i, 1, 1)
+        assert time.perf_counter() - start < 0.3  # did not wait behind the busy actor
+        assert await asyncio.gather(*backlog) == [0.5, *range(1, 25)]
+
+    async def test_remote_errors_keep_their_type(self, system: ActorSystem) -> None:
+        acc = system.actor("trainer-0", Accumulator, 1)
+        with pytest.raises(ValueError) as info:
+            await acc.call("fail", "bad value 7")
+        assert str(info.value) == "bad value 7"
+        assert "Raised in worker 'trainer-0'" in info.value.__notes__[0]
+        with pytest.raises(AttributeError, match="no_such_method"):
+            await acc.call("no_such_method")
+        broken = system.actor("generator-0", Broken)
+        with pytest.raises(KeyError, match="no such thing"):
+            await broken.call("anything")
+        assert await acc.call("add", torch.ones(1)) == torch.ones(1)  # the actor lives on
+
+    async def test_workers_call_each_other(self, system: ActorSystem) -> None:
+        gen = system.actor("generator-0", Accumulator, 2)
+        trainer = system.actor("trainer-0", Accumulator, 2, start=10.0)
+        got = await gen.call("ask_peer", trainer, torch.tensor([1.0, 2.0]))
+        assert got.tolist() == [11.0, 12.0]
+        assert (await trainer.call("add", torch.zeros(2))).tolist() == [11.0, 12.0]
+        assert await gen.call("run_on", "trainer-0", 6, 7) == (system.pids()["trainer-0"], 42)
+        assert await system.run("generator-0", where_am_i, 2, 3) == (
+            system.pids()["generator-0"],
+            6,
+        )
+
+    async def test_handles_travel_as_addresses(self, system: ActorSystem) -> None:
+        acc = system.actor("trainer-0", Accumulator, 1)
+        copy = pickle.loads(pickle.dumps(acc))
+        assert isinstance(copy, ActorHandle)
+        assert (copy.worker, copy.actor_id) == (acc.worker, acc.actor_id)
+        back = await system.run("generator-0", echo, acc)  # out to a worker and home again
+        assert (back.worker, back.actor_id) == (acc.worker, acc.actor_id)
+        assert (await back.call("add", torch.ones(1))).tolist() == [1.0]
+
+    async def test_class_the_worker_cannot_import_fails_fast(self, system: ActorSystem) -> None:
+        with _ghost_module() as ghost:
+            handle = system.actor("generator-0", ghost)
+            with pytest.raises(ModuleNotFoundError, match="digen_test_ghost"):
+                await asyncio.wait_for(handle.call("anything"), 5.0)
+
+    async def test_argument_the_worker_cannot_import_does_not_block_the_actor(
+        self, system: ActorSystem
+    ) -> None:
+        acc = system.actor("generator-0", Accumulator, 1)
+        with _ghost_module() as ghost:
+            start = time.perf_counter()
+            with pytest.raises(RuntimeError, match="No module named 'digen_test_ghost'"):
+                await asyncio.wait_for(acc.call("add", ghost()), 5.0)
+            assert time.perf_counter() - start < 0.45  # not mistaken for a dying worker
+        # The lost call gave up its turn, so the next ones are not left waiting for it.
+        assert await asyncio.wait_for(acc.call("add", torch.ones(1)), 5.0) == torch.ones(1)
+
+    async def test_driver_calls_run_in_the_order_made(self, system: ActorSystem) -> None:
+        acc = system.actor("trainer-0", Accumulator, 1)
+        await asyncio.gather(*(acc.call("record", i) for i in range(40)))
+        assert await acc.call("records") == list(range(40))
+
+    async def test_unknown_worker_and_second_system_are_rejected(self, system: ActorSystem) -> None:
+        with pytest.raises(KeyError, match="trainer-9"):
+            system.actor("trainer-9", Accumulator, 1)
+        with pytest.raises(RuntimeError, match="another ActorSystem is running"):
+            await ActorSystem([WorkerSpec("generator-9")]).start()
+
+    async def test_only_loopback_listens(self, system: ActorSystem) -> None:
+        psutil = pytest.importorskip("psutil")
+        pids = [os.getpid(), *system.pids().values()]
+        listening = [
+            c.laddr.ip
+            for pid in pids
+            for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        assert listening  # the store, TensorPipe and gloo listeners
+        assert set(listening) == {"127.0.0.1"}
+
+    async def test_statistics_count_calls(self, system: ActorSystem) -> None:
+        before = system.statistics()["calls"]
+        acc = system.actor("generator-0", Accumulator, 1)
+        await asyncio.gather(*(acc.call("ping") for _ in range(5)))
+        stats = system.statistics()
+        assert stats["calls"] - before == 5 + 1  # five calls and one construction
+        assert stats["pending"] == {"generator-0": 0, "trainer-0": 0}
+        assert stats["state"] == "running" and stats["dead"] == []
+
+
+def test_worker_spec_checks_its_fields() -> None:
+    with pytest.raises(ValueError, match="'driver'"):
+        WorkerSpec("driver")
+    with pytest.raises(ValueError, match="threads=0"):
+        WorkerSpec("generator-0", threads=0)
+    with pytest.raises(ValueError, match="repeated"):
+        ActorSystem([WorkerSpec("a"), WorkerSpec("a")])
