@@ -258,9 +258,17 @@ class DiffusionAdapter(ABC):
     def scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return self.pipe.scheduler
 
-    @abstractmethod
     def latent_shape(self) -> tuple[int, ...]:
-        """Per-sample latent shape in the VAE layout: ``(C, H, W)`` or ``(C, F, H, W)``."""
+        """Per-sample latent shape in the VAE layout: ``(C, H, W)`` or ``(C, F, H, W)``.
+
+        The default serves video pipelines (``vae_scale_factor_spatial`` / ``_temporal``,
+        ``4k + 1`` frames -> ``k + 1`` latent frames); image adapters override it.
+        """
+        if not self.is_video:
+            raise NotImplementedError(f"{type(self).__name__} must define latent_shape()")
+        f_s, f_t = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
+        c = self.transformer.config.in_channels
+        return (c, (self.num_frames - 1) // f_t + 1, self.height // f_s, self.width // f_s)
 
     def image_seq_len(self) -> int:
         """Tokens the transformer sees per sample (used by dynamic shifting)."""

@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers import (
-    AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -23,6 +22,12 @@ from diffusers import (
 
 from digen.errors import DigenError
 from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+from digen.models.tiny import (
+    tiny_autoencoder_kl,
+    tiny_clip_text,
+    tiny_clip_tokenizer,
+    tiny_t5_encoder,
+)
 
 __all__ = ["FluxAdapter", "pack_latents", "unpack_latents"]
 
@@ -95,63 +100,11 @@ class FluxAdapter(DiffusionAdapter):
     @classmethod
     def build_tiny_components(cls, *, guidance_embeds: bool = True) -> dict[str, Any]:
         """Random-init FLUX.1 at toy size: 8x VAE with 4 latent channels, 32-wide text."""
-        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-        tokenizer = make_byte_tokenizer(
-            model_max_length=32,
-            bos_token="<|startoftext|>",
-            eos_token="<|endoftext|>",
-            add_bos=True,
-        )
+        tokenizer = tiny_clip_tokenizer()
         tokenizer_2 = make_byte_tokenizer(model_max_length=32, eos_token="</s>")
-        text_encoder = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                max_position_embeddings=tokenizer.model_max_length,
-                projection_dim=32,
-                hidden_act="quick_gelu",
-                bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        )
-        text_encoder_2 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer_2),
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                relative_attention_max_distance=32,
-                feed_forward_proj="gated-gelu",
-                is_encoder_decoder=False,
-                use_cache=False,
-                pad_token_id=tokenizer_2.pad_token_id,
-                eos_token_id=tokenizer_2.eos_token_id,
-                decoder_start_token_id=tokenizer_2.pad_token_id,
-            )
-        )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=32,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=0.3611,  # FLUX.1's VAE statistics
-            shift_factor=0.1159,
-        )
+        text_encoder = tiny_clip_text(tokenizer, 32)
+        text_encoder_2 = tiny_t5_encoder(tokenizer_2, 32)
+        vae = tiny_autoencoder_kl(scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's VAE
         transformer = FluxTransformer2DModel(
             patch_size=1,
             in_channels=4 * 4,  # 2x2-packed latent channels

@@ -24,6 +24,7 @@ from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PRO
 
 from digen.errors import DigenError
 from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+from digen.models.tiny import tiny_clip_text
 
 __all__ = ["HunyuanVideoAdapter", "template_crop_start"]
 
@@ -111,7 +112,7 @@ class HunyuanVideoAdapter(DiffusionAdapter):
     @classmethod
     def build_tiny_components(cls) -> dict[str, Any]:
         """Random-init HunyuanVideo at toy size: 8x/4x VAE with 16 latent channels, 16-wide text."""
-        from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+        from transformers import LlamaConfig, LlamaModel
 
         def llama_tokenizer(model_max_length: int):
             return make_byte_tokenizer(
@@ -146,21 +147,7 @@ class HunyuanVideoAdapter(DiffusionAdapter):
                 pad_token_id=tokenizer.pad_token_id,
             )
         )
-        text_encoder_2 = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(tokenizer_2),
-                hidden_size=8,
-                intermediate_size=16,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                max_position_embeddings=77,
-                projection_dim=8,
-                hidden_act="quick_gelu",
-                bos_token_id=tokenizer_2.bos_token_id,
-                eos_token_id=tokenizer_2.eos_token_id,  # pooled at the first EOS
-                pad_token_id=tokenizer_2.pad_token_id,
-            )
-        )
+        text_encoder_2 = tiny_clip_text(tokenizer_2, 8, layers=1, max_positions=77)
         vae = AutoencoderKLHunyuanVideo(
             in_channels=3,
             out_channels=3,
@@ -202,11 +189,6 @@ class HunyuanVideoAdapter(DiffusionAdapter):
         }
 
     # --- the protocol -------------------------------------------------------------------
-
-    def latent_shape(self) -> tuple[int, ...]:
-        f_s, f_t = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
-        c = self.transformer.config.in_channels
-        return (c, (self.num_frames - 1) // f_t + 1, self.height // f_s, self.width // f_s)
 
     def image_seq_len(self) -> int:
         """Video tokens per sample after the transformer's ``(p_t, p, p)`` patching."""

@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers import (
-    AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
@@ -21,6 +20,12 @@ from diffusers import (
 
 from digen.errors import DigenError
 from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+from digen.models.tiny import (
+    tiny_autoencoder_kl,
+    tiny_clip_text,
+    tiny_clip_tokenizer,
+    tiny_t5_encoder,
+)
 
 __all__ = ["SD3Adapter"]
 
@@ -62,77 +67,14 @@ class SD3Adapter(DiffusionAdapter):
     @classmethod
     def build_tiny_components(cls) -> dict[str, Any]:
         """Random-init SD3.5 at toy size: 8x VAE with 4 latent channels, 2 small CLIPs + T5."""
-        from transformers import (
-            CLIPTextConfig,
-            CLIPTextModelWithProjection,
-            T5Config,
-            T5EncoderModel,
-        )
-
-        def clip_tokenizer():
-            return make_byte_tokenizer(
-                model_max_length=32,
-                bos_token="<|startoftext|>",
-                eos_token="<|endoftext|>",
-                add_bos=True,
-            )
-
-        def clip_encoder(tok, hidden: int) -> CLIPTextModelWithProjection:
-            return CLIPTextModelWithProjection(
-                CLIPTextConfig(
-                    vocab_size=len(tok),
-                    hidden_size=hidden,
-                    intermediate_size=2 * hidden,
-                    num_hidden_layers=2,
-                    num_attention_heads=2,
-                    max_position_embeddings=tok.model_max_length,
-                    projection_dim=hidden,
-                    hidden_act="gelu",
-                    bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.pad_token_id,
-                )
-            )
-
-        tokenizer, tokenizer_2 = clip_tokenizer(), clip_tokenizer()
+        tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_clip_tokenizer()
         tokenizer_3 = make_byte_tokenizer(model_max_length=32, eos_token="</s>")
         # CLIP-L / CLIP-G stand-ins: hidden 16 + 24 = 40 <= T5 width 48 (the pipeline pads
         # the concatenated CLIP states up to the T5 width), pooled 16 + 24 = 40
-        text_encoder = clip_encoder(tokenizer, 16)
-        text_encoder_2 = clip_encoder(tokenizer_2, 24)
-        text_encoder_3 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer_3),
-                d_model=48,
-                d_kv=12,
-                d_ff=96,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                relative_attention_max_distance=32,
-                feed_forward_proj="gated-gelu",
-                is_encoder_decoder=False,
-                use_cache=False,
-                pad_token_id=tokenizer_3.pad_token_id,
-                eos_token_id=tokenizer_3.eos_token_id,
-                decoder_start_token_id=tokenizer_3.pad_token_id,
-            )
-        )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=32,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=1.5305,  # SD3's VAE statistics
-            shift_factor=0.0609,
-        )
+        text_encoder = tiny_clip_text(tokenizer, 16, with_projection=True, act="gelu")
+        text_encoder_2 = tiny_clip_text(tokenizer_2, 24, with_projection=True, act="gelu")
+        text_encoder_3 = tiny_t5_encoder(tokenizer_3, 48)
+        vae = tiny_autoencoder_kl(scaling_factor=1.5305, shift_factor=0.0609)  # SD3's VAE
         transformer = SD3Transformer2DModel(
             sample_size=4,  # latent side at the tiny geometry
             patch_size=2,

@@ -27,6 +27,7 @@ from diffusers import (
 
 from digen.errors import DigenError
 from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+from digen.models.tiny import tiny_t5_encoder
 
 __all__ = ["WanAdapter"]
 
@@ -86,27 +87,8 @@ class WanAdapter(DiffusionAdapter):
     @classmethod
     def build_tiny_components(cls) -> dict[str, Any]:
         """Random-init Wan2.1 at toy size: 8x/4x VAE with 16 latent channels, 16-wide UMT5."""
-        from transformers import UMT5Config, UMT5EncoderModel
-
         tokenizer = make_byte_tokenizer(model_max_length=_TINY_MAX_SEQUENCE_LENGTH)
-        text_encoder = UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=len(tokenizer),
-                d_model=16,
-                d_kv=4,
-                d_ff=32,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                relative_attention_max_distance=32,
-                feed_forward_proj="gated-gelu",
-                is_encoder_decoder=False,
-                use_cache=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                decoder_start_token_id=tokenizer.pad_token_id,
-            )
-        )
+        text_encoder = tiny_t5_encoder(tokenizer, 16, umt5=True)
         vae = AutoencoderKLWan(
             base_dim=4,
             z_dim=16,  # matches the 16 default latents_mean / latents_std of Wan2.1's VAE
@@ -140,11 +122,6 @@ class WanAdapter(DiffusionAdapter):
         }
 
     # --- the protocol -------------------------------------------------------------------
-
-    def latent_shape(self) -> tuple[int, ...]:
-        f_s, f_t = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
-        c = self.transformer.config.in_channels
-        return (c, (self.num_frames - 1) // f_t + 1, self.height // f_s, self.width // f_s)
 
     def image_seq_len(self) -> int:
         """Video tokens per sample after the transformer's ``(p_t, p_h, p_w)`` patching."""

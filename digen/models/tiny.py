@@ -1,0 +1,102 @@
+"""Building blocks of the tiny flavours: small text encoders and a small image VAE.
+
+The real architectures at toy width, shared by the backbones whose pipelines use them, so a
+tiny FLUX and a tiny SD3 build their T5 (or a tiny Wan its UMT5) the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from digen.models.base import make_byte_tokenizer
+
+__all__ = ["tiny_autoencoder_kl", "tiny_clip_text", "tiny_clip_tokenizer", "tiny_t5_encoder"]
+
+
+def tiny_clip_tokenizer(max_length: int = 32) -> Any:
+    """A byte tokenizer with CLIP's start / end-of-text tokens around every prompt."""
+    return make_byte_tokenizer(
+        model_max_length=max_length,
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        add_bos=True,
+    )
+
+
+def tiny_t5_encoder(tokenizer: Any, d_model: int, *, umt5: bool = False) -> Any:
+    """A 2-layer, 4-head (U)T5 encoder ``d_model`` wide (gated GELU, as T5 v1.1 / UMT5)."""
+    if umt5:
+        from transformers import UMT5Config as Config
+        from transformers import UMT5EncoderModel as Model
+    else:
+        from transformers import T5Config as Config
+        from transformers import T5EncoderModel as Model
+    return Model(
+        Config(
+            vocab_size=len(tokenizer),
+            d_model=d_model,
+            d_kv=d_model // 4,
+            d_ff=2 * d_model,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+            feed_forward_proj="gated-gelu",
+            is_encoder_decoder=False,
+            use_cache=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+
+
+def tiny_clip_text(
+    tokenizer: Any,
+    hidden: int,
+    *,
+    layers: int = 2,
+    max_positions: int | None = None,
+    with_projection: bool = False,
+    act: str = "quick_gelu",
+) -> Any:
+    """A CLIP text encoder ``hidden`` wide, pooled at the tokenizer's end-of-text token."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    model = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return model(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            max_position_embeddings=max_positions or tokenizer.model_max_length,
+            projection_dim=hidden,
+            hidden_act=act,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,  # CLIP pools at the first end-of-text
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+
+
+def tiny_autoencoder_kl(*, scaling_factor: float, shift_factor: float) -> Any:
+    """An 8x-downsampling ``AutoencoderKL`` with 4 latent channels and the given statistics."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+    )
