@@ -35,7 +35,21 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
 from digen.errors import DigenError
 
+#: LoRA targets of joint (MMDiT-style) attention: the image stream's and the text stream's
+#: projections, as diffusers names them in FLUX, SD3 and HunyuanVideo
+JOINT_ATTENTION_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+)
+
 __all__ = [
+    "JOINT_ATTENTION_TARGETS",
     "DiffusionAdapter",
     "PromptEmbeds",
     "tiny_cache_root",
@@ -261,11 +275,13 @@ class DiffusionAdapter(ABC):
     def latent_shape(self) -> tuple[int, ...]:
         """Per-sample latent shape in the VAE layout: ``(C, H, W)`` or ``(C, F, H, W)``.
 
-        The default serves video pipelines (``vae_scale_factor_spatial`` / ``_temporal``,
-        ``4k + 1`` frames -> ``k + 1`` latent frames); image adapters override it.
+        The default reads the pipeline's VAE scale factors: ``vae_scale_factor`` for images,
+        ``vae_scale_factor_spatial`` / ``_temporal`` for video (``4k + 1`` frames -> ``k + 1``
+        latent frames).
         """
         if not self.is_video:
-            raise NotImplementedError(f"{type(self).__name__} must define latent_shape()")
+            f = int(self.pipe.vae_scale_factor)
+            return (self.pipe.vae.config.latent_channels, self.height // f, self.width // f)
         f_s, f_t = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
         c = self.transformer.config.in_channels
         return (c, (self.num_frames - 1) // f_t + 1, self.height // f_s, self.width // f_s)

@@ -21,7 +21,12 @@ from diffusers import (
 )
 
 from digen.errors import DigenError
-from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+from digen.models.base import (
+    JOINT_ATTENTION_TARGETS,
+    DiffusionAdapter,
+    PromptEmbeds,
+    make_byte_tokenizer,
+)
 from digen.models.tiny import (
     tiny_autoencoder_kl,
     tiny_clip_text,
@@ -61,14 +66,7 @@ class FluxAdapter(DiffusionAdapter):
     pipeline_class: ClassVar[type[FluxPipeline]] = FluxPipeline
     is_video: ClassVar[bool] = False
     lora_targets: ClassVar[tuple[str, ...]] = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
+        *JOINT_ATTENTION_TARGETS,
         "ff.net.0.proj",
         "ff.net.2",
         "ff_context.net.0.proj",
@@ -142,11 +140,6 @@ class FluxAdapter(DiffusionAdapter):
     @property
     def vae_scale_factor(self) -> int:
         return int(self.pipe.vae_scale_factor)
-
-    def latent_shape(self) -> tuple[int, ...]:
-        c = self.pipe.vae.config.latent_channels
-        f = self.vae_scale_factor
-        return (c, self.height // f, self.width // f)
 
     def image_seq_len(self) -> int:
         """Packed tokens per sample: one per 2x2 latent patch."""

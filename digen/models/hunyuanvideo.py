@@ -23,7 +23,12 @@ from diffusers import (
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 
 from digen.errors import DigenError
-from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+from digen.models.base import (
+    JOINT_ATTENTION_TARGETS,
+    DiffusionAdapter,
+    PromptEmbeds,
+    make_byte_tokenizer,
+)
 from digen.models.tiny import tiny_clip_text
 
 __all__ = ["HunyuanVideoAdapter", "template_crop_start"]
@@ -66,16 +71,7 @@ class HunyuanVideoAdapter(DiffusionAdapter):
     is_video: ClassVar[bool] = True
     # Attention projections of the dual-stream (image + text branch), single-stream and
     # token-refiner blocks.
-    lora_targets: ClassVar[tuple[str, ...]] = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
+    lora_targets: ClassVar[tuple[str, ...]] = JOINT_ATTENTION_TARGETS
     tiny_version: ClassVar[int] = 1
     tiny_height: ClassVar[int] = 32
     tiny_width: ClassVar[int] = 32

@@ -19,7 +19,12 @@ from diffusers import (
 )
 
 from digen.errors import DigenError
-from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+from digen.models.base import (
+    JOINT_ATTENTION_TARGETS,
+    DiffusionAdapter,
+    PromptEmbeds,
+    make_byte_tokenizer,
+)
 from digen.models.tiny import (
     tiny_autoencoder_kl,
     tiny_clip_text,
@@ -40,16 +45,7 @@ class SD3Adapter(DiffusionAdapter):
     pipeline_class: ClassVar[type[StableDiffusion3Pipeline]] = StableDiffusion3Pipeline
     is_video: ClassVar[bool] = False
     # attention projections of both streams (``attn`` and SD3.5-medium's ``attn2``)
-    lora_targets: ClassVar[tuple[str, ...]] = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
+    lora_targets: ClassVar[tuple[str, ...]] = JOINT_ATTENTION_TARGETS
     tiny_version: ClassVar[int] = 1
     tiny_height: ClassVar[int] = 32
     tiny_width: ClassVar[int] = 32
@@ -108,11 +104,6 @@ class SD3Adapter(DiffusionAdapter):
     @property
     def vae_scale_factor(self) -> int:
         return int(self.pipe.vae_scale_factor)
-
-    def latent_shape(self) -> tuple[int, ...]:
-        c = self.pipe.vae.config.latent_channels
-        f = self.vae_scale_factor
-        return (c, self.height // f, self.width // f)
 
     def image_seq_len(self) -> int:
         """Patch tokens per sample."""
