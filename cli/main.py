@@ -7,6 +7,10 @@
 Bad input (unknown model, missing files, a reward hook that does not import, a config value
 that is not allowed) prints one sentence and exits with code 2; ``--debug`` shows the
 traceback too.
+
+Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set, or ``--launcher torchrun``) every rank
+runs the same command: rank 0 is the driver and writes the outputs, the others become the
+workers named by :func:`role_for_rank` (docs/RUNTIME.md, "Multi-node with torchrun").
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from typing import Any
 
 import click
 
-__all__ = ["main"]
+__all__ = ["main", "role_for_rank"]
+
+RPC_PORT_ENV = "DIGEN_RPC_PORT"
+"""Under torchrun: the port of digen's RPC rendezvous; default ``MASTER_PORT + 1``."""
 
 
 def _quiet_imports() -> None:
@@ -82,6 +89,14 @@ def main() -> None:
     help="Save a sample grid every K steps.",
 )
 @click.option("--quiet", is_flag=True, help="No progress bar; print only the final summary.")
+@click.option(
+    "--launcher",
+    type=click.Choice(["auto", "local", "torchrun"]),
+    default="auto",
+    show_default=True,
+    help="local: this process spawns the workers; torchrun: every rank runs this command "
+    "(rank 0 the driver); auto: torchrun when RANK and WORLD_SIZE are set.",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.argument("overrides", nargs=-1)
 def run(
@@ -96,6 +111,7 @@ def run(
     out_dir: Path,
     sample_every: int,
     quiet: bool,
+    launcher: str,
     debug: bool,
     overrides: tuple[str, ...],
 ) -> None:
@@ -115,6 +131,7 @@ def run(
             sample_every,
             quiet,
             overrides,
+            launcher,
         )
     except KeyboardInterrupt:
         click.echo("interrupted; outputs written so far are in place.", err=True)
@@ -132,6 +149,10 @@ def run(
             raise
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    if result is None:  # a torchrun worker rank: it served until the driver stopped it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skips an interpreter teardown that can trip over RPC's native threads
     last = result.metrics[-1] if result.metrics else {}
     summary = {
         "out_dir": str(result.out_dir),
@@ -157,6 +178,7 @@ def _run(
     sample_every,
     quiet,
     overrides,
+    launcher="local",
 ):
     from digen.config import load_config
     from digen.errors import DigenError
@@ -184,8 +206,95 @@ def _run(
     cli.setdefault("model", {}).setdefault("name", model)
     cli.setdefault("algo", {}).setdefault("name", algo)
     cfg = load_config(config_path, overrides, base=cli, preset=base)
+    if launcher == "torchrun" or (launcher == "auto" and _under_torchrun(os.environ)):
+        return _run_torchrun(cfg, out_dir, quiet, sample_every)
     runner = DigenRunner(cfg, out_dir=out_dir, progress=not quiet, sample_every=sample_every)
     return _run_async(runner.run())
+
+
+# --- torchrun: one command on every rank ------------------------------------------------
+
+
+def role_for_rank(rank: int, generators: int, trainers: int) -> str:
+    """The role of a torchrun rank: 0 is the driver, 1..G the generators, then the trainers.
+
+    ``role_for_rank(2, 2, 1) == "generator-1"``; ``role_for_rank(3, 2, 1) == "trainer-0"``.
+    """
+    if rank == 0:
+        return "driver"
+    if 1 <= rank <= generators:
+        return f"generator-{rank - 1}"
+    if generators < rank <= generators + trainers:
+        return f"trainer-{rank - 1 - generators}"
+    raise ValueError(
+        f"rank {rank} has no role: ranks run from 0 to {generators + trainers} with "
+        f"{generators} generators and {trainers} trainers."
+    )
+
+
+def _under_torchrun(env) -> bool:
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def _torchrun_world(env, cfg) -> tuple[int, int, str, int]:
+    """``(rank, world, address, port)`` of digen's RPC rendezvous from torchrun's variables."""
+    from digen.errors import DigenError
+
+    def number(key: str, default: str | None = None) -> int:
+        value = env.get(key, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise DigenError(
+                f"environment variable {key}={value!r} must be an integer (torchrun sets it)."
+            ) from None
+
+    rank, world = number("RANK"), number("WORLD_SIZE")
+    rt = cfg.runtime
+    if rt.mode != "disaggregated":
+        raise DigenError(
+            f"a torchrun launch runs the disaggregated runtime; runtime.mode is {rt.mode!r}, "
+            "so add --mode disaggregated."
+        )
+    need = 1 + rt.generators + rt.trainers
+    if world != need:
+        raise DigenError(
+            f"torchrun started WORLD_SIZE={world} processes but runtime.generators="
+            f"{rt.generators} and runtime.trainers={rt.trainers} need 1 + {rt.generators} + "
+            f"{rt.trainers} = {need} (one driver, one per generator, one per trainer)."
+        )
+    if not 0 <= rank < world:
+        raise DigenError(f"RANK={rank} is outside 0..{world - 1}.")
+    address = env.get("MASTER_ADDR", "127.0.0.1")
+    if address == "localhost":  # what --standalone sets; one address family for every rank
+        address = "127.0.0.1"
+    if RPC_PORT_ENV in env:
+        port = number(RPC_PORT_ENV)
+    elif "MASTER_PORT" in env:
+        port = number("MASTER_PORT") + 1  # MASTER_PORT itself is torchrun's own store
+    else:
+        raise DigenError(f"set MASTER_PORT (torchrun does) or {RPC_PORT_ENV}.")
+    if not 0 < port < 65536:
+        raise DigenError(f"the RPC rendezvous port {port} is outside 1..65535.")
+    return rank, world, address, port
+
+
+def _run_torchrun(cfg, out_dir, quiet, sample_every):
+    """Rank 0: the usual driver, joining workers torchrun started. Others: serve as one."""
+    from digen.runner import DigenRunner
+    from digen.runtime.actors import ExternalLaunch, WorkerSpec, external_launch, serve_worker
+
+    rank, world, address, port = _torchrun_world(os.environ, cfg)
+    rt = cfg.runtime
+    if rank == 0:
+        runner = DigenRunner(cfg, out_dir=out_dir, progress=not quiet, sample_every=sample_every)
+        with external_launch(ExternalLaunch(address, port, world)):
+            return _run_async(runner.run())
+    spec = WorkerSpec(
+        role_for_rank(rank, rt.generators, rt.trainers), threads=rt.threads_per_worker
+    )
+    serve_worker(spec, rank, world, address, port, rpc_timeout_s=rt.rpc_timeout_s)
+    return None
 
 
 def _names_from_yaml(

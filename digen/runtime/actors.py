@@ -3,7 +3,9 @@
 The rest of digen sees only :class:`ActorSystem`, :class:`ActorHandle`, :class:`WorkerSpec`
 and the errors here; the transport underneath is ``torch.distributed.rpc`` (TensorPipe) and
 could be swapped without touching callers. The driver process is rank 0 (``"driver"``) and
-runs an asyncio loop; each :class:`WorkerSpec` becomes one spawned process.
+runs an asyncio loop; each :class:`WorkerSpec` becomes one spawned process, or, under an
+external launcher such as ``torchrun`` (:class:`ExternalLaunch`), one process that someone
+else started and that calls :func:`serve_worker`.
 
 What this layer guarantees, so actor classes need not care:
 
@@ -14,7 +16,9 @@ What this layer guarantees, so actor classes need not care:
   the remote traceback attached as a note;
 - a dead worker turns every pending and later call to it into :class:`WorkerDied` within
   about a second, and :meth:`ActorSystem.stop` never hangs (RPC's graceful shutdown is a
-  barrier that waits forever for a dead peer, so it is not used);
+  barrier that waits forever for a dead peer, so it is not used); with external launch the
+  driver has no process to poll, so a transport error followed by an unanswered probe is
+  what marks a worker dead, and a worker whose driver stops answering exits by itself;
 - only the loopback interface listens when the address is a loopback one.
 
 Worker-to-worker calls: an :class:`ActorHandle` pickles to a plain ``(worker, id)`` pair, so
@@ -58,9 +62,12 @@ __all__ = [
     "ActorHandle",
     "ActorSystem",
     "ActorSystemClosed",
+    "ExternalLaunch",
     "WorkerDied",
     "WorkerSpec",
+    "external_launch",
     "run_sync",
+    "serve_worker",
 ]
 
 DRIVER = "driver"
@@ -72,6 +79,11 @@ _DEATH_GRACE_S = 0.5
 _EXIT_RPC_TIMEOUT_S = 2.0
 _SHUTDOWN_TIMEOUT_S = 10.0
 _EXIT_FLUSH_S = 0.1
+_PROBE_TIMEOUT_S = 5.0
+"""External launch: how long a liveness probe (driver -> worker, worker -> driver) may take."""
+_DRIVER_PING_PERIOD_S = 1.0
+_DRIVER_MISSES = 3
+"""External launch: a worker exits after this many failed pings of the driver in a row."""
 _REMOTE_MARK = re.compile(r"^On WorkerInfo\(|^Error on Node |\n\nAt:\n")
 """Torch's wording for failures it caught in Python code (remote or local), as opposed to
 the transport's ("EOF: end of file (this error originated at tensorpipe/...)")."""
@@ -114,12 +126,55 @@ class WorkerSpec:
             raise ValueError(f"worker {self.name!r}: env entries must be str -> str, got {bad}.")
 
 
+@dataclass(frozen=True)
+class ExternalLaunch:
+    """Workers started by someone else (e.g. ``torchrun``): where and how big their world is.
+
+    The driver is rank 0 and serves the rendezvous store at ``address:port``; it must be an
+    address of the driver's own machine that every worker's machine can reach (loopback
+    keeps a one-machine world on loopback). Workers join with :func:`serve_worker`.
+    """
+
+    address: str
+    port: int
+    world: int
+    """Processes in the world, the driver included."""
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ValueError("external launch: the rendezvous address is empty.")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"external launch: port {self.port} is outside 1..65535.")
+        if self.world < 1:
+            raise ValueError(f"external launch: world size {self.world} must be >= 1.")
+
+
+_LAUNCH: ExternalLaunch | None = None
+"""The launch an :class:`ActorSystem` built without one uses (see :func:`external_launch`)."""
+
+
+@contextlib.contextmanager
+def external_launch(launch: ExternalLaunch) -> Iterator[None]:
+    """Make every :class:`ActorSystem` built in this block join ``launch`` instead of spawning.
+
+    For code that builds its system out of reach (the runner's driver); code that builds
+    one itself can pass ``launch=`` instead.
+    """
+    global _LAUNCH
+    saved, _LAUNCH = _LAUNCH, launch
+    try:
+        yield
+    finally:
+        _LAUNCH = saved
+
+
 class WorkerDied(RuntimeError):
     """A worker process exited or was killed; the RPC world cannot take it back."""
 
     def __init__(self, worker: str, pid: int | None, exitcode: int | None) -> None:
         self.worker, self.pid, self.exitcode = worker, pid, exitcode
-        super().__init__(f"worker {worker!r} (pid {pid}) {_describe_exit(exitcode)}.")
+        where = "pid unknown: started by an external launcher" if pid is None else f"pid {pid}"
+        super().__init__(f"worker {worker!r} ({where}) {_describe_exit(exitcode)}.")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (WorkerDied, (self.worker, self.pid, self.exitcode))
@@ -331,6 +386,10 @@ def _request_exit() -> int:
     return os.getpid()
 
 
+def _ping() -> None:
+    """Liveness probe: answered by RPC threads, so a busy actor does not delay it."""
+
+
 def _unwrap(value: Any) -> Any:
     if isinstance(value, _RemoteError):
         raise value.rebuild()
@@ -468,6 +527,10 @@ def _url_host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
 
+def _rendezvous_url(address: str, port: int, timeout_s: float) -> str:
+    return f"{_SCHEME}://{_url_host(address)}:{port}?timeout_s={timeout_s:g}"
+
+
 def _backend_options(url: str, rpc_timeout_s: float, threads: int) -> rpc.RpcBackendOptions:
     return rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=threads,
@@ -499,28 +562,94 @@ def _patched_env(extra: dict[str, str]) -> Iterator[None]:
 
 
 def _worker_main(spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float) -> None:
-    global _WORKER_NAME
-    _WORKER_NAME = spec.name
-    # Ctrl-C reaches the whole process group; the driver decides how workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(spec.threads)
-    _quiet_rpc_init_warning()
+    """A spawned worker: serve until the driver says stop, or exit with the driver."""
     parent = multiprocessing.parent_process()
     if parent is not None:  # an orphaned worker must not outlive a killed driver
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: it adds time and can trip over RPC's native threads.
+    os._exit(0)
+
+
+def serve_worker(
+    spec: WorkerSpec,
+    rank: int,
+    world: int,
+    address: str,
+    port: int,
+    rpc_timeout_s: float = 600.0,
+    start_timeout_s: float = 120.0,
+) -> None:
+    """Make this process worker ``spec`` of a world whose driver runs elsewhere.
+
+    For processes started by an external launcher (one ``torchrun`` rank each): join the RPC
+    world of ``world`` processes whose rendezvous store the driver (rank 0) serves at
+    ``address:port``, under ``spec.name`` and ``rank``, and serve actor calls. Returns when
+    the driver's stop handshake arrives, or when the driver has missed three pings a second
+    apart (then with one line on stderr). RPC is shut down on return; exit soon after
+    (``os._exit`` skips a teardown that can trip over RPC's native threads). Once per
+    process. ``spec.env`` is applied to ``os.environ`` here, so variables read at import
+    time must come from the launcher. On a loopback address every listener stays on
+    loopback; otherwise set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` as the network needs.
+    """
+    if not 0 < rank < world:
+        raise ValueError(f"worker rank {rank} is outside 1..{world - 1} (rank 0 is the driver).")
+    os.environ.update(spec.env)
+    if _is_loopback(address):
+        for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            os.environ.setdefault(key, _loopback_ifname())
+    url = _rendezvous_url(address, port, start_timeout_s)
+    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=True)
+    if _DRIVER_LOST.is_set():
+        print(
+            f"worker {spec.name!r}: the driver stopped answering at {address}:{port}; exiting.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _serve(
+    spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float, *, watch_driver: bool
+) -> None:
+    """Join the world as ``spec.name``, serve until asked to exit, shut RPC down locally."""
+    global _WORKER_NAME
+    _WORKER_NAME = spec.name
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C reaches the whole process group; the driver decides how workers stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(spec.threads)
+    _quiet_rpc_init_warning()
     rpc.init_rpc(
         spec.name,
         rank=rank,
         world_size=world,
         rpc_backend_options=_backend_options(url, rpc_timeout_s, spec.rpc_threads),
     )
+    if watch_driver:  # no parent process to watch: the driver may be on another machine
+        threading.Thread(target=_watch_driver, name="digen-driver-watch", daemon=True).start()
     _EXIT.wait()
     time.sleep(_EXIT_FLUSH_S)  # let the answer to the exit request leave before the pipes close
     rpc.shutdown(graceful=False)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: it adds time and can trip over RPC's native threads.
-    os._exit(0)
+
+
+_DRIVER_LOST = threading.Event()
+
+
+def _watch_driver() -> None:
+    """Ping the driver; when it stops answering, stop this worker as its handshake would."""
+    missed = 0
+    while not _EXIT.wait(_DRIVER_PING_PERIOD_S):
+        try:
+            rpc.rpc_sync(DRIVER, _ping, timeout=_PROBE_TIMEOUT_S)
+            missed = 0
+        except Exception:
+            missed += 1
+            if missed >= _DRIVER_MISSES and not _EXIT.is_set():
+                _DRIVER_LOST.set()
+                _request_exit()
+                return
 
 
 def _forget_earlier_worlds() -> None:
@@ -536,6 +665,14 @@ def _forget_earlier_worlds() -> None:
     sequence = getattr(rpc.api, "_all_gather_sequence_id", None)
     if isinstance(sequence, dict):
         sequence.clear()
+
+
+def _joined(name: str) -> bool:
+    try:
+        rpc.get_worker_info(name)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _kill(procs: Any) -> None:
@@ -562,7 +699,9 @@ def _exit_with_parent(parent: Any) -> None:
 
 
 class ActorSystem:
-    """Owns the RPC world: this process is rank 0 (``"driver"``), each spec a spawned process.
+    """Owns the RPC world: this process is rank 0 (``"driver"``), each spec a spawned process
+    (local launch) or a process an external launcher started (``launch``, see
+    :class:`ExternalLaunch`; inside :func:`external_launch` it is the default).
 
     One system per process at a time (RPC state is process-global); a stopped system may be
     followed by a new one. Use ``async with ActorSystem(specs) as system:``.
@@ -571,7 +710,9 @@ class ActorSystem:
     on a loopback address every listener of the world stays on loopback. ``rpc_timeout_s``
     bounds each call (a hung, still-living worker is noticed only then), ``start_timeout_s``
     the forming of the world, ``stop_timeout_s`` how long stop() waits for workers to exit
-    before killing them. Actors live until their worker exits.
+    before killing them. Actors live until their worker exits. With external launch the
+    rendezvous is ``launch.address:launch.port`` (``address``/``port`` are ignored), nothing
+    is spawned or killed, and :meth:`pids` is empty.
     """
 
     _active: ActorSystem | None = None
@@ -585,12 +726,21 @@ class ActorSystem:
         rpc_timeout_s: float = 600.0,
         start_timeout_s: float = 120.0,
         stop_timeout_s: float = 5.0,
+        launch: ExternalLaunch | None = None,
     ) -> None:
         names = [w.name for w in workers]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"worker names must be unique; repeated: {dupes}.")
         self.workers = tuple(workers)
+        self.launch = launch if launch is not None else _LAUNCH
+        if self.launch is not None:
+            if self.launch.world != len(self.workers) + 1:
+                raise ValueError(
+                    f"the launcher started {self.launch.world} processes but this system needs "
+                    f"{len(self.workers) + 1}: the driver and {len(self.workers)} workers."
+                )
+            address, port = self.launch.address, self.launch.port
         self.address, self.port = address, port
         self.rpc_timeout_s = rpc_timeout_s
         self.start_timeout_s = start_timeout_s
@@ -605,6 +755,7 @@ class ActorSystem:
         self._state = "new"  # new -> starting -> running -> stopping -> stopped
         self._watchdog: asyncio.Task | None = None
         self._stopping: asyncio.Task | None = None
+        self._probes: dict[str, asyncio.Task] = {}
         self.startup_s: float | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -617,7 +768,8 @@ class ActorSystem:
         await self.stop()
 
     async def start(self) -> None:
-        """Spawn every worker in parallel, join the RPC world, and start the watchdog."""
+        """Spawn every worker in parallel (local launch), join the RPC world, and start the
+        watchdog; with external launch, wait for every named worker to join."""
         if self._state != "new":
             raise RuntimeError(f"an ActorSystem starts once; this one is {self._state}.")
         if ActorSystem._active is not None:
@@ -641,35 +793,29 @@ class ActorSystem:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.address, self.port or 0))
             sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            if self.launch is None:
+                raise
+            raise OSError(
+                exc.errno,
+                f"the driver cannot listen on {self.address}:{self.port} for the RPC "
+                f"rendezvous ({exc.strerror}); it must be a free port on an address of the "
+                "driver's own machine",
+            ) from exc
         except BaseException:
             sock.close()
             raise
         self.port = sock.getsockname()[1]
         _LISTEN_FDS[self.port] = sock.detach()
-        url = (
-            f"{_SCHEME}://{_url_host(self.address)}:{self.port}?timeout_s={self.start_timeout_s:g}"
-        )
+        url = _rendezvous_url(self.address, self.port, self.start_timeout_s)
         world = len(self.workers) + 1
 
         env: dict[str, str] = {}
         if _is_loopback(self.address):
             env = {"TP_SOCKET_IFNAME": _loopback_ifname(), "GLOO_SOCKET_IFNAME": _loopback_ifname()}
-        ctx = multiprocessing.get_context("spawn")
-        for rank, spec in enumerate(self.workers, start=1):
-            child_env = {**env, "OMP_NUM_THREADS": str(spec.threads), **spec.env}
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(spec, rank, world, url, self.rpc_timeout_s),
-                name=f"digen-{spec.name}",
-                # Not daemonic: daemonic processes may not start children (DataLoader
-                # workers, compile pools). Exit paths are covered by stop(), the atexit
-                # hook below, and each worker's watch on its parent.
-                daemon=False,
-            )
-            with _patched_env(child_env):
-                proc.start()  # returns once the child is exec'd; imports run in parallel
-            self._procs[spec.name] = proc
-            self._pids[spec.name] = proc.pid
+        if self.launch is None:
+            self._spawn(env, url, world)
 
         _forget_earlier_worlds()
         _quiet_rpc_init_warning()
@@ -700,13 +846,41 @@ class ActorSystem:
             if self._dead:
                 raise next(iter(self._dead.values())).again()
             if time.monotonic() > deadline:
+                who = "workers" if self.launch is None else "workers started by the launcher"
                 raise TimeoutError(
                     f"the RPC world did not form within {self.start_timeout_s:g} s "
-                    f"({len(self.workers)} workers at {url})."
+                    f"({len(self.workers)} {who} at {url})."
                 )
             await asyncio.sleep(0.05)
         if failure:
             raise failure[0]
+        if self.launch is not None:
+            # The world is complete once init_rpc returns; check that it is the one we want.
+            missing = [w.name for w in self.workers if not _joined(w.name)]
+            if missing:
+                self._state = "running"  # joined: stop() must still release the others
+                raise RuntimeError(
+                    f"workers {missing} are not in the RPC world at {url}: every rank must "
+                    "run the same config, so that the ranks map to the same worker names."
+                )
+
+    def _spawn(self, env: dict[str, str], url: str, world: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        for rank, spec in enumerate(self.workers, start=1):
+            child_env = {**env, "OMP_NUM_THREADS": str(spec.threads), **spec.env}
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(spec, rank, world, url, self.rpc_timeout_s),
+                name=f"digen-{spec.name}",
+                # Not daemonic: daemonic processes may not start children (DataLoader
+                # workers, compile pools). Exit paths are covered by stop(), the atexit
+                # hook below, and each worker's watch on its parent.
+                daemon=False,
+            )
+            with _patched_env(child_env):
+                proc.start()  # returns once the child is exec'd; imports run in parallel
+            self._procs[spec.name] = proc
+            self._pids[spec.name] = proc.pid
 
     async def stop(self) -> None:
         """Ask live workers to exit, shut RPC down locally, then kill whatever is left.
@@ -728,12 +902,14 @@ class ActorSystem:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
         self._reap()
+        for probe in list(self._probes.values()):
+            probe.cancel()
         for futs in self._pending.values():
             for fut in futs:
                 if not fut.done():
                     fut.set_exception(ActorSystemClosed("the actor system stopped mid-call."))
         if handshake and was_running:
-            live = [n for n in self._procs if n not in self._dead]
+            live = [w.name for w in self.workers if w.name not in self._dead]
             asks = [
                 _bridge(rpc.rpc_async(n, _request_exit, timeout=_EXIT_RPC_TIMEOUT_S)) for n in live
             ]
@@ -796,13 +972,26 @@ class ActorSystem:
     async def _watch(self) -> None:
         while True:
             for name in self._reap():
-                for fut in self._pending[name]:
-                    if not fut.done():
-                        fut.set_exception(self._dead[name].again())
+                self._mark_dead(name, self._dead[name])
             await asyncio.sleep(_WATCHDOG_PERIOD_S)
 
+    def _mark_dead(self, worker: str, died: WorkerDied) -> None:
+        self._dead[worker] = died
+        for fut in self._pending[worker]:
+            if not fut.done():
+                fut.set_exception(died.again())
+
     async def _death_of(self, worker: str) -> WorkerDied | None:
-        """A transport error just arrived: wait briefly for the exit status that explains it."""
+        """A transport error just arrived: wait briefly for the exit status that explains it,
+        or, with external launch (no process to poll), probe the worker."""
+        if self.launch is not None:
+            if worker not in self._dead:
+                probe = self._probes.get(worker)
+                if probe is None:
+                    probe = asyncio.create_task(self._probe(worker), name=f"digen-probe-{worker}")
+                    self._probes[worker] = probe
+                await asyncio.wait({probe})  # shared by every call that failed meanwhile
+            return self._dead.get(worker)
         proc = self._procs.get(worker)
         deadline = time.monotonic() + _DEATH_GRACE_S
         while proc is not None and time.monotonic() < deadline:
@@ -811,6 +1000,16 @@ class ActorSystem:
                 break
             await asyncio.sleep(0.02)
         return self._dead.get(worker)
+
+    async def _probe(self, worker: str) -> None:
+        """External launch: a worker that cannot answer a ping after a transport error is dead."""
+        try:
+            await _bridge(rpc.rpc_async(worker, _ping, timeout=_PROBE_TIMEOUT_S))
+        except Exception:
+            if self._state == "running" and worker not in self._dead:
+                self._mark_dead(worker, WorkerDied(worker, None, None))
+        finally:
+            self._probes.pop(worker, None)
 
     # ---- calls ----------------------------------------------------------------------
 

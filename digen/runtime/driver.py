@@ -23,6 +23,7 @@ scaled by ``1 / terms of the step``, so a step ends where the colocated trainer 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import socket
 import time
@@ -134,22 +135,31 @@ class Driver:
         await self.system.start()
         cfg_dict = config_to_dict(self.cfg)
         rt = self.cfg.runtime
-        dp_port = _free_port(rt.address)
+        # Trainer 0 hosts the store of each process group, so the address is one of its
+        # machine's (the RPC address itself on loopback) and the ports are free there.
+        host, dp_port, sync_port = self.system.address, 0, 0
+        if rt.trainers > 1 or rt.weight_sync == "broadcast":
+            lead = self.trainer_names[0]
+            host = await self.system.run(lead, _reachable_host, self.system.address)
+            dp_port = await self.system.run(lead, _free_port, host)
+            sync_port = await self.system.run(lead, _free_port, host)
         self.gens = [
             self.system.actor(name, _generator_cls(), cfg_dict, self.rewards)
             for name in self.gen_names
         ]
         self.trainers = [
-            self.system.actor(name, _trainer_cls(), cfg_dict, i, rt.trainers, dp_port)
+            self.system.actor(name, _trainer_cls(), cfg_dict, i, rt.trainers, dp_port, host)
             for i, name in enumerate(self.trainer_names)
         ]
         await asyncio.gather(*(a.call("ping") for a in self.gens + self.trainers))
         if rt.weight_sync == "broadcast":
-            port = _free_port(rt.address)
             size = 1 + len(self.gens)
             await asyncio.gather(
-                self.trainers[0].call("join_sync_group", port, 0, size),
-                *(g.call("join_sync_group", port, i + 1, size) for i, g in enumerate(self.gens)),
+                self.trainers[0].call("join_sync_group", sync_port, 0, size, host),
+                *(
+                    g.call("join_sync_group", sync_port, i + 1, size, host)
+                    for i, g in enumerate(self.gens)
+                ),
             )
         await self._sync_weights(step=-1)
 
@@ -424,6 +434,27 @@ def _window(cfg: DigenConfig, step: int) -> list[int]:
         window_range=r.sde_window_range,
         sde_type=r.sde_type,
     )
+
+
+def _reachable_host(peer: str) -> str:
+    """This machine's address on the route to ``peer`` (``peer`` itself when it is loopback).
+
+    Run on trainer 0, whose process-group stores the other members must reach; ``peer`` is
+    the RPC rendezvous address, which every process reaches.
+    """
+    try:
+        if ipaddress.ip_address(peer).is_loopback:
+            return peer
+    except ValueError:
+        if peer == "localhost":
+            return peer
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))  # a UDP connect sends nothing: it only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return peer
 
 
 def _free_port(address: str) -> int:

@@ -81,10 +81,10 @@ class _PolicyActor:
     def ping(self) -> int:
         return os.getpid()
 
-    def join_sync_group(self, port: int, rank: int, size: int) -> None:
-        """Join the weight-broadcast group (trainer 0 is rank 0)."""
+    def join_sync_group(self, port: int, rank: int, size: int, host: str | None = None) -> None:
+        """Join the weight-broadcast group (trainer 0 is rank 0; its store at ``host``)."""
         self.sync_group = make_group(
-            self.cfg.runtime.address,
+            host or self.cfg.runtime.address,
             port,
             rank,
             size,
@@ -164,8 +164,15 @@ class TrainerActor(_PolicyActor):
     """Accumulates gradients over update micro-batches; steps once per train step."""
 
     def __init__(
-        self, cfg: DigenConfig | dict[str, Any], rank: int, world: int, dp_port: int
+        self,
+        cfg: DigenConfig | dict[str, Any],
+        rank: int,
+        world: int,
+        dp_port: int,
+        dp_host: str | None = None,
     ) -> None:
+        """``dp_host``: where trainer 0 serves the data-parallel group's store
+        (``runtime.address`` when None)."""
         cfg = _config(cfg, None)
         cfg = _config(cfg, cfg.runtime.trainer_device)
         super().__init__(cfg, trainable=True)
@@ -173,7 +180,7 @@ class TrainerActor(_PolicyActor):
         self.dp_group = None
         if world > 1:
             self.dp_group = make_group(
-                cfg.runtime.address,
+                dp_host or cfg.runtime.address,
                 dp_port,
                 rank,
                 world,

@@ -27,6 +27,7 @@ from digen.runtime.actors import (
     ActorHandle,
     ActorSystem,
     ActorSystemClosed,
+    ExternalLaunch,
     WorkerDied,
     WorkerSpec,
 )
@@ -290,3 +291,127 @@ def test_worker_spec_checks_its_fields() -> None:
         WorkerSpec("generator-0", threads=0)
     with pytest.raises(ValueError, match="repeated"):
         ActorSystem([WorkerSpec("a"), WorkerSpec("a")])
+
+
+# --- external launch: workers someone else started (what torchrun does) -------------------
+
+_EXTERNAL_WORKER = """
+import os, sys
+from digen.runtime.actors import WorkerSpec, serve_worker
+
+name, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+serve_worker(WorkerSpec(name), rank, world, "127.0.0.1", port, start_timeout_s=60.0)
+print("served", flush=True)
+os._exit(0)
+"""
+
+_EXTERNAL_DRIVER = """
+import asyncio, sys
+from digen.runtime.actors import ActorSystem, ExternalLaunch, WorkerSpec
+
+async def main():
+    launch = ExternalLaunch("127.0.0.1", int(sys.argv[1]), 3)
+    async with ActorSystem([WorkerSpec("generator-0"), WorkerSpec("trainer-0")], launch=launch):
+        print("ready", flush=True)
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _external_worker(name: str, rank: int, world: int, port: int) -> subprocess.Popen:
+    here = os.path.dirname(os.path.abspath(__file__))  # actor_classes must import there
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-c", _EXTERNAL_WORKER, name, str(rank), str(world), str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+@pytest.mark.asyncio
+async def test_external_launch_serves_started_workers_and_reports_a_dead_one() -> None:
+    port = _free_port()
+    names = ["generator-0", "trainer-0"]
+    procs = {n: _external_worker(n, rank, 3, port) for rank, n in enumerate(names, start=1)}
+    launch = ExternalLaunch("127.0.0.1", port, 3)
+    system = ActorSystem([WorkerSpec(n) for n in names], launch=launch, stop_timeout_s=1.0)
+    try:
+        await system.start()
+        assert system.pids() == {}  # nothing spawned here
+        gen = system.actor("generator-0", Accumulator, 2)
+        trainer = system.actor("trainer-0", Accumulator, 2)
+        assert await gen.call("pid") == procs["generator-0"].pid
+        assert await trainer.call("pid") == procs["trainer-0"].pid
+
+        pending = asyncio.create_task(gen.call("sleep", 30.0))
+        await asyncio.sleep(0.2)  # the call is running in the worker
+        procs["generator-0"].kill()
+        killed_at = time.perf_counter()
+        with pytest.raises(WorkerDied) as info:
+            await asyncio.wait_for(pending, 8.0)
+        assert time.perf_counter() - killed_at < 3.0
+        assert str(info.value) == (
+            "worker 'generator-0' (pid unknown: started by an external launcher) stopped answering."
+        )
+        with pytest.raises(WorkerDied, match="'generator-0'"):  # later calls fail at once
+            await asyncio.wait_for(gen.call("ping"), 1.0)
+        assert (await trainer.call("add", torch.ones(2))).tolist() == [1.0, 1.0]
+    finally:
+        start = time.perf_counter()
+        await system.stop()
+        stop_s = time.perf_counter() - start
+        try:
+            # the live worker got the stop handshake and returned from serve_worker
+            out, err = procs["trainer-0"].communicate(timeout=10)
+        finally:
+            _reap(list(procs.values()))
+    assert stop_s < 3.0
+    assert procs["trainer-0"].returncode == 0 and out == "served\n", err
+
+
+def test_external_workers_exit_when_the_driver_is_gone() -> None:
+    port = _free_port()
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _EXTERNAL_DRIVER, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    workers = [
+        _external_worker("generator-0", 1, 3, port),
+        _external_worker("trainer-0", 2, 3, port),
+    ]
+    try:
+        line = driver.stdout.readline() if driver.stdout else ""
+        assert line == "ready\n", "the world did not form"
+        driver.kill()  # no stop handshake: the workers must notice by themselves
+        for proc in workers:
+            out, err = proc.communicate(timeout=15)
+            assert proc.returncode == 0 and out == "served\n"
+            assert "the driver stopped answering" in err
+    finally:
+        driver.kill()
+        driver.communicate(timeout=10)
+        _reap(workers)
+
+
+def test_external_launch_checks_its_world() -> None:
+    with pytest.raises(ValueError, match="started 4 processes but this system needs 3"):
+        ActorSystem([WorkerSpec("a"), WorkerSpec("b")], launch=ExternalLaunch("127.0.0.1", 1, 4))
+    with pytest.raises(ValueError, match="port 0"):
+        ExternalLaunch("127.0.0.1", 0, 2)
