@@ -346,13 +346,19 @@ class Policy:
         os.replace(tmp, final)
         return final
 
+    def synced_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` of what training changes: the LoRA weights, or every weight.
+
+        The same list on every copy of the policy (trainer or generator), in the same order,
+        so weights can travel as one flat tensor.
+        """
+        lora = self.cfg.train.lora_rank > 0
+        named = self.adapter.transformer.named_parameters()
+        return [(n, p) for n, p in named if "lora_" in n or not lora]
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """Name -> tensor of everything that trains (the LoRA weights, or the full model)."""
-        return {
-            n: p.detach().clone()
-            for n, p in self.adapter.transformer.named_parameters()
-            if p.requires_grad or (self.cfg.train.lora_rank > 0 and "lora_" in n)
-        }
+        """Name -> tensor copy of :meth:`synced_parameters`."""
+        return {n: p.detach().clone() for n, p in self.synced_parameters()}
 
 
 def _atomic_dir(final: Path) -> Path:

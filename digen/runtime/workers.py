@@ -107,7 +107,7 @@ class _PolicyActor:
     def broadcast_weights(self, version: int) -> Timed:
         """Enter the weight broadcast (every member at once): trainer 0 sends, others receive."""
         t0 = time.time()
-        params = self._sync_params()
+        params = [p for _, p in self.policy.synced_parameters()]
         flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params])
         self.sync_group.broadcast(flat, 0).wait()
         self._unflatten_into(params, flat)
@@ -123,14 +123,6 @@ class _PolicyActor:
                 named[name].copy_(value.to(named[name].device, named[name].dtype))
         self.policy.version = version
         return Timed(version, t0, time.time())
-
-    def _sync_params(self) -> list[torch.nn.Parameter]:
-        lora = self.cfg.train.lora_rank > 0
-        return [
-            p
-            for n, p in self.policy.adapter.transformer.named_parameters()
-            if (lora and "lora_" in n) or not lora
-        ]
 
     @staticmethod
     def _unflatten_into(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
