@@ -78,6 +78,7 @@ class _StepState:
     """Time the actors spent in generate / score / update calls of this step."""
     overhead_s: float = 0.0
     """Driver-side span of those calls minus the actors' own: RPC, pickling, scheduling."""
+    overhead_by_kind: dict[str, list[float]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -294,6 +295,7 @@ class Driver:
         span, work = time.time() - t0, res.t1 - res.t0
         st.compute_s += work
         st.overhead_s += max(0.0, span - work)
+        st.overhead_by_kind.setdefault(method, []).append(max(0.0, span - work))
         return res
 
     def _on_scored(self, st: _StepState, made: _Made, total: torch.Tensor, comps: dict) -> None:
@@ -398,6 +400,10 @@ class Driver:
                 "time/optimizer_s": t_end - t_step,
                 "time/sync_s": time.time() - t_end,
                 "overhead_fraction": st.overhead_s / max(st.compute_s, 1e-12),
+                **{
+                    f"overhead_ms/{kind}": 1e3 * sum(v) / len(v)
+                    for kind, v in st.overhead_by_kind.items()
+                },
                 "utilisation": stats.utilisation,
                 "bubble_fraction": stats.bubble_fraction,
             }
