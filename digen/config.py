@@ -421,6 +421,10 @@ class RuntimeConfig:
     """Device of the generator pool; None uses model.device."""
     trainer_device: str | None = None
     """Device of the trainer pool; None uses model.device."""
+    generator_dtype: str | None = None
+    """Weights dtype of the generator pool (float32, bfloat16, float16); None uses model.dtype."""
+    trainer_dtype: str | None = None
+    """Weights dtype of the trainer pool; None uses model.dtype."""
     threads_per_worker: int = 1
     """CPU threads each worker process may use (torch.set_num_threads)."""
     microbatch_axis: str = "generation"
@@ -445,6 +449,10 @@ class RuntimeConfig:
         _choice(_key(p, "mode"), self.mode, MODES)
         _at_least(p, "generators", self.generators, 1)
         _at_least(p, "trainers", self.trainers, 1)
+        for pool in ("generator", "trainer"):
+            dtype = getattr(self, f"{pool}_dtype")
+            if dtype is not None:
+                _choice(_key(p, f"{pool}_dtype"), dtype, DTYPES)
         _at_least(p, "threads_per_worker", self.threads_per_worker, 1)
         _choice(_key(p, "microbatch_axis"), self.microbatch_axis, MICROBATCH_AXES)
         if self.samples_per_microbatch is not None:

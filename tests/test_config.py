@@ -256,6 +256,7 @@ BAD = [
     (["runtime.generators=0"], "runtime.generators", "0"),
     (["runtime.trainers=0"], "runtime.trainers", "0"),
     (["runtime.threads_per_worker=0"], "runtime.threads_per_worker", "0"),
+    (["runtime.trainer_dtype=fp8"], "runtime.trainer_dtype", "'fp8'"),
     (["runtime.microbatch_axis=sample"], "runtime.microbatch_axis", "'sample'"),
     (["runtime.samples_per_microbatch=0"], "runtime.samples_per_microbatch", "0"),
     (["runtime.tsp_degree=0"], "runtime.tsp_degree", "0"),
@@ -357,3 +358,13 @@ def test_builtin_reward_names_match_the_rewards_module() -> None:
     from digen.config import BUILTIN_REWARDS
 
     assert set(BUILTIN_REWARDS) == set(rewards.BUILTIN_REWARDS)
+
+
+def test_each_pool_gets_its_own_device_and_dtype() -> None:
+    from digen.runtime.workers import _pool_config
+
+    cfg = load_config(overrides=["runtime.generator_dtype=bfloat16", "runtime.trainer_device=meta"])
+    gen, trainer = _pool_config(cfg, "generator"), _pool_config(cfg, "trainer")
+    assert (gen.model.dtype, gen.model.device) == ("bfloat16", "cpu")
+    assert (trainer.model.dtype, trainer.model.device) == ("float32", "meta")
+    assert cfg.model.dtype == "float32"  # the run's own config is left alone

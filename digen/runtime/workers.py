@@ -51,11 +51,13 @@ def make_group(address: str, port: int, rank: int, size: int, device: str, timeo
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
-def _config(cfg: DigenConfig | dict[str, Any], device: str | None) -> DigenConfig:
+def _pool_config(cfg: DigenConfig | dict[str, Any], pool: str) -> DigenConfig:
+    """The run's config with ``model.device`` / ``model.dtype`` set to this pool's own."""
     cfg = cfg if isinstance(cfg, DigenConfig) else load_config(base=cfg)
-    if device is not None and device != cfg.model.device:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device))
-    return cfg
+    device = getattr(cfg.runtime, f"{pool}_device") or cfg.model.device
+    dtype = getattr(cfg.runtime, f"{pool}_dtype") or cfg.model.dtype
+    model = dataclasses.replace(cfg.model, device=device, dtype=dtype)
+    return dataclasses.replace(cfg, model=model)
 
 
 def _set_threads(n: int) -> None:
@@ -138,8 +140,7 @@ class GeneratorActor(_PolicyActor):
     """Samples trajectories and scores them (rewards run on the generator pool)."""
 
     def __init__(self, cfg: DigenConfig | dict[str, Any], rewards: Sequence[Any] | None = None):
-        cfg = _config(cfg, None)
-        cfg = _config(cfg, cfg.runtime.generator_device)
+        cfg = _pool_config(cfg, "generator")
         super().__init__(cfg, trainable=False)
         self.reward = build_reward(list(rewards) if rewards is not None else cfg.rewards)
 
@@ -165,8 +166,7 @@ class TrainerActor(_PolicyActor):
     ) -> None:
         """``dp_host``: where trainer 0 serves the data-parallel group's store
         (``runtime.address`` when None)."""
-        cfg = _config(cfg, None)
-        cfg = _config(cfg, cfg.runtime.trainer_device)
+        cfg = _pool_config(cfg, "trainer")
         super().__init__(cfg, trainable=True)
         self.rank, self.world = rank, world
         self.dp_group = None
