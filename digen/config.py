@@ -407,6 +407,7 @@ class RewardSpec:
 MODES = ("colocated", "disaggregated")
 MICROBATCH_AXES = ("generation", "prompt")
 WEIGHT_SYNCS = ("rpc", "broadcast")
+TAG_POLICIES = ("bts", "static", "none")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -435,6 +436,14 @@ class RuntimeConfig:
     """Timesteps a trainer evaluates in one batched forward/backward (TSP); 1 = one timestep at a time."""
     pipeline: bool = True
     """Overlap generation and training; false = naive disaggregation (generate the whole batch, then train)."""
+    tag: str = "bts"
+    """Trainer-assisted generation at trainer bubbles: bts (bubble-triggered search), static, or none."""
+    tag_k: int = 1
+    """With tag=static: TAG micro-batches per step, inserted at the first bubbles."""
+    max_staleness: int = 0
+    """TCSS: how many policy versions a generation may lag its train step; 0 = on-policy."""
+    staleness_ratio: float = 0.5
+    """TCSS: the largest fraction of a step's micro-batches that may come from an older version."""
     weight_sync: str = "rpc"
     """How new weights reach the generators: rpc (tensors over RPC) or broadcast (a gloo/NCCL group)."""
     address: str = "127.0.0.1"
@@ -459,6 +468,11 @@ class RuntimeConfig:
             _at_least(p, "samples_per_microbatch", self.samples_per_microbatch, 1)
         _at_least(p, "tsp_degree", self.tsp_degree, 1)
         _choice(_key(p, "weight_sync"), self.weight_sync, WEIGHT_SYNCS)
+        _choice(_key(p, "tag"), self.tag, TAG_POLICIES)
+        _at_least(p, "tag_k", self.tag_k, 0)
+        _at_least(p, "max_staleness", self.max_staleness, 0, " (0 is on-policy)")
+        if not 0.0 <= self.staleness_ratio <= 1.0:
+            raise _bad(_key(p, "staleness_ratio"), self.staleness_ratio, "it must be in [0, 1]")
         if not self.address:
             raise _bad(_key(p, "address"), self.address, "give an IP address such as 127.0.0.1")
         _positive(p, "rpc_timeout_s", self.rpc_timeout_s)

@@ -262,6 +262,10 @@ BAD = [
     (["runtime.tsp_degree=0"], "runtime.tsp_degree", "0"),
     (["runtime.pipeline=maybe"], "runtime.pipeline", "'maybe'"),
     (["runtime.weight_sync=nccl"], "runtime.weight_sync", "'nccl'"),
+    (["runtime.tag=always"], "runtime.tag", "'always'"),
+    (["runtime.tag_k=-1"], "runtime.tag_k", "-1"),
+    (["runtime.max_staleness=-1"], "runtime.max_staleness", "-1"),
+    (["runtime.staleness_ratio=1.5"], "runtime.staleness_ratio", "1.5"),
     (["runtime.rpc_timeout_s=0"], "runtime.rpc_timeout_s", "0.0"),
     (
         ["runtime.mode=disaggregated", "data.train_batch_size=2", "train.mini_batch_size=1"],

@@ -92,6 +92,8 @@ async def test_trace_accounts_for_every_microbatch_and_version() -> None:
         gen_state = await driver.gens[1].call("trainable_state")
         trainer_state = await driver.trainers[0].call("trainable_state")
     assert len(set(pids)) == 3  # two generators and a trainer, each its own process
+    # the first bubble of a run is always filled by TAG (it measures the trainer's speed)
+    assert any(e.kind == "tag" and e.step == 0 for e in trace.events)
 
     # after the last sync the generators hold exactly the trainer's weights
     assert gen_state.keys() == trainer_state.keys()
@@ -102,18 +104,18 @@ async def test_trace_accounts_for_every_microbatch_and_version() -> None:
     events = trace.events
     for step in range(2):
         mine = [e for e in events if e.step == step]
-        by_kind = {
-            k: Counter(e.mb for e in mine if e.kind == k) for k in ("generate", "score", "update")
-        }
+        made = [e for e in mine if e.kind in ("generate", "tag")]  # TAG: made on a trainer
+        by_kind = {k: Counter(e.mb for e in mine if e.kind == k) for k in ("score", "update")}
+        by_kind["generate or tag"] = Counter(e.mb for e in made)
         n_mb = 2 * 2  # 2 prompts x (4 samples / 2 per micro-batch)
         for kind, counts in by_kind.items():
             assert sorted(counts) == list(range(n_mb)), kind
             assert set(counts.values()) == {1}, kind  # each exactly once
-        # every trajectory of step s was made with version s (on-policy)
-        assert {e.version for e in mine if e.kind == "generate"} == {step}
-        # generation and training ran in different processes
+        # every trajectory of step s was made with version s (on-policy), TAG ones included
+        assert {e.version for e in made} == {step}
+        # generation and training ran in different processes; TAG ran on the trainer
         assert {e.worker for e in mine if e.kind == "generate"} == {"generator-0", "generator-1"}
-        assert {e.worker for e in mine if e.kind == "update"} == {"trainer-0"}
+        assert {e.worker for e in mine if e.kind in ("update", "tag")} == {"trainer-0"}
         # an update starts only after its micro-batch was scored
         scored = {e.mb: e.t1 for e in mine if e.kind == "score"}
         assert all(e.t0 >= scored[e.mb] - 1e-6 for e in mine if e.kind == "update")
@@ -166,6 +168,8 @@ def test_digen_run_disaggregated_every_model_and_algo(
         json.loads(line)["kind"] for line in (out / "trace.jsonl").read_text().splitlines()
     )
     # 2 prompts x 2 samples, one group per micro-batch with one generator: 2 of each
-    assert (kinds["generate"], kinds["score"], kinds["update"], kinds["step"]) == (2, 2, 2, 1)
+    made = kinds["generate"] + kinds["tag"]  # the first bubble is filled by a TAG probe
+    assert (made, kinds["score"], kinds["update"], kinds["step"]) == (2, 2, 2, 1)
+    assert kinds["tag"] == row["tag_microbatches"]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (out / "timeline.png").is_file() and (out / "samples" / "step_0000.png").is_file()

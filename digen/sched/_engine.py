@@ -1,0 +1,605 @@
+"""The discrete-event model of the two pools, shared by the simulator and the TAG search.
+
+One small class, :class:`Engine`, advances the schedule from one trainer bubble to the next
+and stops there for a decision. The simulator asks a policy at each stop and records trace
+events; the search clones the engine at each stop and explores both answers. Having a single
+model is what makes "the search agrees with brute force" and "the search agrees with the
+simulator" the same statement.
+
+Rules (they mirror ``digen/runtime/driver.py`` and are documented in ``simulator.py``):
+
+- a free generator scores the head of SQ if SQ is non-empty, else generates the next
+  micro-batch if the staleness rule admits it, else idles;
+- a free trainer updates the head of UQ (the train step's ready micro-batches) if any, else
+  it is at a bubble: with an admissible micro-batch left, the policy decides between a TAG
+  generation (its result joins SQ) and waiting; a trainer that waits is not asked again
+  until it has done an update;
+- when every update of the train step is done, the trainers finish their current task and
+  all run ``step`` together; then, once every generator has finished its current task, all
+  workers run ``sync``; then the version (= train step) goes up by one.
+
+Tie-breaking, so that runs are reproducible and the model does not depend on which of two
+identical workers is which:
+
+- tasks ending at the same instant take effect in ``(step, mb)`` order of their micro-batch
+  (so same-instant generations enter SQ in micro-batch order);
+- then free generators are served in index order, then free trainers: trainers that were
+  already waiting first, then the ones just freed, each group in index order;
+- bubbles met at the same instant are decided one trainer at a time, in that order.
+"""
+
+from __future__ import annotations
+
+import math
+
+from digen.sched.costs import Costs
+from digen.sched.state import WORKER_KINDS, SchedState, WorkerClock
+from digen.sched.trace import TraceEvent
+
+IDLE, GEN, TAG, SCORE, UPDATE, STEP, SYNC = range(7)
+_CODE = {name: i for i, name in enumerate(WORKER_KINDS)}
+_INF = math.inf
+
+# Training-side phase of the current step.
+_TRAIN, _WANT_STEP, _STEPPING, _WANT_SYNC, _SYNCING = range(5)
+
+
+class Config:
+    """Fixed parameters of a model: pool sizes, costs, GAP and TCSS settings."""
+
+    __slots__ = (
+        "B",
+        "G",
+        "T",
+        "n",
+        "cg",
+        "ct",
+        "cs",
+        "cu",
+        "cstep",
+        "csync",
+        "gsize",
+        "W",
+        "cap",
+        "last_step",
+        "names",
+        "cmin",
+    )
+
+    def __init__(
+        self,
+        costs: Costs,
+        microbatches: int,
+        generators: int,
+        trainers: int,
+        *,
+        mbs_per_group: int = 1,
+        max_staleness: int = 0,
+        stale_cap: int = 0,
+        last_step: int | None = None,
+    ) -> None:
+        for name, v, lo in (
+            ("microbatches", microbatches, 1),
+            ("generators", generators, 1),
+            ("trainers", trainers, 1),
+            ("mbs_per_group", mbs_per_group, 1),
+            ("max_staleness", max_staleness, 0),
+            ("stale_cap", stale_cap, 0),
+        ):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        self.B = microbatches
+        self.G = generators
+        self.T = trainers
+        self.n = generators + trainers
+        self.cg, self.ct, self.cs, self.cu = costs.gen, costs.gen_tag, costs.score, costs.update
+        self.cstep, self.csync = costs.step, costs.sync
+        self.cmin = min(self.cg, self.ct)
+        self.gsize = mbs_per_group
+        self.W = max_staleness
+        self.cap = stale_cap
+        self.last_step = 1 << 60 if last_step is None else last_step
+        self.names = tuple(f"generator-{i}" for i in range(generators)) + tuple(
+            f"trainer-{j}" for j in range(trainers)
+        )
+
+
+class Engine:
+    """Mutable schedule state plus the rules that advance it (see the module docstring)."""
+
+    __slots__ = (
+        "cfg",
+        "horizon",
+        "events",
+        "now",
+        "version",
+        "phase",
+        "busy",
+        "kind",
+        "wstep",
+        "wmb",
+        "wver",
+        "wt0",
+        "waiting",
+        "sq",
+        "uq",
+        "scored",
+        "updated",
+        "fs",
+        "fm",
+        "dispatch",
+        "tags",
+        "bubbles",
+        "done",
+        "step_ends",
+        "tag_total",
+        "bubble_total",
+    )
+
+    def __init__(self, cfg: Config, *, horizon: int, record: bool = False) -> None:
+        n = cfg.n
+        self.cfg = cfg
+        self.horizon = horizon
+        """Stop when the version reaches this (the number of steps to run from step 0)."""
+        self.events: list[TraceEvent] | None = [] if record else None
+        self.now = 0.0
+        self.version = 0
+        self.phase = _TRAIN
+        self.busy = [_INF] * n  # expected end of the current task, seconds; inf when idle
+        self.kind = [IDLE] * n
+        self.wstep = [-1] * n
+        self.wmb = [-1] * n
+        self.wver = [-1] * n
+        self.wt0 = [0.0] * n
+        self.waiting = [False] * n  # used for trainers only (indices G..n-1)
+        self.sq: list[tuple[int, int, int]] = []  # (step, mb, generation version), FIFO
+        self.uq: dict[int, list[int]] = {}  # step -> ready micro-batch ids, FIFO
+        self.scored: dict[tuple[int, int], int] = {}  # (step, group) -> scored, partial only
+        self.updated = 0
+        self.fs = 0  # frontier: next micro-batch to hand out is (fs, fm)
+        self.fm = 0
+        self.dispatch = True  # tasks at `now` have taken effect; free workers not yet served
+        self.tags = 0
+        self.bubbles = 0
+        self.done = False
+        self.step_ends: list[float] = []
+        self.tag_total = 0
+        self.bubble_total = 0
+
+    # -- building ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_state(cls, state: SchedState, costs: Costs, *, steps: int = 1) -> Engine:
+        """A model positioned at ``state``, to run ``steps`` train steps from its step."""
+        cfg = Config(
+            costs,
+            state.microbatches,
+            len(state.generators),
+            len(state.trainers),
+            mbs_per_group=state.mbs_per_group,
+            max_staleness=state.max_staleness,
+            stale_cap=state.stale_cap,
+            last_step=state.last_step,
+        )
+        eng = cls(cfg, horizon=state.step + steps)
+        now = float(state.now)
+        eng.now = now
+        eng.version = state.step
+        for i, w in enumerate(state.generators + state.trainers):
+            code = _CODE.get(w.kind, -1)
+            if code < 0:
+                raise ValueError(f"worker kind {w.kind!r} is not one of {WORKER_KINDS}")
+            if code in (STEP, SYNC):
+                raise ValueError("a bubble cannot be decided while the step or sync is running")
+            eng.kind[i] = code
+            if code:
+                eng.busy[i] = max(float(w.busy_until), now)
+                eng.wstep[i], eng.wmb[i], eng.wver[i] = w.step, w.mb, state.step
+                eng.wt0[i] = now
+            eng.waiting[i] = w.waiting and i >= cfg.G
+        eng.sq = [(s, m, state.step) for s, m in state.sq]
+        eng.uq = {state.step: list(range(state.uq))}
+        eng.scored = {(s, g): c for s, g, c in state.partial_groups}
+        eng.updated = state.updated
+        eng.fs, eng.fm = state.next_mb
+        eng.tags, eng.bubbles = state.tags, state.bubbles
+        return eng
+
+    def to_state(self, trainer: int) -> SchedState:
+        """The :class:`SchedState` a policy sees at this stop (``trainer`` is at the bubble)."""
+        cfg = self.cfg
+        clocks = []
+        for i in range(cfg.n):
+            k = self.kind[i]
+            if k:
+                clocks.append(
+                    WorkerClock(WORKER_KINDS[k], self.busy[i], self.wstep[i], self.wmb[i], False)
+                )
+            else:
+                clocks.append(WorkerClock(waiting=self.waiting[i]))
+        return SchedState(
+            now=self.now,
+            trainer=trainer,
+            microbatches=cfg.B,
+            step=self.version,
+            generators=tuple(clocks[: cfg.G]),
+            trainers=tuple(clocks[cfg.G :]),
+            next_mb=(self.fs, self.fm),
+            sq=tuple((s, m) for s, m, _ in self.sq),
+            uq=len(self.uq.get(self.version, ())),
+            updated=self.updated,
+            partial_groups=tuple(sorted((s, g, c) for (s, g), c in self.scored.items())),
+            mbs_per_group=cfg.gsize,
+            max_staleness=cfg.W,
+            stale_cap=cfg.cap,
+            last_step=None if cfg.last_step >= 1 << 60 else cfg.last_step,
+            tags=self.tags,
+            bubbles=self.bubbles,
+        )
+
+    def clone(self) -> Engine:
+        """An independent copy (trace recording is not carried over)."""
+        c = Engine.__new__(Engine)
+        c.cfg = self.cfg
+        c.horizon = self.horizon
+        c.events = None
+        c.now = self.now
+        c.version = self.version
+        c.phase = self.phase
+        c.busy = self.busy[:]
+        c.kind = self.kind[:]
+        c.wstep = self.wstep[:]
+        c.wmb = self.wmb[:]
+        c.wver = self.wver[:]
+        c.wt0 = self.wt0[:]
+        c.waiting = self.waiting[:]
+        c.sq = self.sq[:]
+        c.uq = {s: q[:] for s, q in self.uq.items()}
+        c.scored = self.scored.copy()
+        c.updated = self.updated
+        c.fs = self.fs
+        c.fm = self.fm
+        c.dispatch = self.dispatch
+        c.tags = self.tags
+        c.bubbles = self.bubbles
+        c.done = self.done
+        c.step_ends = self.step_ends[:]
+        c.tag_total = self.tag_total
+        c.bubble_total = self.bubble_total
+        return c
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Advance to the next bubble that needs a decision.
+
+        Returns the index of the trainer at that bubble (0-based among trainers), or -1 when
+        the horizon is reached (``self.now`` is then the end of the last sync).
+        """
+        busy = self.busy
+        B = self.cfg.B
+        while True:
+            if self.dispatch:
+                j = self._dispatch()
+                if j >= 0:
+                    return j
+                self.dispatch = False
+            t = min(busy)
+            if t == _INF:  # cannot happen with G, T >= 1; guards against a silent hang
+                raise RuntimeError("the schedule stalled with work left")
+            self.now = t
+            if busy.count(t) == 1:
+                self._finish(busy.index(t), t)
+            else:
+                ws, wm = self.wstep, self.wmb
+                for _, _, i in sorted([(ws[i], wm[i], i) for i, b in enumerate(busy) if b == t]):
+                    self._finish(i, t)
+            if self.phase != _TRAIN or self.updated == B:
+                self._advance_phase()
+                if self.done:
+                    return -1
+            self.dispatch = True
+
+    def decide(self, trainer: int, insert: bool) -> None:
+        """Answer the bubble ``run`` stopped at: TAG one micro-batch, or wait for UQ."""
+        j = self.cfg.G + trainer
+        self.bubbles += 1
+        self.bubble_total += 1
+        if insert:
+            s, m = self._take()
+            self._start(j, TAG, s, m, self.version, self.cfg.ct)
+            self.tags += 1
+            self.tag_total += 1
+        else:
+            self.waiting[j] = True
+
+    def finish(self, insert: bool = False) -> float:
+        """Run to the horizon answering every bubble the same way; return the finish time."""
+        while True:
+            j = self.run()
+            if j < 0:
+                return self.now
+            self.decide(j, insert)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _start(self, i: int, k: int, s: int, m: int, v: int, cost: float) -> None:
+        self.kind[i] = k
+        self.wstep[i] = s
+        self.wmb[i] = m
+        self.wver[i] = v
+        self.wt0[i] = self.now
+        self.busy[i] = self.now + cost
+
+    def _admissible(self) -> bool:
+        """Whether the next micro-batch may start now (staleness rule)."""
+        cfg = self.cfg
+        s = self.fs
+        if s > cfg.last_step:
+            return False
+        lag = s - self.version
+        return lag <= 0 or (lag <= cfg.W and self.fm < cfg.cap)
+
+    def _take(self) -> tuple[int, int]:
+        s, m = self.fs, self.fm
+        if m + 1 == self.cfg.B:
+            self.fs, self.fm = s + 1, 0
+        else:
+            self.fm = m + 1
+        return s, m
+
+    def _dispatch(self) -> int:
+        cfg = self.cfg
+        kind = self.kind
+        G, n = cfg.G, cfg.n
+        ph = self.phase
+        now = self.now
+        busy, wstep, wmb, wver, wt0 = self.busy, self.wstep, self.wmb, self.wver, self.wt0
+        if ph < _WANT_SYNC and IDLE in kind[:G]:
+            sq = self.sq
+            for i in range(G):
+                if kind[i] == IDLE:
+                    if sq:
+                        s, m, v = sq.pop(0)
+                        kind[i] = SCORE
+                        wstep[i], wmb[i], wver[i], wt0[i] = s, m, v, now
+                        busy[i] = now + cfg.cs
+                    elif self._admissible():
+                        s, m = self._take()
+                        kind[i] = GEN
+                        wstep[i], wmb[i], wver[i], wt0[i] = s, m, self.version, now
+                        busy[i] = now + cfg.cg
+                    else:
+                        break
+        if ph != _TRAIN or IDLE not in kind[G:]:
+            return -1
+        waiting = self.waiting
+        v = self.version
+        uq = self.uq.get(v)
+        if uq and True in waiting:
+            for j in range(G, n):
+                if kind[j] == IDLE and waiting[j]:
+                    kind[j] = UPDATE
+                    wstep[j], wmb[j], wver[j], wt0[j] = v, uq.pop(0), v, now
+                    busy[j] = now + cfg.cu
+                    waiting[j] = False
+                    if not uq:
+                        break
+        for j in range(G, n):
+            if kind[j] == IDLE and not waiting[j]:
+                if uq:
+                    kind[j] = UPDATE
+                    wstep[j], wmb[j], wver[j], wt0[j] = v, uq.pop(0), v, now
+                    busy[j] = now + cfg.cu
+                elif self._admissible():
+                    return j - G
+                else:
+                    waiting[j] = True
+        return -1
+
+    def _finish(self, i: int, t: float) -> None:
+        """Let worker ``i``'s task, ending at ``t``, take effect."""
+        k = self.kind[i]
+        s, m = self.wstep[i], self.wmb[i]
+        if self.events is not None:
+            cfg = self.cfg
+            self.events.append(
+                TraceEvent(WORKER_KINDS[k], cfg.names[i], s, m, self.wver[i], self.wt0[i], t)
+            )
+        self.kind[i] = IDLE
+        self.busy[i] = _INF
+        self.wstep[i] = -1
+        self.wmb[i] = -1
+        if k in (GEN, TAG):
+            self.sq.append((s, m, self.wver[i]))
+        elif k == SCORE:
+            if self.cfg.gsize == 1:
+                q = self.uq.get(s)
+                if q is None:
+                    self.uq[s] = [m]
+                else:
+                    q.append(m)
+            else:
+                self._scored(s, m)
+        elif k == UPDATE:
+            self.updated += 1
+
+    def _scored(self, s: int, m: int) -> None:
+        """GAP groups: a group enters UQ when its last micro-batch is scored."""
+        gs = self.cfg.gsize
+        g = m // gs
+        size = min(gs, self.cfg.B - g * gs)
+        c = self.scored.get((s, g), 0) + 1
+        if c < size:
+            self.scored[(s, g)] = c
+            return
+        self.scored.pop((s, g), None)
+        self.uq.setdefault(s, []).extend(range(g * gs, g * gs + size))
+
+    def _advance_phase(self) -> None:
+        cfg = self.cfg
+        kind = self.kind
+        G, n = cfg.G, cfg.n
+        while True:
+            ph = self.phase
+            if ph == _TRAIN:
+                if self.updated < cfg.B:
+                    return
+                self.phase = _WANT_STEP
+            elif ph == _WANT_STEP:
+                if any(kind[j] for j in range(G, n)):
+                    return
+                v = self.version
+                for j in range(G, n):
+                    self._start(j, STEP, v, -1, v, cfg.cstep)
+                    self.waiting[j] = False
+                self.phase = _STEPPING
+                return
+            elif ph == _STEPPING:
+                if any(kind[j] for j in range(G, n)):
+                    return
+                self.phase = _WANT_SYNC
+            elif ph == _WANT_SYNC:
+                if any(kind):
+                    return
+                v = self.version
+                for i in range(n):
+                    self._start(i, SYNC, v, -1, v + 1, cfg.csync)
+                self.phase = _SYNCING
+                return
+            else:  # _SYNCING
+                if any(kind):
+                    return
+                self.uq.pop(self.version, None)
+                self.version += 1
+                self.step_ends.append(self.now)
+                self.phase = _TRAIN
+                self.updated = 0
+                self.tags = 0
+                self.bubbles = 0
+                if self.version >= self.horizon:
+                    self.done = True
+                    return
+
+    # -- search support ---------------------------------------------------------------------
+
+    def key(self) -> tuple:
+        """Everything that decides the rest of the current step, with clocks relative to now.
+
+        Workers of a pool are interchangeable under the tie-breaking rules, so their entries
+        are sorted; micro-batch identities matter only through their step and GAP group.
+        Idle workers read as ``inf`` time to free.
+        """
+        cfg = self.cfg
+        now = self.now
+        busy, kind, wstep, waiting = self.busy, self.kind, self.wstep, self.waiting
+        G, gs = cfg.G, cfg.gsize
+        rel = [b - now for b in busy]
+        if gs == 1:
+            gk = tuple(sorted(zip(rel[:G], kind[:G], wstep[:G])))
+            tk = tuple(sorted(zip(rel[G:], kind[G:], waiting[G:], wstep[G:])))
+            sq: tuple = tuple([s for s, _, _ in self.sq])
+            parts: tuple = ()
+        else:
+            grp = [m // gs if m >= 0 else -1 for m in self.wmb]
+            gk = tuple(sorted(zip(rel[:G], kind[:G], wstep[:G], grp[:G])))
+            tk = tuple(sorted(zip(rel[G:], kind[G:], waiting[G:], wstep[G:], grp[G:])))
+            sq = tuple([(s, m // gs) for s, m, _ in self.sq])
+            parts = tuple(sorted(self.scored.items()))
+        uq = self.uq.get(self.version)
+        return (self.fs, self.fm, self.updated, len(uq) if uq else 0, gk, tk, sq, parts)
+
+    def lower_bound(self, bound: float = _INF) -> float:
+        """A time the current step's sync cannot end before, whatever the TAG decisions.
+
+        The largest of four relaxations, each followed by what must come after it:
+
+        - trainers: their running tasks plus every update not started yet, spread evenly
+          (then ``step`` and ``sync``);
+        - generators: their running tasks plus every score the step still needs, spread
+          evenly (then one ``update``, ``step`` and ``sync``);
+        - everything: all remaining work plus the optimizer step over all workers (then
+          ``sync``);
+        - the last pending micro-batch: the earliest time all pending generations can be
+          done on generators and trainers together, as if work were divisible and never
+          preempted by scoring (then ``score``, ``update``, ``step``, ``sync``).
+
+        The last one costs the most and only bites near the end of a step, so it is computed
+        only with at most two pending micro-batches per worker and when the others do not
+        already reach ``bound`` (a skipped bound prunes less; it never prunes wrongly).
+        """
+        cfg = self.cfg
+        now = self.now
+        kind, busy, wstep = self.kind, self.busy, self.wstep
+        G, n, B = cfg.G, cfg.n, cfg.B
+        v = self.version
+        gsum = 0.0
+        to_score = 0
+        for i in range(G):
+            k = kind[i]
+            if k:
+                gsum += busy[i] - now
+                if k == GEN and wstep[i] == v:
+                    to_score += 1
+        tsum = 0.0
+        tmax = 0.0
+        upd_running = 0
+        for j in range(G, n):
+            k = kind[j]
+            if k:
+                a = busy[j] - now
+                tsum += a
+                if a > tmax:
+                    tmax = a
+                if k == UPDATE:
+                    upd_running += 1
+                elif k == TAG and wstep[j] == v:
+                    to_score += 1
+        for e in self.sq:
+            if e[0] == v:
+                to_score += 1
+        pending = B - self.fm if self.fs == v else 0
+        to_score += pending
+        not_started = B - self.updated - upd_running
+        tail = cfg.cstep + cfg.csync
+        best = (tsum + not_started * cfg.cu) / cfg.T
+        if tmax > best:
+            best = tmax
+        best += tail
+        if to_score:
+            b = (gsum + to_score * cfg.cs) / G + cfg.cu + tail
+            if b > best:
+                best = b
+        work = gsum + tsum + pending * cfg.cmin + to_score * cfg.cs + not_started * cfg.cu
+        b = (work + cfg.T * cfg.cstep) / n + cfg.csync
+        if b > best:
+            best = b
+        if 0 < pending <= 2 * n and now + best < bound and cfg.cg > 0 and cfg.ct > 0:
+            b = self._gen_done_bound(pending) + cfg.cs + cfg.cu + tail
+            if b > best:
+                best = b
+        return now + best
+
+    def _gen_done_bound(self, jobs: int) -> float:
+        """Earliest (relative) time ``jobs`` generations can all be done, work divisible."""
+        cfg = self.cfg
+        now = self.now
+        busy = self.busy
+        G = cfg.G
+        rg, rt = 1.0 / cfg.cg, 1.0 / cfg.ct
+        avail = sorted(
+            [(b - now if b < _INF else 0.0, rg if i < G else rt) for i, b in enumerate(busy)]
+        )
+        first = min(a + 1.0 / r for a, r in avail)
+        rate = 0.0
+        inter = 0.0
+        x = 0.0
+        m = len(avail)
+        for idx in range(m):
+            a, r = avail[idx]
+            rate += r
+            inter += a * r
+            x = (jobs + inter) / rate
+            if idx + 1 == m or x <= avail[idx + 1][0]:
+                break
+        return x if x > first else first

@@ -1,0 +1,168 @@
+"""Discrete-event simulation of a disaggregated run: G generators, T trainers, S train steps.
+
+The simulator applies the runtime's queue priorities exactly (``digen/runtime/driver.py``),
+so that a TAG policy tuned here behaves the same in a real run and so that the search, which
+runs this very model forward, predicts what the driver will do.
+
+Rules
+-----
+
+A train step has ``B`` micro-batches, handed out in order (step ``s`` micro-batch ``0 ..
+B-1``, then step ``s + 1``). Version ``s`` is the policy during step ``s``.
+
+- **Generator**, whenever free: score the head of SQ if SQ is non-empty (scoring first, so
+  trainers get rewards early); else generate the next micro-batch if the staleness rule
+  admits it; else idle until something changes.
+- **Trainer**, whenever free: update the head of UQ if UQ (ready micro-batches of the train
+  step) is non-empty; else it is at a *bubble*. If an admissible micro-batch is left, the TAG
+  policy decides: insert (the trainer generates it, cost ``gen_tag``; the result joins SQ and
+  a generator scores it like any other) or skip (the trainer waits for UQ and is not asked
+  again until it has done an update). With nothing left to generate it just waits.
+- **GAP groups**: micro-batches ``g*k .. g*k+k-1`` form group ``g`` (``k = mbs_per_group``)
+  and enter UQ together when the last of them is scored (advantages are group-relative).
+- **Step end**: once all ``B`` updates of step ``s`` are done, the trainers finish their
+  current task, then all run ``step`` (cost ``step``); then, once every generator has
+  finished its current task, every worker runs ``sync`` (cost ``sync``); then the version
+  becomes ``s + 1`` and step ``s + 1``'s ready micro-batches become UQ. Generators keep
+  working during ``step`` but start nothing once the sync is due.
+- **TCSS** (``max_staleness`` W, ``staleness_ratio`` r): a micro-batch of step ``k`` may
+  start on version ``v < k`` only if ``k - v <= W`` and fewer than ``floor(r * B)`` of step
+  ``k``'s micro-batches have started so far (all of which are then stale). Weights change
+  only at ``sync``, which waits for running tasks, so every generation has one version.
+  ``max_staleness=0`` (or ``r = 0``) is the synchronous schedule.
+
+Tie-breaking (deterministic): tasks ending at the same instant take effect in ``(step, mb)``
+order; then free generators are served by index, then free trainers — those already waiting
+first, then the ones just freed, each by index; same-instant bubbles are decided one trainer
+at a time in that order.
+
+Events use the runtime's format (:class:`~digen.sched.trace.TraceEvent`): kinds ``generate``
+/ ``tag`` / ``score`` / ``update`` / ``step`` / ``sync``, workers ``generator-i`` /
+``trainer-j``; ``version`` is the policy version the task used (for ``score``, the version
+that generated the micro-batch; for ``sync``, the version being installed); ``step`` and
+``sync`` events have ``mb = -1``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from digen.sched._engine import Config, Engine
+from digen.sched.costs import Costs
+from digen.sched.state import stale_cap
+from digen.sched.tag import NoTAG, TagPolicy
+from digen.sched.trace import Trace, TraceEvent
+
+__all__ = ["SimResult", "ideal_bound", "simulate"]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of one simulation."""
+
+    makespan: float
+    """End of the last sync, in seconds from the start."""
+    events: list[TraceEvent]
+    """Every task, sorted by start time then worker."""
+    step_ends: list[float]
+    """When each step's sync ended."""
+    tag_count: int
+    """TAG micro-batches over the whole run."""
+    bubble_count: int
+    """Bubbles the policy was asked about."""
+    decisions: list[bool]
+    """The policy's answers, in order (True = TAG inserted)."""
+    stale: dict[int, int]
+    """Per step, micro-batches generated on an older version (TCSS)."""
+
+    @property
+    def step_times(self) -> list[float]:
+        """Duration of each step (previous sync end to this one)."""
+        out, prev = [], 0.0
+        for t in self.step_ends:
+            out.append(t - prev)
+            prev = t
+        return out
+
+    @property
+    def mean_step_time(self) -> float:
+        """Makespan divided by the number of steps."""
+        return self.makespan / len(self.step_ends)
+
+    @property
+    def trace(self) -> Trace:
+        """The events as a :class:`Trace` (statistics, Chrome export, timeline plot)."""
+        return Trace(self.events)
+
+
+def simulate(
+    costs: Costs,
+    microbatches: int,
+    generators: int,
+    trainers: int,
+    policy: TagPolicy | None = None,
+    *,
+    steps: int = 1,
+    mbs_per_group: int = 1,
+    max_staleness: int = 0,
+    staleness_ratio: float = 0.0,
+) -> SimResult:
+    """Simulate ``steps`` train steps of ``microbatches`` micro-batches (rules in the module doc).
+
+    ``policy`` (default :class:`NoTAG`) is asked at every bubble with a
+    :class:`~digen.sched.state.SchedState`, exactly as the driver would ask it.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if not 0.0 <= staleness_ratio <= 1.0:
+        raise ValueError(f"staleness_ratio must be in [0, 1], got {staleness_ratio!r}")
+    cfg = Config(
+        costs,
+        microbatches,
+        generators,
+        trainers,
+        mbs_per_group=mbs_per_group,
+        max_staleness=max_staleness,
+        stale_cap=stale_cap(microbatches, staleness_ratio),
+        last_step=steps - 1,
+    )
+    pol = NoTAG() if policy is None else policy
+    pol.reset()
+    eng = Engine(cfg, horizon=steps, record=True)
+    decisions: list[bool] = []
+    while True:
+        j = eng.run()
+        if j < 0:
+            break
+        d = bool(pol.decide(eng.to_state(j), costs))
+        decisions.append(d)
+        eng.decide(j, d)
+    order = {name: i for i, name in enumerate(cfg.names)}
+    assert eng.events is not None
+    events = sorted(eng.events, key=lambda e: (e.t0, order[e.worker], e.t1))
+    stale = Counter(e.step for e in events if e.kind in ("generate", "tag") and e.version < e.step)
+    return SimResult(
+        makespan=eng.now,
+        events=events,
+        step_ends=eng.step_ends,
+        tag_count=eng.tag_total,
+        bubble_count=eng.bubble_total,
+        decisions=decisions,
+        stale={s: stale.get(s, 0) for s in range(steps)},
+    )
+
+
+def ideal_bound(costs: Costs, microbatches: int, generators: int, trainers: int) -> float:
+    """``max(total work / workers, critical path)`` for one train step, in seconds.
+
+    Total work counts each generation at the cheaper of ``gen`` and ``gen_tag``, plus every
+    score and update, the optimizer step on every trainer and the sync on every worker. The
+    critical path is one micro-batch's chain: generate, score, update, step, sync. No
+    schedule of the step can be shorter than either.
+    """
+    b, n = microbatches, generators + trainers
+    gen = min(costs.gen, costs.gen_tag)  # type: ignore[type-var]
+    work = b * (gen + costs.score + costs.update) + trainers * costs.step + n * costs.sync
+    path = gen + costs.score + costs.update + costs.step + costs.sync
+    return max(work / n, path)

@@ -1,0 +1,138 @@
+"""What a TAG policy sees at a trainer bubble: counters and clocks, nothing heavy.
+
+The real driver fills a :class:`SchedState` from its own book-keeping (queues, the workers'
+current tasks with their start times plus the profiled costs); the simulator fills the same
+dataclass from its model. A policy therefore cannot tell the two apart, and the search that
+the policy runs restarts the model from exactly what the driver knows.
+
+Conventions shared by both:
+
+- times are seconds on one clock; ``busy_until`` is the *expected* end of a running task
+  (start + profiled cost); a value in the past means "about to finish" and is read as ``now``;
+- micro-batches are handed out in order: step ``s`` micro-batch ``0 .. B-1``, then step
+  ``s + 1``; ``next_mb`` is the first one not handed out yet;
+- the train step being updated is also the policy version the weights carry (version ``s``
+  during step ``s``: weights change only at the optimizer step that ends it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["WORKER_KINDS", "SchedState", "WorkerClock", "stale_cap"]
+
+WORKER_KINDS = (None, "generate", "tag", "score", "update", "step", "sync")
+"""What a worker can be doing; ``None`` is idle."""
+
+
+def stale_cap(microbatches: int, staleness_ratio: float) -> int:
+    """How many of a step's micro-batches TCSS lets start on the previous version.
+
+    ``floor(staleness_ratio * microbatches)`` (with a little slack so that, e.g., 0.3 * 10
+    gives 3 despite rounding).
+    """
+    return math.floor(staleness_ratio * microbatches + 1e-9)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerClock:
+    """One worker's current task and when it is expected to end."""
+
+    kind: str | None = None
+    """One of :data:`WORKER_KINDS`; ``None`` when idle."""
+    busy_until: float = 0.0
+    """Expected end of the task, in seconds (ignored when idle)."""
+    step: int = -1
+    """Train step of the micro-batch being worked on (-1 for none)."""
+    mb: int = -1
+    """That micro-batch's index within its step (-1 for none)."""
+    waiting: bool = False
+    """Trainers only: idle at a bubble already decided (skipped, or nothing to generate).
+
+    Such a trainer stays idle until UQ has work; it is not asked again.
+    """
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedState:
+    """The schedule at the moment a trainer meets a bubble (UQ empty, step not finished)."""
+
+    now: float
+    """Current time, in seconds."""
+    trainer: int
+    """Index of the trainer at the bubble (the one asking)."""
+    microbatches: int
+    """Micro-batches per train step (``B``)."""
+    step: int
+    """Train step being updated; also the weights' policy version."""
+    generators: tuple[WorkerClock, ...]
+    """One entry per generator, by index."""
+    trainers: tuple[WorkerClock, ...]
+    """One entry per trainer, by index (the asking one is idle and not waiting)."""
+    next_mb: tuple[int, int]
+    """``(step, mb)`` of the next micro-batch to hand out."""
+    sq: tuple[tuple[int, int], ...] = ()
+    """``(step, mb)`` of every generated micro-batch waiting for scoring, in queue order."""
+    uq: int = 0
+    """Micro-batches of the train step ready for update (UQ length; 0 at a bubble)."""
+    updated: int = 0
+    """Updates of the train step already finished."""
+    partial_groups: tuple[tuple[int, int, int], ...] = ()
+    """``(step, group, scored)`` of every GAP group with some but not all micro-batches scored."""
+    mbs_per_group: int = 1
+    """Micro-batches per GAP group: a group enters UQ when its last micro-batch is scored."""
+    max_staleness: int = 0
+    """TCSS: how many versions a generation may lag the step it belongs to (0 = synchronous)."""
+    stale_cap: int = 0
+    """TCSS: how many micro-batches of a step may start on an older version."""
+    last_step: int | None = None
+    """Last train step of the run; no micro-batch of a later step is ever handed out."""
+    tags: int = 0
+    """TAG micro-batches already inserted during this train step."""
+    bubbles: int = 0
+    """Bubbles already decided during this train step (this one not counted)."""
+
+    def __post_init__(self) -> None:
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if not self.generators or not self.trainers:
+            raise ValueError("a schedule needs at least one generator and one trainer")
+        if not 0 <= self.trainer < len(self.trainers):
+            raise ValueError(
+                f"trainer {self.trainer} is not an index of the {len(self.trainers)} trainers"
+            )
+        if self.mbs_per_group < 1:
+            raise ValueError(f"mbs_per_group must be >= 1, got {self.mbs_per_group}")
+
+    @property
+    def version(self) -> int:
+        """Policy version of the current weights (equal to :attr:`step`)."""
+        return self.step
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches of the train step not handed out yet."""
+        s, m = self.next_mb
+        if s > self.step:
+            return 0
+        return self.microbatches - m
+
+    def can_start_next(self) -> bool:
+        """Whether the next micro-batch may start now (TCSS rule; always inside the step)."""
+        s, m = self.next_mb
+        if self.last_step is not None and s > self.last_step:
+            return False
+        lag = s - self.step
+        if lag <= 0:
+            return True
+        return lag <= self.max_staleness and m < self.stale_cap
+
+    @property
+    def in_flight(self) -> tuple[tuple[str, float], ...]:
+        """``(kind, busy_until)`` of every running generate / TAG task."""
+        return tuple(
+            (w.kind, w.busy_until)
+            for w in self.generators + self.trainers
+            if w.kind in ("generate", "tag")
+        )

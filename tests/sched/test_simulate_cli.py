@@ -1,0 +1,84 @@
+"""``digen simulate`` logic: cost loading, policy comparison, split recommendation, plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from digen.sched import BTS, Costs, NoTAG, OnlineProfiler, StaticTAG, simulate
+from digen.sched.simulate_cli import (
+    compare_policies,
+    format_table,
+    load_costs,
+    plot_simulation,
+    recommend,
+)
+from digen.sched.trace import TraceEvent
+
+C = Costs(gen=1, score=0.1, update=0.4, step=0.2, sync=0.1)
+
+
+def test_load_costs_from_every_source(tmp_path) -> None:
+    assert load_costs(C) is C
+    assert load_costs({"gen": 1, "update": 2}) == Costs(gen=1, update=2)
+    plain = tmp_path / "costs.json"
+    plain.write_text(json.dumps(C.to_dict()))
+    assert load_costs(plain) == C
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"costs": {"gen": 3, "update": 1}}))
+    assert load_costs(str(wrapped)) == Costs(gen=3, update=1)
+    prof = OnlineProfiler(alpha=1.0)
+    prof.observe(TraceEvent("generate", "generator-0", 0, 0, 0, 0.0, 2.0))
+    prof.observe(TraceEvent("update", "trainer-0", 0, 0, 0, 0.0, 0.5))
+    prof.observe(TraceEvent("sync", "driver", 0, -1, 1, 0.0, 0.25))
+    path = prof.save(tmp_path / "profile.json")
+    assert load_costs(path) == Costs(gen=2, update=0.5, sync=0.25)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_costs(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="is not JSON"):
+        load_costs(bad)
+
+
+def test_compare_policies() -> None:
+    out = compare_policies(C, 12, 2, 2, steps=3)
+    assert list(out) == ["none", "static-2", "bts", "none+tcss", "static-2+tcss", "bts+tcss"]
+    assert out["none"]["makespan"] == simulate(C, 12, 2, 2, NoTAG(), steps=3).makespan
+    assert out["static-2"]["makespan"] == simulate(C, 12, 2, 2, StaticTAG(2), steps=3).makespan
+    tcss = simulate(C, 12, 2, 2, BTS(), steps=3, max_staleness=1, staleness_ratio=0.25)
+    assert out["bts+tcss"]["makespan"] == tcss.makespan
+    for name, row in out.items():
+        assert row["step_time"] == pytest.approx(row["makespan"] / 3)
+        assert row["vs_bound"] >= 1.0
+        assert ("search_ms" in row) == name.startswith("bts")
+    assert out["bts"]["makespan"] <= min(out["none"]["makespan"], out["static-2"]["makespan"])
+    assert out["bts"]["search_ms"] >= 0 and out["bts"]["decisions"] > 0
+    assert out["none"]["stale"] == 0 and out["none+tcss"]["stale"] > 0
+    table = format_table(out)
+    assert table.splitlines()[0].startswith("| policy | step time (s)")
+    assert len(table.splitlines()) == 2 + 6 and "| bts+tcss |" in table
+
+
+def test_recommend_ranks_every_split() -> None:
+    cands = recommend(4, C, 8, steps=2, static_k=1)
+    assert len(cands) == 3 * 6
+    assert {(c["generators"], c["trainers"]) for c in cands} == {(1, 3), (2, 2), (3, 1)}
+    times = [c["step_time"] for c in cands]
+    assert times == sorted(times)
+    best = cands[0]
+    pol = {"none": NoTAG(), "static-1": StaticTAG(1), "bts": BTS()}[best["policy"]]
+    kw = {"max_staleness": 1, "staleness_ratio": 0.25} if best["tcss"] else {}
+    res = simulate(C, 8, best["generators"], best["trainers"], pol, steps=2, **kw)
+    assert res.makespan == best["makespan"]
+    with pytest.raises(ValueError, match="devices must be an integer >= 2"):
+        recommend(1, C, 8)
+
+
+def test_plot_simulation(tmp_path) -> None:
+    res = simulate(C, 8, 2, 2, StaticTAG(2), steps=2, max_staleness=1, staleness_ratio=0.25)
+    out = plot_simulation(res, tmp_path / "sim.png", title="simulated")
+    with Image.open(out) as im:
+        assert im.size == (1600, 600)
