@@ -348,5 +348,177 @@ def _pretty(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@main.command()
+@click.option(
+    "--microbatches",
+    "-b",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Micro-batches per train step.",
+)
+@click.option(
+    "--generators", "-g", type=int, default=4, show_default=True, help="Generator workers."
+)
+@click.option("--trainers", "-t", type=int, default=4, show_default=True, help="Trainer workers.")
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Costs from a run's profile.json (overrides the cost flags).",
+)
+@click.option(
+    "--gen",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds to generate a micro-batch on a generator.",
+)
+@click.option(
+    "--update-gen-ratio",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="Update time as a multiple of --gen.",
+)
+@click.option(
+    "--gen-tag", type=float, help="Seconds to generate on a trainer (TAG) [default: --gen]."
+)
+@click.option(
+    "--score", type=float, default=0.02, show_default=True, help="Seconds to score a micro-batch."
+)
+@click.option(
+    "--step-cost", type=float, default=0.0, show_default=True, help="Seconds of one optimizer step."
+)
+@click.option(
+    "--sync-cost", type=float, default=0.0, show_default=True, help="Seconds of one weight sync."
+)
+@click.option("--steps", type=int, default=4, show_default=True, help="Train steps to simulate.")
+@click.option("--static-k", type=int, help="k of the static-k policy [default: --trainers].")
+@click.option(
+    "--mbs-per-group", type=int, default=1, show_default=True, help="Micro-batches per group (GAP)."
+)
+@click.option(
+    "--max-staleness", type=int, default=1, show_default=True, help="TCSS W for the +tcss rows."
+)
+@click.option(
+    "--staleness-ratio",
+    type=float,
+    default=0.25,
+    show_default=True,
+    help="TCSS ratio for the +tcss rows.",
+)
+@click.option("--recommend", is_flag=True, help="Rank every generator/trainer split of --devices.")
+@click.option("--devices", type=int, help="Devices to split (with --recommend).")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Draw the BTS schedule to this PNG.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def simulate(
+    microbatches: int,
+    generators: int,
+    trainers: int,
+    profile_path: Path | None,
+    gen: float,
+    update_gen_ratio: float,
+    gen_tag: float | None,
+    score: float,
+    step_cost: float,
+    sync_cost: float,
+    steps: int,
+    static_k: int | None,
+    mbs_per_group: int,
+    max_staleness: int,
+    staleness_ratio: float,
+    recommend: bool,
+    devices: int | None,
+    plot_path: Path | None,
+    as_json: bool,
+) -> None:
+    """Predict step times of TAG / TCSS policies (none, static-k, BTS) before renting a cluster.
+
+    Costs come from the flags (seconds per micro-batch) or from a run's profile.json.
+    """
+    from digen.sched import simulate_cli as sc
+
+    try:
+        if profile_path is not None:
+            if not profile_path.is_file():
+                raise ValueError(f"profile file '{profile_path}' does not exist")
+            costs = sc.load_costs(profile_path)
+        else:
+            from digen.sched.costs import Costs
+
+            costs = Costs(
+                gen=gen,
+                update=gen * update_gen_ratio,
+                gen_tag=gen_tag,
+                score=score,
+                step=step_cost,
+                sync=sync_cost,
+            )
+        for name, value, low in (
+            ("--microbatches", microbatches, 1),
+            ("--generators", generators, 1),
+            ("--trainers", trainers, 1),
+            ("--steps", steps, 1),
+            ("--mbs-per-group", mbs_per_group, 1),
+            ("--max-staleness", max_staleness, 0),
+        ):
+            if value < low:
+                raise ValueError(f"{name} = {value} is not allowed: it must be at least {low}")
+        kw = dict(
+            steps=steps,
+            static_k=static_k,
+            mbs_per_group=mbs_per_group,
+            max_staleness=max_staleness,
+            staleness_ratio=staleness_ratio,
+        )
+        if recommend:
+            if devices is None:
+                raise ValueError("--recommend needs --devices N, the number of devices to split")
+            ranked = sc.recommend(devices, costs, microbatches, **kw)
+            if as_json:
+                click.echo(json.dumps(ranked))
+                return
+            click.echo(f"{devices} devices, {microbatches} micro-batches a step, best first:")
+            click.echo("| generators | trainers | policy | TCSS | step time (s) |")
+            click.echo("| ---: | ---: | --- | --- | ---: |")
+            for c in ranked:
+                tcss = "yes" if c["tcss"] else "no"
+                click.echo(
+                    f"| {c['generators']} | {c['trainers']} | {c['policy']} | {tcss} "
+                    f"| {c['step_time']:.3f} |"
+                )
+            return
+        table = sc.compare_policies(costs, microbatches, generators, trainers, **kw)
+        if plot_path is not None:
+            from digen.sched.simulator import simulate as run_sim
+            from digen.sched.tag import BTS
+
+            res = run_sim(
+                costs,
+                microbatches,
+                generators,
+                trainers,
+                BTS(),
+                steps=steps,
+                mbs_per_group=mbs_per_group,
+            )
+            sc.plot_simulation(
+                res, plot_path, title=f"simulated BTS: G={generators} T={trainers} B={microbatches}"
+            )
+    except ValueError as exc:
+        click.echo(f"error: {str(exc).rstrip('.')}.", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps(table))
+    else:
+        click.echo(sc.format_table(table))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -157,6 +157,7 @@ class DigenRunner:
             if outputs and len(trace):
                 trace.write_chrome(outputs.dir / "trace.json")
                 trace.save_jsonl(outputs.dir / "trace.jsonl")
+                _write_profile(trace, outputs.dir / "profile.json")
                 trace.plot_timeline(
                     outputs.dir / "timeline.png",
                     title=f"{cfg.model.name} / {cfg.algo.name} / {cfg.runtime.mode}",
@@ -229,6 +230,16 @@ class DigenRunner:
             "rewards": [RewardFn(f.name, f.fn, f.weight) for f in self.reward.fns],
             "out_dir": str(self.out_dir),
         }
+
+
+def _write_profile(trace: Trace, path: Path) -> None:
+    """The run's measured costs per micro-batch, for ``digen simulate --profile``."""
+    from digen.sched.costs import OnlineProfiler
+
+    profiler = OnlineProfiler()
+    profiler.observe_all(e for e in trace.events if e.worker != "driver")
+    if profiler.ready():
+        profiler.save(path)
 
 
 def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:

@@ -190,6 +190,7 @@ class Driver:
                 ),
             )
         await self._sync_weights(step=-1)
+        self._step_end = time.time()
 
     async def stop(self) -> None:
         for task in self._gen_tasks:
