@@ -53,7 +53,7 @@ def test_tcss_invariants_and_learning(tmp_path: Path) -> None:
     # both runs learn (JPEG incompressibility, seeded). On-policy is deterministic:
     # 3.673 -> 3.767 kB (mean of the first 6 steps -> the last 6). Which micro-batches go out
     # stale depends on timing, so the TCSS curve varies from run to run: 3.670 -> 3.739 and
-    # 3.672 -> 3.695 kB were measured; the check asks only for a clear rise over the first steps.
+    # 3.672 -> 3.695 kB were measured; the check asks only that it rises.
     r = [m["reward_mean"] for m in sync.metrics]
     assert sum(r[-6:]) / 6 - sum(r[:6]) / 6 > 0.05, r
     r = [m["reward_mean"] for m in stale.metrics]

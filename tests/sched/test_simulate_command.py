@@ -1,0 +1,58 @@
+"""`digen simulate`: the command over the simulator, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from cli.main import main
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, ["simulate", *args])
+
+
+def test_json_has_every_policy_with_makespan_and_search_time() -> None:
+    res = _run("--microbatches", "32", "--update-gen-ratio", "0.1", "-g", "2", "-t", "2", "--json")
+    assert res.exit_code == 0, res.output
+    table = json.loads(res.output)
+    assert set(table) == {"none", "static-2", "bts", "none+tcss", "static-2+tcss", "bts+tcss"}
+    for entry in table.values():
+        assert entry["makespan"] > 0 and entry["vs_bound"] >= 1.0 - 1e-9
+    assert table["bts"]["search_ms"] > 0 and "search_ms" not in table["none"]
+    # 32 micro-batches, 2 generators at 1 s each: without TAG the generators bound the step
+    assert table["none"]["step_time"] >= 32 / 2
+    assert table["bts"]["makespan"] <= table["none"]["makespan"] + 1e-9
+    assert table["none"]["tag_count"] == 0 and table["bts"]["tag_count"] > 0
+
+
+def test_recommend_ranks_every_split_best_first(tmp_path: Path) -> None:
+    res = _run("--recommend", "--devices", "4", "-b", "8", "--json")
+    ranked = json.loads(res.output)
+    assert {(c["generators"], c["trainers"]) for c in ranked} == {(1, 3), (2, 2), (3, 1)}
+    times = [c["step_time"] for c in ranked]
+    assert times == sorted(times) and len(ranked) == 3 * 6
+
+
+def test_profile_and_plot(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"gen": 2.0, "update": 0.5, "score": 0.1}))
+    png = tmp_path / "sim.png"
+    res = _run("--profile", str(profile), "-b", "4", "-g", "1", "-t", "1", "--plot", str(png))
+    assert res.exit_code == 0, res.output
+    assert "| bts |" in res.output and png.stat().st_size > 5_000
+
+
+def test_bad_input_is_one_sentence() -> None:
+    for args, msg in (
+        (["--trainers", "0"], "--trainers = 0 is not allowed"),
+        (["--recommend"], "needs --devices"),
+        (["--profile", "/no/such.json"], "does not exist"),
+        (["--gen", "-1"], "costs.gen"),
+    ):
+        res = _run(*args)
+        assert res.exit_code == 2, (args, res.output)
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and msg in lines[0], (args, res.output)
