@@ -566,7 +566,7 @@ class Driver:
         metrics.update(st.stats.means())
         workers = self.gen_names + self.trainer_names
         stats = self.trace.step_stats(st.step, workers)
-        kinds = ("generate", "score", "update")
+        kinds = ("generate", "tag", "score", "update")
         busy = {
             k: sum(e.duration for e in self.trace.events if e.step == st.step and e.kind == k)
             for k in kinds
@@ -581,6 +581,7 @@ class Driver:
                 else b * cfg.algo.best_of_n,
                 "step_time_s": time.time() - t_start,
                 "time/generate_s": busy["generate"],
+                "time/tag_s": busy["tag"],
                 "time/score_s": busy["score"],
                 "time/train_s": busy["update"],
                 "time/optimizer_s": t_end - t_step,
