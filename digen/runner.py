@@ -139,7 +139,7 @@ class DigenRunner:
                         bar.update(1)
                         bar.set_postfix(
                             reward=f"{res.metrics['reward_mean']:.4f}",
-                            loss=f"{res.metrics['loss']:.4f}",
+                            loss=f"{res.metrics['loss']:.2e}",
                             s=f"{res.metrics['step_time_s']:.1f}",
                         )
                 finally:
