@@ -85,8 +85,10 @@ def test_torchrun_launch_runs_a_disaggregated_step(tmp_path: Path) -> None:
     assert len(rows) == 1 and json.loads(rows[0])["policy_version"] == 1
     events = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
     done = Counter((e["kind"], e["worker"]) for e in events)
-    # 2 prompts x 2 samples, one group per micro-batch with one generator: 2 of each
-    assert done[("generate", "generator-0")] == 2
+    # 2 prompts x 2 samples, one group per micro-batch with one generator: 2 of each; the
+    # run's first trainer bubble makes one of them on trainer-0 (the TAG probe)
+    assert done[("generate", "generator-0")] + done[("tag", "trainer-0")] == 2
+    assert done[("tag", "trainer-0")] == 1
     assert done[("score", "generator-0")] == 2
     assert done[("update", "trainer-0")] == 2
     assert done[("step", "trainer-0")] == 1
