@@ -567,10 +567,10 @@ class Driver:
         workers = self.gen_names + self.trainer_names
         stats = self.trace.step_stats(st.step, workers)
         kinds = ("generate", "tag", "score", "update")
-        busy = {
-            k: sum(e.duration for e in self.trace.events if e.step == st.step and e.kind == k)
-            for k in kinds
-        }
+        busy = dict.fromkeys(kinds, 0.0)
+        for e in self.trace.events:  # one pass over the trace, not one per kind
+            if e.step == st.step and e.kind in busy:
+                busy[e.kind] += e.duration
         metrics.update(
             {
                 "grad_norm": grad_norm,
