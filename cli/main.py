@@ -220,12 +220,14 @@ def role_for_rank(rank: int, generators: int, trainers: int) -> str:
 
     ``role_for_rank(2, 2, 1) == "generator-1"``; ``role_for_rank(3, 2, 1) == "trainer-0"``.
     """
+    from digen.sched.schedule import DRIVER, Pool, worker_name
+
     if rank == 0:
-        return "driver"
+        return DRIVER
     if 1 <= rank <= generators:
-        return f"generator-{rank - 1}"
+        return worker_name(Pool.GENERATOR, rank - 1)
     if generators < rank <= generators + trainers:
-        return f"trainer-{rank - 1 - generators}"
+        return worker_name(Pool.TRAINER, rank - 1 - generators)
     raise ValueError(
         f"rank {rank} has no role: ranks run from 0 to {generators + trainers} with "
         f"{generators} generators and {trainers} trainers."

@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 
 from digen.errors import ConfigError
+from digen.sched.microbatch import MicroBatch, form_microbatches, samples_per_microbatch
+from digen.sched.schedule import STALENESS_SCHEDULES, stale_cap
 
 __all__ = [
     "AlgoConfig",
@@ -345,6 +347,8 @@ class TrainConfig:
     """Samples per forward/backward on one device (gradient accumulation unit)."""
     num_devices: int = 1
     """Data-parallel training devices the mini-batch is split over."""
+    grad_order: str = "auto"
+    """How a step's gradients are summed: fixed (per micro-batch, in micro-batch order: a seeded run repeats bit for bit whatever the timing; memory: one gradient copy per micro-batch a trainer holds), arrival (in place, as updates finish: one buffer, last bits vary with timing), auto (fixed with LoRA, arrival for full fine-tuning)."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "train")
@@ -363,6 +367,14 @@ class TrainConfig:
             _at_least(p, "mini_batch_size", self.mini_batch_size, 1)
         _at_least(p, "micro_batch_size", self.micro_batch_size, 1)
         _at_least(p, "num_devices", self.num_devices, 1)
+        _choice(_key(p, "grad_order"), self.grad_order, GRAD_ORDERS)
+
+    @property
+    def ordered_grads(self) -> bool:
+        """Whether gradients are summed per micro-batch in a fixed order (``grad_order``)."""
+        if self.grad_order == "auto":
+            return self.lora_rank > 0
+        return self.grad_order == "fixed"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -408,6 +420,7 @@ MODES = ("colocated", "disaggregated")
 MICROBATCH_AXES = ("generation", "prompt")
 WEIGHT_SYNCS = ("rpc", "broadcast")
 TAG_POLICIES = ("bts", "static", "none")
+GRAD_ORDERS = ("auto", "fixed", "arrival")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -443,7 +456,11 @@ class RuntimeConfig:
     max_staleness: int = 0
     """TCSS: how many policy versions a generation may lag its train step; 0 = on-policy."""
     staleness_ratio: float = 0.5
-    """TCSS: the largest fraction of a step's micro-batches that may come from an older version."""
+    """TCSS: the fraction of a step's micro-batches that come from the previous version (at most, with the eager schedule)."""
+    staleness_schedule: str = "fixed"
+    """TCSS: fixed (the first staleness_ratio of every step's micro-batches are made one version early, always the same ones: seeded runs repeat) or eager (stale while a worker is free, up to the ratio: the paper's form; which ones depends on timing)."""
+    max_inflight: int | None = None
+    """C_gen: micro-batches generated but not yet trained, at most (back-pressure on generators, bounds what workers hold); None = one step's plus the TCSS share."""
     weight_sync: str = "rpc"
     """How new weights reach the generators: rpc (tensors over RPC) or broadcast (a gloo/NCCL group)."""
     address: str = "127.0.0.1"
@@ -473,6 +490,9 @@ class RuntimeConfig:
         _at_least(p, "max_staleness", self.max_staleness, 0, " (0 is on-policy)")
         if not 0.0 <= self.staleness_ratio <= 1.0:
             raise _bad(_key(p, "staleness_ratio"), self.staleness_ratio, "it must be in [0, 1]")
+        _choice(_key(p, "staleness_schedule"), self.staleness_schedule, STALENESS_SCHEDULES)
+        if self.max_inflight is not None:
+            _at_least(p, "max_inflight", self.max_inflight, 1)
         if not self.address:
             raise _bad(_key(p, "address"), self.address, "give an IP address such as 127.0.0.1")
         _positive(p, "rpc_timeout_s", self.rpc_timeout_s)
@@ -644,6 +664,45 @@ def _check_cross(cfg: DigenConfig) -> None:
             "disaggregated runs step the optimizer once per train step, so leave it null "
             f"or equal to data.train_batch_size = {prompts}",
         )
+    rt = cfg.runtime
+    if rt.max_inflight is not None:
+        need, why = microbatches_per_group(cfg), "one GAP group, which trains only once whole"
+        if not rt.pipeline:
+            need = need * prompts
+            why = "a whole step, which runtime.pipeline = false generates before training"
+        per_step = prompts * microbatches_per_group(cfg)
+        if rt.max_staleness and rt.staleness_schedule == "fixed":
+            cap = stale_cap(per_step, rt.staleness_ratio)
+            if cap > need:
+                need, why = cap, "the share of a step made early under the fixed TCSS schedule"
+        if rt.max_inflight < need:
+            raise _bad(
+                "runtime.max_inflight",
+                rt.max_inflight,
+                f"it must be at least {need} micro-batches ({why})",
+            )
+
+
+def step_microbatches(cfg: DigenConfig, step: int) -> list[MicroBatch]:
+    """The generation micro-batches of train step ``step`` (disaggregated runs), in order."""
+    rt = cfg.runtime
+    return form_microbatches(
+        step,
+        cfg.data.train_batch_size,
+        cfg.rollout.n,
+        generators=rt.generators,
+        axis=rt.microbatch_axis,
+        samples=rt.samples_per_microbatch,
+    )
+
+
+def microbatches_per_group(cfg: DigenConfig) -> int:
+    """Generation micro-batches one prompt's group is cut into (disaggregated runs)."""
+    rt = cfg.runtime
+    size = samples_per_microbatch(
+        cfg.rollout.n, rt.generators, rt.microbatch_axis, rt.samples_per_microbatch
+    )
+    return -(-cfg.rollout.n // size)
 
 
 # --------------------------------------------------------------------------- loading

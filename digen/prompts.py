@@ -89,6 +89,11 @@ class PromptSet:
             out.append(self._permutation(seed, epoch)[offset])
         return out
 
+    def for_step(self, seed: int, step: int, batch_size: int) -> tuple[list[str], list[dict]]:
+        """Texts and metadata of the prompts of train step ``step``, in position order."""
+        idx = self.indices_for_step(seed, step, batch_size)
+        return [self.prompts[i] for i in idx], [self.metadata[i] for i in idx]
+
     def _permutation(self, seed: int, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(derive_seed("prompts", seed, epoch))
         return torch.randperm(len(self.prompts), generator=g).tolist()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -30,6 +30,9 @@ from digen.config import DigenConfig, config_to_dict, load_config
 from digen.prompts import PromptSet
 from digen.runtime.outputs import RunOutputs
 from digen.sched.trace import Trace
+
+if TYPE_CHECKING:
+    from digen.runtime.policy import StepResult
 
 __all__ = ["DigenRunner", "RunResult"]
 
@@ -123,25 +126,25 @@ class DigenRunner:
                 log.info("workers_ready", seconds=round(time.perf_counter() - t0, 3))
                 bar = _progress(cfg.steps, enabled=self.progress and lead)
                 restore = _catch_sigint(self) if lead else None
+
+                def on_step(res: StepResult) -> bool:
+                    metrics.append(res.metrics)
+                    if outputs:
+                        outputs.append_metrics(res.metrics)
+                        if res.pixels is not None:
+                            outputs.save_samples(res.metrics["step"], res.pixels, res.captions)
+                    log.info("step", **res.metrics)
+                    bar.update(1)
+                    bar.set_postfix(
+                        reward=f"{res.metrics['reward_mean']:.4f}",
+                        loss=f"{res.metrics['loss']:.2e}",
+                        s=f"{res.metrics['step_time_s']:.1f}",
+                    )
+                    return not self._stop
+
                 try:
-                    for step in range(cfg.steps):
-                        if self._stop_everywhere(world):
-                            interrupted = True
-                            break
-                        res = await backend.train_step(step)
-                        metrics.append(res.metrics)
-                        if outputs:
-                            outputs.append_metrics(res.metrics)
-                            last = step == cfg.steps - 1
-                            if step == 0 or last or (step + 1) % self.sample_every == 0:
-                                outputs.save_samples(step, res.pixels, res.captions)
-                        log.info("step", **res.metrics)
-                        bar.update(1)
-                        bar.set_postfix(
-                            reward=f"{res.metrics['reward_mean']:.4f}",
-                            loss=f"{res.metrics['loss']:.2e}",
-                            s=f"{res.metrics['step_time_s']:.1f}",
-                        )
+                    await backend.run(range(cfg.steps), on_step, samples_at=self._samples_at)
+                    interrupted = len(metrics) < cfg.steps
                 finally:
                     bar.close()
                     if restore:
@@ -185,14 +188,9 @@ class DigenRunner:
             self.cfg, self.reward, self.prompts, rank=rank, world=world, trace=trace
         )
 
-    def _stop_everywhere(self, world: int) -> bool:
-        if world == 1:
-            return self._stop
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if self._stop else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def _samples_at(self, step: int) -> bool:
+        """Whether ``step`` writes a sample grid: the first, the last, every ``sample_every``."""
+        return step == 0 or step == self.cfg.steps - 1 or (step + 1) % self.sample_every == 0
 
     # --- data-parallel colocated: W processes, rank 0 is this one ------------------------
 

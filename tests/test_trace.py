@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from digen.sched.trace import KIND_COLOURS, KINDS, StepStats, Trace, TraceEvent
+from digen.sched.trace import KIND_COLOURS, KINDS, StepUsage, Trace, TraceEvent
 
 T = 1000.0  # traces need not start at 0; exports are relative to the first event
 
@@ -98,7 +98,7 @@ def test_record_is_thread_safe() -> None:
 def test_step_stats_by_hand() -> None:
     tr = small_trace()
     s0 = tr.step_stats(0)
-    assert isinstance(s0, StepStats)
+    assert isinstance(s0, StepUsage)
     assert s0.wall_s == 8.0
     assert s0.busy_s == {"generator-0": 4.0, "generator-1": 0.0, "trainer-0": 3.0}
     assert s0.total_work_s == 7.0

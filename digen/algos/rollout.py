@@ -46,23 +46,36 @@ class Rollout:
     """``[B, K, *latent]``: ``x_{i+1}`` drawn by the SDE step."""
     log_probs: torch.Tensor
     """``[B, K]``: log-prob of each drawn step under the sampling policy."""
-    final: torch.Tensor
-    """``[B, *latent]``: the fully denoised latent, to decode and score."""
+    final: torch.Tensor | None = None
+    """``[B, *latent]``: the fully denoised latent, to decode and score (None once decoded:
+    training does not need it)."""
 
     def select(self, rows: torch.Tensor | slice) -> Rollout:
         """The trajectories at ``rows`` (an index tensor or a slice)."""
-        return Rollout(
-            self.latents[rows], self.next_latents[rows], self.log_probs[rows], self.final[rows]
+        final = None if self.final is None else self.final[rows]
+        return Rollout(self.latents[rows], self.next_latents[rows], self.log_probs[rows], final)
+
+    def for_training(self) -> Rollout:
+        """What an update reads: the window's latents and log-probs, without the final latent."""
+        return Rollout(self.latents, self.next_latents, self.log_probs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.nbytes
+            for t in (self.latents, self.next_latents, self.log_probs, self.final)
+            if t is not None
         )
 
     @staticmethod
     def cat(parts: Sequence[Rollout]) -> Rollout:
         """Concatenate batches of trajectories (same window length)."""
+        finals = [p.final for p in parts]
         return Rollout(
             torch.cat([p.latents for p in parts]),
             torch.cat([p.next_latents for p in parts]),
             torch.cat([p.log_probs for p in parts]),
-            torch.cat([p.final for p in parts]),
+            None if any(f is None for f in finals) else torch.cat(finals),
         )
 
 

@@ -10,7 +10,10 @@ the baseline every digen speed-up is measured against. One train step:
 
 With ``W == 1`` it runs in one process; with ``W > 1`` the workers form a torch.distributed
 group (gloo on CPU, NCCL on GPU) and gradients are summed, each backward already scaled by
-``1 / total terms``, so ``W`` workers reach the parameters one process would.
+``1 / total terms``, so ``W`` workers reach the parameters one process would. Gradients are
+summed as the disaggregated trainers sum them (:mod:`digen.runtime.grads`: per micro-batch,
+in micro-batch order, by default with LoRA), so where the micro-batches coincide the two
+modes end a step with the same bits.
 """
 
 from __future__ import annotations
@@ -25,19 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from digen.algos.advantages import best_of_n, group_advantages
+from digen.algos.grpo import score_groups, terms_per_sample
 from digen.algos.rewards import CompositeReward
 from digen.algos.rollout import Rollout
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
-from digen.runtime.policy import (
-    Generated,
-    Policy,
-    SampleKey,
-    StepResult,
-    StepStats,
-    TrainItem,
-)
+from digen.runtime.grads import GradAccumulator
+from digen.runtime.metrics import step_metrics
+from digen.runtime.policy import Generated, LossStats, Policy, SampleKey, StepResult, TrainItem
+from digen.sched.schedule import TaskKind
 from digen.sched.trace import Trace
 
 __all__ = ["ColocatedTrainer"]
@@ -64,6 +63,7 @@ class ColocatedTrainer:
         self.policy = policy or Policy(cfg, trainable=True)
         self.trace = trace
         self.worker = f"worker-{rank}"
+        self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
 
     async def __aenter__(self) -> ColocatedTrainer:
         return self
@@ -77,11 +77,42 @@ class ColocatedTrainer:
     async def final_state(self) -> dict[str, torch.Tensor]:
         return self.policy.trainable_state()
 
+    # --- the run ------------------------------------------------------------------------
+
+    async def run(
+        self,
+        steps: range | int,
+        on_step: Callable[[StepResult], bool | None] | None = None,
+        *,
+        samples_at: Callable[[int], bool] | None = None,
+    ) -> list[StepResult]:
+        """Train ``steps``; ``on_step(result)`` returning False stops the run after that step
+        (on every worker: they agree before each step)."""
+        steps = range(steps) if isinstance(steps, int) else steps
+        results: list[StepResult] = []
+        go = True
+        for step in steps:
+            if not self._all_agree(go):
+                break
+            res = await self.train_step(step)
+            if samples_at is not None and not samples_at(step):
+                res.pixels, res.captions = None, []
+            results.append(res)
+            go = on_step is None or on_step(res) is not False
+        return results
+
+    def _all_agree(self, go: bool) -> bool:
+        """Whether every worker wants to go on (one all-reduce when data-parallel)."""
+        if self.world == 1:
+            return go
+        flag = torch.tensor([0.0 if go else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not bool(flag.item())
+
     # --- one step -----------------------------------------------------------------------
 
     def step_prompts(self, step: int) -> tuple[list[str], list[dict[str, Any]]]:
-        idx = self.prompts.indices_for_step(self.cfg.seed, step, self.cfg.data.train_batch_size)
-        return [self.prompts.prompts[i] for i in idx], [self.prompts.metadata[i] for i in idx]
+        return self.prompts.for_step(self.cfg.seed, step, self.cfg.data.train_batch_size)
 
     def my_keys(self, step: int) -> list[SampleKey]:
         """This worker's share: every ``world``-th sample of the step, in (prompt, sample) order."""
@@ -123,24 +154,19 @@ class ColocatedTrainer:
         table = self._gather_rows(mine)  # [B*n, 1 + C], global (prompt, sample) order
         b, n = cfg.data.train_batch_size, cfg.rollout.n
         rewards = table[:, 0].view(b, n)
-        adv = group_advantages(
-            rewards, norm=cfg.algo.adv_norm, eps=cfg.algo.adv_eps, clip_max=cfg.algo.adv_clip_max
-        )
-        keep = torch.ones(b, n, dtype=torch.bool)
-        if cfg.algo.best_of_n:
-            keep.zero_()
-            keep.scatter_(1, best_of_n(adv, cfg.algo.best_of_n), True)
+        adv, keep = score_groups(rewards, cfg.algo)
 
         # 3. train: mini-batches of prompts, micro-batches of this worker's samples
         _phase(on_phase, "train")
         t0 = time.perf_counter()
-        stats = StepStats()
+        stats = LossStats()
         grad_norms = []
+        optimizer_s = 0.0
         mini = cfg.train.mini_batch_size or b
         row_of = {k: i for i, k in enumerate(keys)}
         for m0 in range(0, b, mini):
             prompts_m = range(m0, m0 + mini)
-            total_terms = int(keep[m0 : m0 + mini].sum()) * self._trained_per_sample(step)
+            total_terms = int(keep[m0 : m0 + mini].sum()) * terms_per_sample(cfg, step)
             mine_m = [k for k in keys if k.prompt in prompts_m and keep[k.prompt, k.sample]]
             for i in range(0, len(mine_m), mb):
                 chunk = mine_m[i : i + mb]
@@ -151,35 +177,36 @@ class ColocatedTrainer:
                     rollout=rollout.select(rows),
                     advantages=torch.stack([adv[k.prompt, k.sample] for k in chunk]),
                 )
-                with self._span("update", step, i // mb):
+                # micro-batch ids interleave the workers: one order for every worker
+                index = (i // mb) * self.world + self.rank
+                with self._span("update", step, i // mb), self.grads.micro_batch(index):
                     stats.add(self.policy.accumulate(item, 1.0 / total_terms))
+            t_opt = time.perf_counter()
             with self._span("step", step, -1):
-                self._all_reduce_grads()
+                count = -(-len(mine_m) // mb) * self.world
+                self.grads.reduce(count, dist.group.WORLD if self.world > 1 else None)
                 grad_norms.append(self.policy.optimizer_step())
-        t_train = time.perf_counter() - t0
+            optimizer_s += time.perf_counter() - t_opt
+        t_train = time.perf_counter() - t0 - optimizer_s
         stats = self._reduce_stats(stats)
 
-        metrics: dict[str, Any] = {
-            "step": step,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(unbiased=False)),
-            "reward_min": float(rewards.min()),
-            "reward_max": float(rewards.max()),
-        }
-        for j, c in enumerate(names):
-            metrics[f"reward/{c}"] = float(table[:, 1 + j].mean())
-        metrics.update(stats.means())
-        metrics.update(
-            {
-                "grad_norm": sum(grad_norms) / len(grad_norms),
-                "policy_version": self.policy.version,
-                "samples": b * n,
-                "trained_samples": int(keep.sum()),
-                "step_time_s": time.perf_counter() - t_start,
-                "time/generate_s": t_generate,
-                "time/score_s": t_score,
-                "time/train_s": t_train,
-            }
+        metrics = step_metrics(
+            step=step,
+            rewards=rewards,
+            components={c: float(table[:, 1 + j].mean()) for j, c in enumerate(names)},
+            loss=stats,
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            version=self.policy.version,
+            trained_samples=int(keep.sum()),
+            step_time_s=time.perf_counter() - t_start,
+            busy_s={
+                TaskKind.GENERATE: t_generate,
+                TaskKind.SCORE: t_score,
+                TaskKind.UPDATE: t_train,
+            },
+            optimizer_s=optimizer_s,
+            sync_s=0.0,
+            usage=self.trace.step_stats(step, [self.worker]) if self.trace else None,
         )
         captions = [texts[k.prompt] for k in keys]
         return StepResult(metrics=metrics, pixels=pixels, captions=captions)
@@ -191,11 +218,6 @@ class ColocatedTrainer:
         yield
         if self.trace is not None:
             self.trace.record(kind, self.worker, step, mb, version, t0, time.time())
-
-    def _trained_per_sample(self, step: int) -> int:
-        window = self.policy.sampler_spec(step).window
-        frac = self.cfg.rollout.timestep_fraction
-        return len(window) if frac >= 1.0 else max(1, int(len(window) * frac))
 
     # --- collectives (no-ops in one process) ---------------------------------------------
 
@@ -210,24 +232,12 @@ class ColocatedTrainer:
             out[r :: self.world] = part
         return out
 
-    def _all_reduce_grads(self) -> None:
-        if self.world == 1:
-            return
-        grads = self.policy.grads()
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for p, g in zip(self.policy.params, grads):
-            numel = g.numel()
-            p.grad = flat[offset : offset + numel].view_as(p).to(p.dtype)
-            offset += numel
-
-    def _reduce_stats(self, stats: StepStats) -> StepStats:
+    def _reduce_stats(self, stats: LossStats) -> LossStats:
         if self.world == 1:
             return stats
         t = stats.as_tensor()
         dist.all_reduce(t)
-        return StepStats.from_tensor(t)
+        return LossStats.from_tensor(t)
 
 
 def _phase(cb: Callable[[str], None] | None, name: str) -> None:

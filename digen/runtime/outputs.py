@@ -19,7 +19,35 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw
 
-__all__ = ["RunOutputs", "sample_grid"]
+__all__ = ["THUMBNAIL_SIDE", "RunOutputs", "sample_grid", "thumbnails"]
+
+THUMBNAIL_SIDE = 64
+"""Longest side of the thumbnails a disaggregated run brings back for its sample grids."""
+
+
+def grid_frames(frames: int) -> list[int]:
+    """The frames a sample grid shows of a video: first, middle and last."""
+    return [0] if frames == 1 else sorted({0, frames // 2, frames - 1})
+
+
+def thumbnails(pixels: torch.Tensor, max_side: int = THUMBNAIL_SIDE) -> torch.Tensor:
+    """Small copies of decoded samples for sample grids: the grid's frames, area-downscaled.
+
+    pixels: ``uint8 [B, F, H, W, 3]`` -> ``uint8 [B, F', h, w, 3]`` with ``max(h, w) <=
+    max_side`` and ``F'`` the frames :func:`sample_grid` shows, so what crosses the network
+    for a grid does not grow with the image size.
+    """
+    b, f, h, w, _ = pixels.shape
+    x = pixels[:, grid_frames(f)]
+    scale = max_side / max(h, w)
+    if scale >= 1.0:
+        return x.clone()
+    size = (max(1, round(h * scale)), max(1, round(w * scale)))
+    frames = x.shape[1]
+    flat = x.reshape(b * frames, h, w, 3).permute(0, 3, 1, 2).float()  # [B*F', 3, H, W]
+    small = torch.nn.functional.interpolate(flat, size=size, mode="area")
+    small = small.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)  # [B*F', h, w, 3]
+    return small.reshape(b, frames, *size, 3)
 
 
 def sample_grid(
@@ -30,7 +58,7 @@ def sample_grid(
     pixels: ``uint8 [B, F, H, W, 3]``.
     """
     b, f, h, w, _ = pixels.shape
-    frames = [0] if f == 1 else sorted({0, f // 2, f - 1})
+    frames = grid_frames(f)
     tile_w = w * len(frames)
     label_h = 12 if captions else 0
     cols = max(1, min(cols, b))

@@ -12,6 +12,7 @@ import copy
 import os
 import shutil
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,15 +20,19 @@ from typing import Any
 
 import torch
 
+from digen.algos.grpo import step_window
 from digen.algos.loss import clipped_policy_loss, kl_to_reference
 from digen.algos.rollout import Rollout, SamplerSpec, sample_rollout, score_step
-from digen.algos.timesteps import sde_window, train_timesteps
+from digen.algos.timesteps import train_timesteps
 from digen.config import DigenConfig
 from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
 from digen.seeding import sample_generator
 
-__all__ = ["Generated", "Policy", "SampleKey", "StepResult", "StepStats", "TrainItem"]
+__all__ = ["Generated", "Policy", "SampleKey", "StepResult", "LossStats", "TrainItem"]
+
+_COND_CACHE_SIZE = 1024
+"""Prompts whose text conditioning a policy copy keeps."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,8 +63,9 @@ class StepResult:
     """One finished train step, as the runner writes it out."""
 
     metrics: dict[str, Any]
-    pixels: torch.Tensor
-    """Decoded samples of the step (this worker's share when data-parallel), ``uint8``."""
+    pixels: torch.Tensor | None
+    """Samples of the step for its grid, ``uint8 [B, F, H, W, 3]`` (this worker's share when
+    data-parallel; thumbnails in a disaggregated run); None when the step keeps none."""
     captions: list[str]
 
 
@@ -75,7 +81,7 @@ class TrainItem:
 
 
 @dataclass(slots=True)
-class StepStats:
+class LossStats:
     """Sums over (sample, trained timestep) terms; divide by ``terms`` for means."""
 
     terms: int = 0
@@ -85,7 +91,7 @@ class StepStats:
     approx_kl: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
-    def add(self, other: StepStats) -> None:
+    def add(self, other: LossStats) -> None:
         self.terms += other.terms
         self.loss += other.loss
         self.kl += other.kl
@@ -99,7 +105,7 @@ class StepStats:
         )
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> StepStats:
+    def from_tensor(cls, t: torch.Tensor) -> LossStats:
         terms, loss, kl, clip, akl = t.tolist()
         return cls(int(terms), loss, kl, clip, akl)
 
@@ -137,7 +143,7 @@ class Policy:
         )
         self.version = 0
         self.sigmas = self.adapter.sigmas(cfg.rollout.num_inference_steps)
-        self._cond_cache: dict[str, PromptEmbeds] = {}
+        self._cond_cache: OrderedDict[str, PromptEmbeds] = OrderedDict()
         self.reference: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[torch.nn.Parameter] = []
@@ -167,31 +173,31 @@ class Policy:
 
     def sampler_spec(self, step: int) -> SamplerSpec:
         r = self.cfg.rollout
-        window = sde_window(
-            seed=self.cfg.seed,
-            step=step,
-            num_inference_steps=r.num_inference_steps,
-            window_size=r.sde_window_size,
-            window_range=r.sde_window_range,
-            sde_type=r.sde_type,
-        )
         return SamplerSpec(
             sigmas=self.sigmas,
-            window=tuple(window),
+            window=tuple(step_window(self.cfg, step)),
             sde_type=r.sde_type,
             noise_level=r.noise_level,
             guidance_scale=r.guidance_scale,
         )
 
     def conditioning(self, prompts: Sequence[str]) -> PromptEmbeds:
-        """Text conditioning per prompt (cached: text encoders are frozen)."""
-        missing = sorted({p for p in prompts if p not in self._cond_cache})
-        if missing:
+        """Text conditioning per prompt (cached: text encoders are frozen).
+
+        Each prompt is encoded alone, so its embedding is the same bits whichever prompts a
+        worker happened to meet first (a batched encoder pass can round differently).
+        The cache keeps the most recent :data:`_COND_CACHE_SIZE` prompts.
+        """
+        cache = self._cond_cache
+        for p in dict.fromkeys(prompts):
+            if p in cache:
+                cache.move_to_end(p)
+                continue
             with torch.no_grad():
-                enc = self.adapter.encode_prompts(missing)
-            for i, p in enumerate(missing):
-                self._cond_cache[p] = enc.select([i])
-        return _cat_rows([self._cond_cache[p] for p in prompts])
+                cache[p] = self.adapter.encode_prompts([p])
+            if len(cache) > _COND_CACHE_SIZE:
+                cache.popitem(last=False)
+        return _cat_rows([cache[p] for p in prompts])
 
     def negative_conditioning(self, batch: int) -> PromptEmbeds | None:
         r = self.cfg.rollout
@@ -217,7 +223,7 @@ class Policy:
 
     # --- training -----------------------------------------------------------------------
 
-    def accumulate(self, item: TrainItem, loss_scale: float, tsp_degree: int = 1) -> StepStats:
+    def accumulate(self, item: TrainItem, loss_scale: float, tsp_degree: int = 1) -> LossStats:
         """Forward/backward over the trained timesteps of ``item``; gradients accumulate.
 
         ``tsp_degree`` timesteps go through the transformer together, as one batch of
@@ -250,7 +256,7 @@ class Policy:
         neg = self.negative_conditioning(b)
         ro = item.rollout
         rows = torch.arange(b)
-        stats = StepStats()
+        stats = LossStats()
         self.adapter.transformer.train()
         for j0 in range(0, positions.shape[1], tsp_degree):
             pos = positions[:, j0 : j0 + tsp_degree].T.reshape(-1)  # [d*B], timestep-major
@@ -278,7 +284,7 @@ class Policy:
             terms = d * b
             (loss * (terms * loss_scale)).backward()
             stats.add(
-                StepStats(
+                LossStats(
                     terms=terms,
                     loss=float(loss.detach()) * terms,
                     kl=kl_val * terms,

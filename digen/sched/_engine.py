@@ -8,14 +8,17 @@ simulator" the same statement.
 
 Rules (they mirror ``digen/runtime/driver.py`` and are documented in ``simulator.py``):
 
-- a free generator scores the head of SQ if SQ is non-empty, else generates the next
-  micro-batch if the staleness rule admits it, else idles;
+- a generator scores what it generated right after generating it (its pixels are there);
+- a free generator scores the head of SQ (micro-batches trainers made) if SQ is non-empty,
+  else generates the next micro-batch if the admission rule (:mod:`digen.sched.schedule`)
+  admits it, else idles;
 - a free trainer updates the head of UQ (the train step's ready micro-batches) if any, else
   it is at a bubble: with an admissible micro-batch left, the policy decides between a TAG
   generation (its result joins SQ) and waiting; a trainer that waits is not asked again
   until it has done an update;
 - when every update of the train step is done, the trainers finish their current task and
-  all run ``step`` together; then, once every generator has finished its current task, all
+  all run ``step`` together; then, once every generator has finished its current task (and,
+  under the fixed TCSS schedule, the next step's early micro-batches are handed out), all
   workers run ``sync``; then the version (= train step) goes up by one.
 
 Tie-breaking, so that runs are reproducible and the model does not depend on which of two
@@ -33,11 +36,15 @@ from __future__ import annotations
 import math
 
 from digen.sched.costs import Costs
+from digen.sched.schedule import Admission, Pool, TaskKind, worker_names
 from digen.sched.state import WORKER_KINDS, SchedState, WorkerClock
 from digen.sched.trace import TraceEvent
 
-IDLE, GEN, TAG, SCORE, UPDATE, STEP, SYNC = range(7)
-_CODE = {name: i for i, name in enumerate(WORKER_KINDS)}
+_CODE = {kind: i for i, kind in enumerate(WORKER_KINDS)}
+"""Task kinds as small ints, for speed: their positions in ``WORKER_KINDS`` (0 = idle)."""
+IDLE = _CODE[None]
+GEN, TAG, SCORE = _CODE[TaskKind.GENERATE], _CODE[TaskKind.TAG], _CODE[TaskKind.SCORE]
+UPDATE, STEP, SYNC = _CODE[TaskKind.UPDATE], _CODE[TaskKind.STEP], _CODE[TaskKind.SYNC]
 _INF = math.inf
 
 # Training-side phase of the current step.
@@ -64,6 +71,8 @@ class Config:
         "last_step",
         "names",
         "cmin",
+        "rule",
+        "fixed",
     )
 
     def __init__(
@@ -77,6 +86,8 @@ class Config:
         max_staleness: int = 0,
         stale_cap: int = 0,
         last_step: int | None = None,
+        staleness_schedule: str = "fixed",
+        max_inflight: int | None = None,
     ) -> None:
         for name, v, lo in (
             ("microbatches", microbatches, 1),
@@ -99,9 +110,16 @@ class Config:
         self.W = max_staleness
         self.cap = stale_cap
         self.last_step = 1 << 60 if last_step is None else last_step
-        self.names = tuple(f"generator-{i}" for i in range(generators)) + tuple(
-            f"trainer-{j}" for j in range(trainers)
+        self.names = worker_names(Pool.GENERATOR, generators) + worker_names(Pool.TRAINER, trainers)
+        self.rule = Admission(
+            max_staleness=max_staleness,
+            stale_cap=stale_cap,
+            schedule=staleness_schedule,
+            max_inflight=max_inflight,
+            last_step=last_step,
         )
+        self.fixed = self.rule.quota(1) > 0
+        """Fixed TCSS schedule with a non-empty quota: the sync waits for the early ones."""
 
 
 class Engine:
@@ -127,6 +145,7 @@ class Engine:
         "updated",
         "fs",
         "fm",
+        "untrained",
         "dispatch",
         "tags",
         "bubbles",
@@ -134,9 +153,12 @@ class Engine:
         "step_ends",
         "tag_total",
         "bubble_total",
+        "log",
     )
 
-    def __init__(self, cfg: Config, *, horizon: int, record: bool = False) -> None:
+    def __init__(
+        self, cfg: Config, *, horizon: int, record: bool = False, log: bool = False
+    ) -> None:
         n = cfg.n
         self.cfg = cfg
         self.horizon = horizon
@@ -158,6 +180,7 @@ class Engine:
         self.updated = 0
         self.fs = 0  # frontier: next micro-batch to hand out is (fs, fm)
         self.fm = 0
+        self.untrained = 0  # handed out, not yet trained (C_gen back-pressure)
         self.dispatch = True  # tasks at `now` have taken effect; free workers not yet served
         self.tags = 0
         self.bubbles = 0
@@ -165,6 +188,11 @@ class Engine:
         self.step_ends: list[float] = []
         self.tag_total = 0
         self.bubble_total = 0
+        self.log: list[tuple] | None = [] if log else None
+        """With ``log=True``: every transition in order, to replay the history elsewhere:
+        ``("take", step, mb, version)``, ``("start", worker, kind, step, mb, t)``,
+        ``("finish", worker, kind, step, mb, version, t)``, ``("wait", trainer)``,
+        ``("bubble", trainer, insert)``, ``("version", v)``."""
 
     # -- building ---------------------------------------------------------------------------
 
@@ -180,6 +208,8 @@ class Engine:
             max_staleness=state.max_staleness,
             stale_cap=state.stale_cap,
             last_step=state.last_step,
+            staleness_schedule=state.staleness_schedule,
+            max_inflight=state.max_inflight,
         )
         eng = cls(cfg, horizon=state.step + steps)
         now = float(state.now)
@@ -202,6 +232,7 @@ class Engine:
         eng.scored = {(s, g): c for s, g, c in state.partial_groups}
         eng.updated = state.updated
         eng.fs, eng.fm = state.next_mb
+        eng.untrained = state.untrained
         eng.tags, eng.bubbles = state.tags, state.bubbles
         return eng
 
@@ -230,9 +261,8 @@ class Engine:
             updated=self.updated,
             partial_groups=tuple(sorted((s, g, c) for (s, g), c in self.scored.items())),
             mbs_per_group=cfg.gsize,
-            max_staleness=cfg.W,
-            stale_cap=cfg.cap,
-            last_step=None if cfg.last_step >= 1 << 60 else cfg.last_step,
+            untrained=self.untrained,
+            **SchedState.admission_fields(cfg.rule),
             tags=self.tags,
             bubbles=self.bubbles,
         )
@@ -259,6 +289,7 @@ class Engine:
         c.updated = self.updated
         c.fs = self.fs
         c.fm = self.fm
+        c.untrained = self.untrained
         c.dispatch = self.dispatch
         c.tags = self.tags
         c.bubbles = self.bubbles
@@ -266,6 +297,7 @@ class Engine:
         c.step_ends = self.step_ends[:]
         c.tag_total = self.tag_total
         c.bubble_total = self.bubble_total
+        c.log = None
         return c
 
     # -- running ----------------------------------------------------------------------------
@@ -305,6 +337,8 @@ class Engine:
         j = self.cfg.G + trainer
         self.bubbles += 1
         self.bubble_total += 1
+        if self.log is not None:
+            self.log.append(("bubble", trainer, insert))
         if insert:
             s, m = self._take()
             self._start(j, TAG, s, m, self.version, self.cfg.ct)
@@ -324,6 +358,8 @@ class Engine:
     # -- internals --------------------------------------------------------------------------
 
     def _start(self, i: int, k: int, s: int, m: int, v: int, cost: float) -> None:
+        if self.log is not None:
+            self.log.append(("start", i, k, s, m, self.now))
         self.kind[i] = k
         self.wstep[i] = s
         self.wmb[i] = m
@@ -332,13 +368,12 @@ class Engine:
         self.busy[i] = self.now + cost
 
     def _admissible(self) -> bool:
-        """Whether the next micro-batch may start now (staleness rule)."""
-        cfg = self.cfg
-        s = self.fs
-        if s > cfg.last_step:
-            return False
-        lag = s - self.version
-        return lag <= 0 or (lag <= cfg.W and self.fm < cfg.cap)
+        """Whether the next micro-batch may start now (the admission rule)."""
+        return self.cfg.rule.admits(self.fs, self.fm, self.version, self.untrained)
+
+    def _quota_pending(self) -> bool:
+        """Fixed TCSS: the next step's early micro-batches are not all handed out yet."""
+        return self.cfg.fixed and self.cfg.rule.quota_pending(self.version + 1, (self.fs, self.fm))
 
     def _take(self) -> tuple[int, int]:
         s, m = self.fs, self.fm
@@ -346,6 +381,9 @@ class Engine:
             self.fs, self.fm = s + 1, 0
         else:
             self.fm = m + 1
+        self.untrained += 1
+        if self.log is not None:
+            self.log.append(("take", s, m, self.version))
         return s, m
 
     def _dispatch(self) -> int:
@@ -355,17 +393,21 @@ class Engine:
         ph = self.phase
         now = self.now
         busy, wstep, wmb, wver, wt0 = self.busy, self.wstep, self.wmb, self.wver, self.wt0
-        if ph < _WANT_SYNC and IDLE in kind[:G]:
+        if (ph < _WANT_SYNC or (ph == _WANT_SYNC and self._quota_pending())) and IDLE in kind[:G]:
             sq = self.sq
             for i in range(G):
                 if kind[i] == IDLE:
                     if sq:
                         s, m, v = sq.pop(0)
+                        if self.log is not None:
+                            self.log.append(("start", i, SCORE, s, m, now))
                         kind[i] = SCORE
                         wstep[i], wmb[i], wver[i], wt0[i] = s, m, v, now
                         busy[i] = now + cfg.cs
                     elif self._admissible():
                         s, m = self._take()
+                        if self.log is not None:
+                            self.log.append(("start", i, GEN, s, m, now))
                         kind[i] = GEN
                         wstep[i], wmb[i], wver[i], wt0[i] = s, m, self.version, now
                         busy[i] = now + cfg.cg
@@ -381,6 +423,8 @@ class Engine:
                 if kind[j] == IDLE and waiting[j]:
                     kind[j] = UPDATE
                     wstep[j], wmb[j], wver[j], wt0[j] = v, uq.pop(0), v, now
+                    if self.log is not None:
+                        self.log.append(("start", j, UPDATE, v, wmb[j], now))
                     busy[j] = now + cfg.cu
                     waiting[j] = False
                     if not uq:
@@ -391,16 +435,22 @@ class Engine:
                     kind[j] = UPDATE
                     wstep[j], wmb[j], wver[j], wt0[j] = v, uq.pop(0), v, now
                     busy[j] = now + cfg.cu
+                    if self.log is not None:
+                        self.log.append(("start", j, UPDATE, v, wmb[j], now))
                 elif self._admissible():
                     return j - G
                 else:
                     waiting[j] = True
+                    if self.log is not None:
+                        self.log.append(("wait", j - G))
         return -1
 
     def _finish(self, i: int, t: float) -> None:
         """Let worker ``i``'s task, ending at ``t``, take effect."""
         k = self.kind[i]
         s, m = self.wstep[i], self.wmb[i]
+        if self.log is not None:
+            self.log.append(("finish", i, k, s, m, self.wver[i], t))
         if self.events is not None:
             cfg = self.cfg
             self.events.append(
@@ -410,7 +460,9 @@ class Engine:
         self.busy[i] = _INF
         self.wstep[i] = -1
         self.wmb[i] = -1
-        if k in (GEN, TAG):
+        if k == GEN:  # scored at once where it was made
+            self._start(i, SCORE, s, m, self.wver[i], self.cfg.cs)
+        elif k == TAG:
             self.sq.append((s, m, self.wver[i]))
         elif k == SCORE:
             if self.cfg.gsize == 1:
@@ -423,6 +475,7 @@ class Engine:
                 self._scored(s, m)
         elif k == UPDATE:
             self.updated += 1
+            self.untrained -= 1
 
     def _scored(self, s: int, m: int) -> None:
         """GAP groups: a group enters UQ when its last micro-batch is scored."""
@@ -460,7 +513,7 @@ class Engine:
                     return
                 self.phase = _WANT_SYNC
             elif ph == _WANT_SYNC:
-                if any(kind):
+                if any(kind) or self._quota_pending():
                     return
                 v = self.version
                 for i in range(n):
@@ -472,6 +525,8 @@ class Engine:
                     return
                 self.uq.pop(self.version, None)
                 self.version += 1
+                if self.log is not None:
+                    self.log.append(("version", self.version))
                 self.step_ends.append(self.now)
                 self.phase = _TRAIN
                 self.updated = 0

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from digen.sched.schedule import TaskKind, pool_of
 from digen.sched.trace import TraceEvent
 
 __all__ = ["COST_NAMES", "EVENT_COST", "Costs", "OnlineProfiler", "pool_of"]
@@ -28,12 +28,12 @@ COST_NAMES = ("gen", "gen_tag", "score", "update", "step", "sync")
 """The fields of :class:`Costs`, in order."""
 
 EVENT_COST = {
-    "generate": "gen",
-    "tag": "gen_tag",
-    "score": "score",
-    "update": "update",
-    "step": "step",
-    "sync": "sync",
+    TaskKind.GENERATE: "gen",
+    TaskKind.TAG: "gen_tag",
+    TaskKind.SCORE: "score",
+    TaskKind.UPDATE: "update",
+    TaskKind.STEP: "step",
+    TaskKind.SYNC: "sync",
 }
 """Trace event kind -> the cost it measures."""
 
@@ -88,20 +88,6 @@ class Costs:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-_POOL_RE = re.compile(r"^(.*?)-\d+$")
-
-
-def pool_of(worker: str) -> str:
-    """The pool a worker belongs to: its name without a trailing ``-<index>``.
-
-    ``"generator-3" -> "generator"``, ``"trainer-h100-0" -> "trainer-h100"``, ``"driver" ->
-    "driver"``: workers of one device type share a prefix, so heterogeneous pools keep
-    separate estimates.
-    """
-    m = _POOL_RE.match(worker)
-    return m[1] if m else worker
 
 
 @dataclass(slots=True)

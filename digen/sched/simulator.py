@@ -10,9 +10,11 @@ Rules
 A train step has ``B`` micro-batches, handed out in order (step ``s`` micro-batch ``0 ..
 B-1``, then step ``s + 1``). Version ``s`` is the policy during step ``s``.
 
-- **Generator**, whenever free: score the head of SQ if SQ is non-empty (scoring first, so
-  trainers get rewards early); else generate the next micro-batch if the staleness rule
-  admits it; else idle until something changes.
+- **Generator**: it scores each micro-batch it generates right after generating it (the
+  pixels stay where they were made). Whenever free: score the head of SQ (micro-batches made
+  by trainers) if SQ is non-empty (scoring first, so trainers get rewards early); else
+  generate the next micro-batch if the admission rule (:mod:`digen.sched.schedule`) admits
+  it; else idle until something changes.
 - **Trainer**, whenever free: update the head of UQ if UQ (ready micro-batches of the train
   step) is non-empty; else it is at a *bubble*. If an admissible micro-batch is left, the TAG
   policy decides: insert (the trainer generates it, cost ``gen_tag``; the result joins SQ and
@@ -25,11 +27,16 @@ B-1``, then step ``s + 1``). Version ``s`` is the policy during step ``s``.
   finished its current task, every worker runs ``sync`` (cost ``sync``); then the version
   becomes ``s + 1`` and step ``s + 1``'s ready micro-batches become UQ. Generators keep
   working during ``step`` but start nothing once the sync is due.
-- **TCSS** (``max_staleness`` W, ``staleness_ratio`` r): a micro-batch of step ``k`` may
-  start on version ``v < k`` only if ``k - v <= W`` and fewer than ``floor(r * B)`` of step
-  ``k``'s micro-batches have started so far (all of which are then stale). Weights change
-  only at ``sync``, which waits for running tasks, so every generation has one version.
-  ``max_staleness=0`` (or ``r = 0``) is the synchronous schedule.
+- **TCSS** (``max_staleness`` W, ``staleness_ratio`` r, ``cap = floor(r * B)``): with the
+  *fixed* schedule the first ``cap`` micro-batches of every step ``k >= 1`` are made with
+  version ``k - 1`` (the sync waits until they are handed out) and the rest with version
+  ``k``; with the *eager* schedule a micro-batch of step ``k`` may start on version ``v < k``
+  only if ``k - v <= W`` and fewer than ``cap`` of step ``k``'s micro-batches have started
+  so far (all of which are then stale). Weights change only at ``sync``, which waits for
+  running tasks, so every generation has one version. ``max_staleness=0`` (or ``r = 0``) is
+  the synchronous schedule.
+- **Back-pressure** (``max_inflight``, the paper's ``C_gen``): no micro-batch starts while
+  that many are handed out and not yet trained.
 
 Tie-breaking (deterministic): tasks ending at the same instant take effect in ``(step, mb)``
 order; then free generators are served by index, then free trainers — those already waiting
@@ -50,7 +57,7 @@ from dataclasses import dataclass
 
 from digen.sched._engine import Config, Engine
 from digen.sched.costs import Costs
-from digen.sched.state import stale_cap
+from digen.sched.schedule import stale_cap
 from digen.sched.tag import NoTAG, TagPolicy
 from digen.sched.trace import Trace, TraceEvent
 
@@ -107,6 +114,8 @@ def simulate(
     mbs_per_group: int = 1,
     max_staleness: int = 0,
     staleness_ratio: float = 0.0,
+    staleness_schedule: str = "fixed",
+    max_inflight: int | None = None,
 ) -> SimResult:
     """Simulate ``steps`` train steps of ``microbatches`` micro-batches (rules in the module doc).
 
@@ -126,6 +135,8 @@ def simulate(
         max_staleness=max_staleness,
         stale_cap=stale_cap(microbatches, staleness_ratio),
         last_step=steps - 1,
+        staleness_schedule=staleness_schedule,
+        max_inflight=max_inflight,
     )
     pol = NoTAG() if policy is None else policy
     pol.reset()

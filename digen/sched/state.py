@@ -17,22 +17,14 @@ Conventions shared by both:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from digen.sched.schedule import Admission, TaskKind, stale_cap
 
 __all__ = ["WORKER_KINDS", "SchedState", "WorkerClock", "stale_cap"]
 
-WORKER_KINDS = (None, "generate", "tag", "score", "update", "step", "sync")
+WORKER_KINDS: tuple[TaskKind | None, ...] = (None, *TaskKind)
 """What a worker can be doing; ``None`` is idle."""
-
-
-def stale_cap(microbatches: int, staleness_ratio: float) -> int:
-    """How many of a step's micro-batches TCSS lets start on the previous version.
-
-    ``floor(staleness_ratio * microbatches)`` (with a little slack so that, e.g., 0.3 * 10
-    gives 3 despite rounding).
-    """
-    return math.floor(staleness_ratio * microbatches + 1e-9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +77,13 @@ class SchedState:
     max_staleness: int = 0
     """TCSS: how many versions a generation may lag the step it belongs to (0 = synchronous)."""
     stale_cap: int = 0
-    """TCSS: how many micro-batches of a step may start on an older version."""
+    """TCSS: how many micro-batches of a step may (eager) or must (fixed) start on an older version."""
+    staleness_schedule: str = "fixed"
+    """TCSS: ``fixed`` or ``eager`` (:mod:`digen.sched.schedule`)."""
+    untrained: int = 0
+    """Micro-batches handed out and not yet trained (all steps)."""
+    max_inflight: int | None = None
+    """``C_gen``: the bound on :attr:`untrained` (None = no bound)."""
     last_step: int | None = None
     """Last train step of the run; no micro-batch of a later step is ever handed out."""
     tags: int = 0
@@ -118,15 +116,33 @@ class SchedState:
             return 0
         return self.microbatches - m
 
+    @staticmethod
+    def admission_fields(rule: Admission) -> dict[str, object]:
+        """The fields that describe the admission rule ``rule`` (the inverse of
+        :attr:`admission`, for building a state)."""
+        return {
+            "max_staleness": rule.max_staleness,
+            "stale_cap": rule.stale_cap,
+            "staleness_schedule": rule.schedule,
+            "max_inflight": rule.max_inflight,
+            "last_step": rule.last_step,
+        }
+
+    @property
+    def admission(self) -> Admission:
+        """The admission rule of this schedule."""
+        return Admission(
+            max_staleness=self.max_staleness,
+            stale_cap=self.stale_cap,
+            schedule=self.staleness_schedule,
+            max_inflight=self.max_inflight,
+            last_step=self.last_step,
+        )
+
     def can_start_next(self) -> bool:
-        """Whether the next micro-batch may start now (TCSS rule; always inside the step)."""
+        """Whether the next micro-batch may start now on a worker holding the current version."""
         s, m = self.next_mb
-        if self.last_step is not None and s > self.last_step:
-            return False
-        lag = s - self.step
-        if lag <= 0:
-            return True
-        return lag <= self.max_staleness and m < self.stale_cap
+        return self.admission.admits(s, m, self.step, self.untrained)
 
     @property
     def in_flight(self) -> tuple[tuple[str, float], ...]:

@@ -299,6 +299,8 @@ def _memo_tag(state: SchedState, costs: Costs) -> tuple:
         state.mbs_per_group,
         state.max_staleness,
         state.stale_cap,
+        state.staleness_schedule,
+        state.max_inflight,
         state.last_step,
         state.step,
     )

@@ -35,10 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KINDS", "KIND_COLOURS", "StepStats", "Trace", "TraceEvent"]
+from digen.sched.schedule import DRIVER, Pool, TaskKind, index_of, pool_of
 
-KINDS = ("generate", "tag", "score", "update", "step", "sync")
-"""Task kinds; ``tag`` is a generation run on a trainer (trainer-assisted generation)."""
+__all__ = ["KINDS", "KIND_COLOURS", "StepUsage", "Trace", "TraceEvent"]
+
+KINDS: tuple[str, ...] = tuple(TaskKind)
+"""Task kinds (:class:`~digen.sched.schedule.TaskKind`); ``tag`` is a generation run on a
+trainer (trainer-assisted generation)."""
 
 KIND_COLOURS = {
     "generate": "#1f77b4",
@@ -50,8 +53,7 @@ KIND_COLOURS = {
 }
 """One fixed colour per kind, so timelines of different runs read the same."""
 
-_ROLE_RANK = {"driver": 0, "generator": 1, "trainer": 2}
-_ROLE_RE = re.compile(r"(driver|generator|trainer)(?:-(\d+))?")
+_ROLE_RANK = {DRIVER: 0, Pool.GENERATOR: 1, Pool.TRAINER: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +122,7 @@ class TraceEvent:
 
 
 @dataclass(frozen=True)
-class StepStats:
+class StepUsage:
     """How well one step kept its workers busy (definitions in the module docstring)."""
 
     step: int
@@ -227,7 +229,7 @@ class Trace:
 
     # -- statistics -------------------------------------------------------------------------
 
-    def step_stats(self, step: int, workers: Sequence[str] | None = None) -> StepStats:
+    def step_stats(self, step: int, workers: Sequence[str] | None = None) -> StepUsage:
         """Wall time, busy time, utilisation and ideal bound of one step.
 
         ``workers`` are the workers counted in utilisation; by default every worker in the
@@ -236,7 +238,7 @@ class Trace:
         evs = [e for e in self.events if e.step == step]
         if not evs:
             raise ValueError(f"the trace has no events for step {step}")
-        counted = [w for w in self.workers() if w != "driver"] if workers is None else list(workers)
+        counted = [w for w in self.workers() if w != DRIVER] if workers is None else list(workers)
         if not counted:
             raise ValueError(f"no workers to compute step {step}'s utilisation over")
         t0 = min(e.t0 for e in evs)
@@ -254,7 +256,7 @@ class Trace:
             eff = ideal / wall
         else:  # every event has zero length: nothing idled, nothing to gain
             util, eff = 1.0, 1.0
-        return StepStats(
+        return StepUsage(
             step=step,
             wall_s=wall,
             busy_s=busy,
@@ -427,9 +429,9 @@ class Trace:
 
 
 def _worker_key(name: str) -> tuple[int, int, tuple[tuple[int, int, str], ...]]:
-    m = _ROLE_RE.fullmatch(name)
-    if m:
-        return _ROLE_RANK[m[1]], int(m[2] or -1), ()
+    role = pool_of(name)
+    if role in _ROLE_RANK:
+        return _ROLE_RANK[role], index_of(name), ()
     # Anything else after the known roles, in natural order ("x-2" before "x-10").
     parts = tuple(
         (0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p

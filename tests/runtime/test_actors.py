@@ -17,6 +17,7 @@ import sys
 import time
 import types
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
@@ -31,6 +32,8 @@ from digen.runtime.actors import (
     WorkerDied,
     WorkerSpec,
 )
+from digen.runtime.actors._system import Payload
+from digen.runtime.actors._transport import payload_bytes
 
 
 def _gone(pid: int) -> bool:
@@ -282,6 +285,61 @@ class TestSharedSystem:
         assert stats["calls"] - before == 5 + 1  # five calls and one construction
         assert stats["pending"] == {"generator-0": 0, "trainer-0": 0}
         assert stats["state"] == "running" and stats["dead"] == []
+        assert stats["payload"] == system.payload
+
+    async def test_payload_counts_tensor_storage_apart_from_the_rest(
+        self, system: ActorSystem
+    ) -> None:
+        acc = system.actor("generator-0", Accumulator, 250_000)
+        await acc.call("ping")
+        x = torch.ones(250_000)  # 1 MB of float32
+
+        before = system.payload
+        await acc.call("record", x)  # a tensor out, None back
+        moved = system.payload - before
+        assert (moved.sent_tensor_bytes, moved.received_tensor_bytes) == (1_000_000, 0)
+        assert moved.sent_other_bytes > 0
+        assert moved.received_other_bytes == len(pickle.dumps(None))
+
+        before = system.payload
+        await acc.call("add", x)  # and a 1 MB tensor back
+        moved = system.payload - before
+        assert (moved.sent_tensor_bytes, moved.received_tensor_bytes) == (1_000_000, 1_000_000)
+
+        before = system.payload
+        assert await system.run("generator-0", where_am_i, 2, 3) == (
+            system.pids()["generator-0"],
+            6,
+        )
+        moved = system.payload - before
+        assert (moved.sent_tensor_bytes, moved.received_tensor_bytes) == (0, 0)
+        assert moved.sent_other_bytes > 0
+        assert moved.received_other_bytes == len(pickle.dumps((system.pids()["generator-0"], 6)))
+        assert moved.megabytes == (moved.sent_other_bytes + moved.received_other_bytes) / 1e6
+
+    async def test_payload_counts_tensors_as_they_cross(self, system: ActorSystem) -> None:
+        async def echoed(value: object) -> tuple[object, Payload]:
+            before = system.payload
+            back = await system.run("generator-0", echo, value)
+            return back, system.payload - before
+
+        small = torch.arange(1000, dtype=torch.float32)
+        # A view of a small storage ships the whole storage, once however many views share it.
+        back, moved = await echoed(small[:10])
+        assert (moved.sent_tensor_bytes, moved.received_tensor_bytes) == (4000, 4000)
+        assert back.untyped_storage().nbytes() == 4000  # what the worker got, and sent back
+        back, moved = await echoed({"a": small, "b": [small, small[10:20]]})
+        assert (moved.sent_tensor_bytes, moved.received_tensor_bytes) == (4000, 4000)
+        assert back["b"][1].untyped_storage().data_ptr() == back["a"].untyped_storage().data_ptr()
+
+        # A small view of a big storage is copied before it is sent (torch's rule).
+        big = torch.zeros(1_000_000)
+        back, moved = await echoed(big[:10])
+        assert (moved.sent_tensor_bytes, moved.received_tensor_bytes) == (40, 40)
+        assert back.untyped_storage().nbytes() == 40
+        view = big[:10]
+        back, moved = await echoed((view, view, big[10:20]))  # one copy per view object
+        assert (moved.sent_tensor_bytes, moved.received_tensor_bytes) == (80, 80)
 
 
 def test_worker_spec_checks_its_fields() -> None:
@@ -291,6 +349,63 @@ def test_worker_spec_checks_its_fields() -> None:
         WorkerSpec("generator-0", threads=0)
     with pytest.raises(ValueError, match="repeated"):
         ActorSystem([WorkerSpec("a"), WorkerSpec("a")])
+
+
+@dataclass
+class _Batch:
+    images: torch.Tensor
+    steps: list
+
+
+class _Slotted:
+    __slots__ = ("latents", "name")
+
+    def __init__(self, latents: torch.Tensor, name: str) -> None:
+        self.latents, self.name = latents, name
+
+
+def test_payload_bytes_sizes_tensors_as_tensorpipe_ships_them() -> None:
+    x = torch.ones(250_000)  # 1 MB of float32
+    assert payload_bytes(x)[0] == 1_000_000
+    assert payload_bytes(torch.ones(10, dtype=torch.bfloat16))[0] == 20
+    # Reachable anywhere, counted once per storage: dataclasses, slots, containers, views.
+    small = torch.arange(1000, dtype=torch.float32)
+    nested = {"batch": _Batch(small[:10], [small]), "slots": _Slotted(small[500:], "s")}
+    assert payload_bytes([nested, (small, small.view(10, 100))])[0] == 4000
+    assert payload_bytes((x, small, x))[0] == 1_004_000
+    # Small views of big storages are copied before sending: their own bytes, per view.
+    big = torch.zeros(1_000_000)
+    assert payload_bytes(big[:10])[0] == 40
+    view = big[:10]
+    assert payload_bytes((view, view, big[10:20]))[0] == 80
+    assert payload_bytes(big[:600_000])[0] == 4_000_000  # more than half of it: all of it
+    assert payload_bytes(torch.ones(1).expand(5000))[0] == 4  # one element, seen 5000 times
+    # No plain storage (sparse): its indices and values count.
+    assert payload_bytes(torch.ones(3).to_sparse())[0] == 3 * 8 + 3 * 4
+
+
+def test_payload_bytes_other_bytes_are_the_pickled_rest() -> None:
+    plain = {"prompt": "a cat", "steps": list(range(40)), "cfg": 4.5}
+    assert payload_bytes(plain) == (0, len(pickle.dumps(plain)))
+    with_tensor = payload_bytes({**plain, "x": torch.ones(250_000)})
+    assert with_tensor[0] == 1_000_000
+    assert len(pickle.dumps(plain)) < with_tensor[1] < len(pickle.dumps(plain)) + 100
+    # What cannot be pickled counts what came before it, and never raises.
+    assert payload_bytes((torch.ones(10), lambda: 0))[0] == 40
+
+    class Refuses:
+        def __reduce__(self) -> tuple:
+            raise ValueError("not today")
+
+    assert payload_bytes([torch.ones(5), Refuses(), torch.ones(100)])[0] == 20
+
+
+def test_payload_subtracts_and_sums_to_megabytes() -> None:
+    later, earlier = Payload(4_000_000, 2_000, 1_000_000, 500), Payload(1_000_000, 1_000, 0, 0)
+    assert later - earlier == Payload(3_000_000, 1_000, 1_000_000, 500)
+    assert (later - earlier).megabytes == 4.0015
+    assert earlier + (later - earlier) == later
+    assert Payload().megabytes == 0.0
 
 
 # --- external launch: workers someone else started (what torchrun does) -------------------

@@ -33,41 +33,67 @@ def _run(cfg, out: Path):
     return asyncio.run(DigenRunner(cfg, out_dir=out, progress=False).run())
 
 
-def _assert_same_weights(a: dict, b: dict) -> None:
+def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
     assert a.keys() == b.keys() and len(a) > 0
     moved = 0.0
     for name, p in a.items():
-        torch.testing.assert_close(b[name], p, rtol=1e-5, atol=1e-6)
+        if exact:
+            assert torch.equal(b[name], p), name
+        else:
+            torch.testing.assert_close(b[name], p, rtol=1e-5, atol=1e-6)
         if "lora_B" in name:
             moved = max(moved, float(p.abs().max()))
     assert moved > 1e-4  # the step moved the weights, so equality says something
 
 
 @pytest.mark.parametrize(
-    ("model", "algo", "extra"),
+    ("model", "algo", "both", "extra", "exact"),
     [
         # GAP (a prompt's samples spread over 2 generators) and TSP (2 timesteps per forward)
-        ("flux", "flowgrpo", ["runtime.generators=2", "runtime.tsp_degree=2"]),
+        ("flux", "flowgrpo", [], ["runtime.generators=2", "runtime.tsp_degree=2"], False),
+        # GAP over 3 generators (6 samples: 3 micro-batches per group), two TAG micro-batches.
+        # The micro-batches are the colocated trainer's own (2 samples) and gradients are
+        # summed in micro-batch order: the same bits, wherever each ran.
+        (
+            "sd3",
+            "flowgrpo",
+            ["rollout.n=6"],
+            ["runtime.generators=3", "runtime.tag=static", "runtime.tag_k=2"],
+            True,
+        ),
         # two data-parallel trainers, weights by broadcast, whole groups, no pipelining
         (
             "wan",
             "dancegrpo",
+            [],
             [
                 "runtime.trainers=2",
                 "runtime.weight_sync=broadcast",
                 "runtime.microbatch_axis=prompt",
                 "runtime.pipeline=false",
             ],
+            False,
         ),
     ],
 )
-def test_disaggregated_step_equals_colocated(tmp_path: Path, model, algo, extra) -> None:
-    colocated = _run(_cfg(model, algo, "colocated", []), tmp_path / "colocated")
-    disagg = _run(_cfg(model, algo, "disaggregated", extra), tmp_path / "disaggregated")
-    assert disagg.metrics[0]["reward_mean"] == pytest.approx(
-        colocated.metrics[0]["reward_mean"], rel=1e-5
-    )
-    _assert_same_weights(colocated.final_state, disagg.final_state)
+def test_disaggregated_step_equals_colocated(
+    tmp_path: Path, model, algo, both, extra, exact
+) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker (runtime.threads_per_worker): the same kernels
+    try:
+        colocated = _run(_cfg(model, algo, "colocated", both), tmp_path / "colocated")
+    finally:
+        torch.set_num_threads(threads)
+    disagg = _run(_cfg(model, algo, "disaggregated", [*both, *extra]), tmp_path / "disaggregated")
+    assert set(disagg.metrics[0]) == set(colocated.metrics[0])  # one metrics builder
+    keys = ("reward_mean", "reward_std", "loss", "clip_fraction")
+    got, want = ({k: r.metrics[0][k] for k in keys} for r in (disagg, colocated))
+    if exact:
+        assert got == want
+    else:
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7)  # the loss is ~0 on-policy
+    _assert_same_weights(colocated.final_state, disagg.final_state, exact=exact)
     chrome = json.loads((tmp_path / "disaggregated" / "trace.json").read_text())
     names = {e["args"]["name"] for e in chrome["traceEvents"] if e.get("name") == "process_name"}
     assert {"driver", "generator-0", "trainer-0"} <= names
@@ -86,11 +112,13 @@ async def test_trace_accounts_for_every_microbatch_and_version() -> None:
     )
     trace = Trace()
     async with Driver(cfg, None, PromptSet.builtin(), trace) as driver:
-        for step in range(2):
-            await driver.train_step(step)
+        results = await driver.run(2)
         pids = await asyncio.gather(*(a.call("ping") for a in driver.gens + driver.trainers))
         gen_state = await driver.gens[1].call("trainable_state")
         trainer_state = await driver.trainers[0].call("trainable_state")
+        held = await asyncio.gather(*(a.call("held") for a in driver.gens + driver.trainers))
+    assert [r.metrics["policy_version"] for r in results] == [1, 2]
+    assert all(h["held"] == 0 for h in held)  # every rollout was taken by its update
     assert len(set(pids)) == 3  # two generators and a trainer, each its own process
     # the first bubble of a run is always filled by TAG (it measures the trainer's speed)
     assert any(e.kind == "tag" and e.step == 0 for e in trace.events)
@@ -131,14 +159,17 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
 
     cfg = _cfg("sd3", "flowgrpo", "disaggregated", ["runtime.generators=2", "steps=3"])
     driver = Driver(cfg, None, PromptSet.builtin(), Trace())
-    async with driver:
-        await driver.train_step(0)
-        pids = driver.system.pids()
+    killed_at: list[float] = []
+
+    def kill_after_first_step(result) -> None:
         os.kill(pids["generator-1"], signal.SIGKILL)
-        t0 = time.monotonic()
+        killed_at.append(time.monotonic())
+
+    async with driver:
+        pids = driver.cluster.system.pids()
         with pytest.raises(WorkerDied, match="generator-1"):
-            await asyncio.wait_for(driver.train_step(1), timeout=60)
-        assert time.monotonic() - t0 < 15
+            await asyncio.wait_for(driver.run(3, kill_after_first_step), timeout=60)
+        assert time.monotonic() - killed_at[0] < 15
     time.sleep(0.5)
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):

@@ -1,40 +1,14 @@
-"""A small actor layer: named worker processes holding objects the driver calls by method name.
+"""The driver's view: the :class:`ActorSystem` that owns the RPC world, handles, errors.
 
-The rest of digen sees only :class:`ActorSystem`, :class:`ActorHandle`, :class:`WorkerSpec`
-and the errors here; the transport underneath is ``torch.distributed.rpc`` (TensorPipe) and
-could be swapped without touching callers. The driver process is rank 0 (``"driver"``) and
-runs an asyncio loop; each :class:`WorkerSpec` becomes one spawned process, or, under an
-external launcher such as ``torchrun`` (:class:`ExternalLaunch`), one process that someone
-else started and that calls :func:`serve_worker`.
-
-What this layer guarantees, so actor classes need not care:
-
-- one method call at a time per actor, on that actor's own thread, and the driver's calls
-  to an actor start in the order they were made (RPC serves requests on a thread pool, so
-  calls sent in order would otherwise run concurrently and in any order);
-- an exception raised by an actor method reaches the caller as the same object type, with
-  the remote traceback attached as a note;
-- a dead worker turns every pending and later call to it into :class:`WorkerDied` within
-  about a second, and :meth:`ActorSystem.stop` never hangs (RPC's graceful shutdown is a
-  barrier that waits forever for a dead peer, so it is not used); with external launch the
-  driver has no process to poll, so a transport error followed by an unanswered probe is
-  what marks a worker dead, and a worker whose driver stops answering exits by itself;
-- only the loopback interface listens when the address is a loopback one.
-
-Worker-to-worker calls: an :class:`ActorHandle` pickles to a plain ``(worker, id)`` pair, so
-the driver can pass it to an actor, whose method then uses :meth:`ActorHandle.call_sync`;
-:func:`run_sync` runs a module-level function in another worker. A chain of synchronous
-calls must not lead back to an actor already in it: that actor's thread is the one
-waiting, so it would deadlock.
+The driver is rank 0 and runs an asyncio loop; the watchdog turns dead workers into
+:class:`WorkerDied`, and every call's payload is counted (:class:`Payload`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import contextlib
-import ipaddress
 import itertools
 import multiprocessing
 import multiprocessing.util  # its atexit join must be registered before ours
@@ -43,58 +17,50 @@ import pickle
 import re
 import signal
 import socket
-import sys
 import threading
 import time
-import traceback
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, NamedTuple
-from urllib.parse import urlparse
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-__all__ = [
-    "ActorHandle",
-    "ActorSystem",
-    "ActorSystemClosed",
-    "ExternalLaunch",
-    "WorkerDied",
-    "WorkerSpec",
-    "external_launch",
-    "run_sync",
-    "serve_worker",
-]
+from digen.runtime.actors._remote import (
+    _PROBE_TIMEOUT_S,
+    DRIVER,
+    _construct,
+    _invoke,
+    _ping,
+    _request_exit,
+    _run_function,
+    _skip,
+    _unwrap,
+)
+from digen.runtime.actors._transport import (
+    _LISTEN_FDS,
+    _backend_options,
+    _bridge,
+    _forget_earlier_worlds,
+    _is_loopback,
+    _joined,
+    _loopback_ifname,
+    _patched_env,
+    _quiet_rpc_init_warning,
+    _rendezvous_url,
+    payload_bytes,
+)
+from digen.runtime.actors._worker import _worker_main
 
-DRIVER = "driver"
-_SCHEME = "digen-tcp"
 _NAME_RE = re.compile(r"[A-Za-z0-9_:\-]{1,127}")
 _WATCHDOG_PERIOD_S = 0.1
 _DEATH_GRACE_S = 0.5
 """How long a failed RPC waits for its worker's exit status before calling it a live error."""
 _EXIT_RPC_TIMEOUT_S = 2.0
 _SHUTDOWN_TIMEOUT_S = 10.0
-_EXIT_FLUSH_S = 0.1
-_PROBE_TIMEOUT_S = 5.0
-"""External launch: how long a liveness probe (driver -> worker, worker -> driver) may take."""
-_DRIVER_PING_PERIOD_S = 1.0
-_DRIVER_MISSES = 3
-"""External launch: a worker exits after this many failed pings of the driver in a row."""
 _REMOTE_MARK = re.compile(r"^On WorkerInfo\(|^Error on Node |\n\nAt:\n")
 """Torch's wording for failures it caught in Python code (remote or local), as opposed to
 the transport's ("EOF: end of file (this error originated at tensorpipe/...)")."""
-
-
-def _quiet_rpc_init_warning() -> None:
-    # init_rpc itself trips a torch deprecation warning (it gathers over a bare gloo
-    # backend); it says nothing a digen user can act on.
-    warnings.filterwarnings(
-        "ignore", message=r"You are using a Backend .* as a ProcessGroup", category=UserWarning
-    )
 
 
 @dataclass(frozen=True)
@@ -199,201 +165,41 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"died with exit code {exitcode}"
 
 
-# --------------------------------------------------------------------------------------
-# Remote side: runs in every process of the world (workers and driver alike).
-# --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """Bytes of call payload that crossed the driver process, as TensorPipe ships them.
 
-
-@dataclass(slots=True)
-class _RemoteError:
-    """An exception shipped back as a normal return value, so that transport failures
-    (which arrive as exceptions of the torch future) are never confused with it."""
-
-    error: BaseException
-    worker: str
-    traceback: str
-
-    @classmethod
-    def capture(cls, exc: BaseException) -> _RemoteError:
-        text = "".join(traceback.format_exception(exc))
-        try:
-            pickle.loads(pickle.dumps(exc))
-            error = exc
-        except Exception:  # an exception that cannot travel still has to be reported
-            error = RuntimeError(f"{type(exc).__name__}: {exc}")
-        error.__traceback__ = None
-        return cls(error, _WORKER_NAME, text)
-
-    def rebuild(self) -> BaseException:
-        self.error.add_note(f"Raised in worker {self.worker!r}:\n{self.traceback.rstrip()}")
-        return self.error
-
-
-class _Mailbox:
-    """One actor living in this process, with its own thread.
-
-    The thread builds the object, then runs its calls one at a time: the driver's in the
-    order it made them (it numbers them, ``seq``), calls from other workers as they come.
-    RPC threads only drop calls in here, so a busy actor never ties up the threads that
-    serve other actors, stop requests, or other workers.
+    Counters since the system was built; subtract two readings for what happened between.
+    Tensor bytes are the tensors' storages (see :func:`payload_bytes`), other bytes the
+    pickled rest of each message: arguments sent, results received.
     """
 
-    def __init__(self, actor_id: int) -> None:
-        self.cv = threading.Condition()
-        self.blob: bytes | None = None  # the pickled (cls, args, kwargs)
-        self.ordered: dict[int, _Call] = {}
-        self.unordered: collections.deque[_Call] = collections.deque()
-        self.next_seq = 0
-        self.skipped: set[int] = set()
-        self.obj: Any = None
-        self.error: _RemoteError | None = None
-        threading.Thread(target=self._run, name=f"digen-actor-{actor_id}", daemon=True).start()
+    sent_tensor_bytes: int = 0
+    sent_other_bytes: int = 0
+    received_tensor_bytes: int = 0
+    received_other_bytes: int = 0
 
-    def build(self, blob: bytes) -> None:
-        with self.cv:
-            self.blob = blob
-            self.cv.notify()
+    def __add__(self, other: Payload) -> Payload:
+        return Payload(
+            self.sent_tensor_bytes + other.sent_tensor_bytes,
+            self.sent_other_bytes + other.sent_other_bytes,
+            self.received_tensor_bytes + other.received_tensor_bytes,
+            self.received_other_bytes + other.received_other_bytes,
+        )
 
-    def put(self, seq: int | None, call: _Call) -> None:
-        with self.cv:
-            late = seq is not None and (seq < self.next_seq or seq in self.skipped)
-            if seq is None:
-                self.unordered.append(call)
-            elif not late:
-                self.ordered[seq] = call
-            self.cv.notify()
-        if late:  # the driver gave up on it before it arrived
-            call.fut.set_result(_given_up())
+    def __sub__(self, other: Payload) -> Payload:
+        return Payload(
+            self.sent_tensor_bytes - other.sent_tensor_bytes,
+            self.sent_other_bytes - other.sent_other_bytes,
+            self.received_tensor_bytes - other.received_tensor_bytes,
+            self.received_other_bytes - other.received_other_bytes,
+        )
 
-    def skip(self, seq: int) -> None:
-        """The driver gave up on call ``seq`` (it failed in transit); ignored once started."""
-        with self.cv:
-            if seq < self.next_seq:
-                return
-            self.skipped.add(seq)
-            dropped = self.ordered.pop(seq, None)
-            self.cv.notify()
-        if dropped is not None:
-            dropped.fut.set_result(_given_up())
-
-    def _next(self) -> _Call | None:
-        with self.cv:
-            while not _EXIT.is_set():
-                while self.next_seq in self.skipped:
-                    self.skipped.remove(self.next_seq)
-                    self.next_seq += 1
-                if self.next_seq in self.ordered:
-                    self.next_seq += 1
-                    return self.ordered.pop(self.next_seq - 1)
-                if self.unordered:
-                    return self.unordered.popleft()
-                self.cv.wait()
-            return None
-
-    def _run(self) -> None:
-        with self.cv:
-            while self.blob is None and not _EXIT.is_set():
-                self.cv.wait()
-        if self.blob is not None:
-            try:
-                cls, args, kwargs = pickle.loads(self.blob)
-                self.obj = cls(*args, **kwargs)
-            except BaseException as exc:  # reported by every call; a call is how anyone asks
-                self.error = _RemoteError.capture(exc)
-        while (call := self._next()) is not None:
-            if self.error is not None:
-                call.fut.set_result(self.error)
-                continue
-            try:
-                value = getattr(self.obj, call.method)(*call.args, **call.kwargs)
-            except BaseException as exc:  # even SystemExit: this thread must keep serving
-                value = _RemoteError.capture(exc)
-            call.fut.set_result(value)  # torch reports a result it cannot pickle itself
-        with self.cv:  # the worker is stopping: whatever still waits will not run
-            left = [*self.ordered.values(), *self.unordered]
-            self.ordered.clear()
-            self.unordered.clear()
-        for call in left:
-            call.fut.set_result(_given_up())
-
-
-class _Call(NamedTuple):
-    method: str
-    args: tuple
-    kwargs: dict
-    fut: torch.futures.Future
-
-
-def _given_up() -> _RemoteError:
-    return _RemoteError.capture(
-        RuntimeError("the call never started: its caller gave up on it, or the worker is stopping")
-    )
-
-
-_WORKER_NAME = DRIVER
-_MAILBOXES: dict[int, _Mailbox] = {}
-_MAILBOXES_LOCK = threading.Lock()
-_EXIT = threading.Event()
-
-
-def _mailbox(actor_id: int) -> _Mailbox:
-    # A call can overtake the construction message (they may come from different senders,
-    # or be picked up by different RPC threads), so whichever arrives first makes the box.
-    with _MAILBOXES_LOCK:
-        box = _MAILBOXES.get(actor_id)
-        if box is None:
-            box = _MAILBOXES[actor_id] = _Mailbox(actor_id)
-        return box
-
-
-def _construct(actor_id: int, blob: bytes) -> None:
-    # The class travels pickled and is unpickled on the actor's thread, so a class this
-    # worker cannot import becomes the actor's error rather than a request torch rejects.
-    _mailbox(actor_id).build(blob)
-
-
-@rpc.functions.async_execution
-def _invoke(
-    actor_id: int, seq: int | None, method: str, args: tuple, kwargs: dict
-) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    _mailbox(actor_id).put(seq, _Call(method, args, kwargs, fut))
-    return fut
-
-
-def _skip(actor_id: int, seq: int) -> None:
-    _mailbox(actor_id).skip(seq)
-
-
-def _run_function(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:
-        return _RemoteError.capture(exc)
-
-
-def _request_exit() -> int:
-    """The stop handshake's message: the worker's main thread wakes up and shuts down.
-
-    Actor threads finish the method they are running, and calls still queued give up.
-    """
-    _EXIT.set()
-    with _MAILBOXES_LOCK:
-        boxes = list(_MAILBOXES.values())
-    for box in boxes:
-        with box.cv:
-            box.cv.notify()
-    return os.getpid()
-
-
-def _ping() -> None:
-    """Liveness probe: answered by RPC threads, so a busy actor does not delay it."""
-
-
-def _unwrap(value: Any) -> Any:
-    if isinstance(value, _RemoteError):
-        raise value.rebuild()
-    return value
+    @property
+    def megabytes(self) -> float:
+        """All four counters together, in MB (1e6 bytes)."""
+        total = self.sent_tensor_bytes + self.sent_other_bytes
+        return (total + self.received_tensor_bytes + self.received_other_bytes) / 1e6
 
 
 def run_sync(worker: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -455,226 +261,6 @@ def _rebuild_handle(worker: str, actor_id: int, cls_name: str) -> ActorHandle:
     return ActorHandle(worker, actor_id, cls_name, ActorSystem._active)
 
 
-def _bridge(fut: torch.futures.Future) -> asyncio.Future:
-    """An asyncio future that completes with ``fut`` (which completes on an RPC thread)."""
-    loop = asyncio.get_running_loop()
-    out = loop.create_future()
-
-    def settle(value: Any, error: BaseException | None) -> None:
-        if out.done():  # cancelled by the caller, or failed early by the watchdog
-            return
-        if error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(value)
-
-    def done(f: torch.futures.Future) -> None:
-        try:
-            value, error = f.value(), None
-        except BaseException as exc:  # handed over as an argument: `exc` dies with this block
-            value, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop may already be closed
-            loop.call_soon_threadsafe(settle, value, error)
-
-    fut.add_done_callback(done)
-    return out
-
-
-# --------------------------------------------------------------------------------------
-# Rendezvous: a TCPStore that listens on the given address only.
-# --------------------------------------------------------------------------------------
-
-_LISTEN_FDS: dict[int, int] = {}
-"""port -> pre-bound listening socket, handed to the driver's TCPStore (which owns it after)."""
-
-
-def _rendezvous(url: str, **_: Any) -> Iterator:
-    # The stock tcp:// handler makes rank 0 listen on every interface; binding the socket
-    # here and passing its fd keeps the store on the address we were given.
-    parsed = urlparse(url)
-    query = dict(pair.split("=") for pair in parsed.query.split("&") if pair)
-    rank, world = int(query["rank"]), int(query["world_size"])
-    timeout = timedelta(seconds=float(query["timeout_s"]))
-    host, port = parsed.hostname, parsed.port
-    assert host is not None and port is not None
-    if rank == 0:
-        fd = _LISTEN_FDS.pop(port)
-        store = dist.TCPStore(
-            host, port, world, True, timeout, wait_for_workers=False, master_listen_fd=fd
-        )
-    else:
-        store = dist.TCPStore(host, port, world, False, timeout)
-    yield store, rank, world
-    raise RuntimeError(f"{_SCHEME}:// cannot re-rendezvous")
-
-
-with contextlib.suppress(RuntimeError):  # already registered (module reloaded)
-    dist.register_rendezvous_handler(_SCHEME, _rendezvous)
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
-def _loopback_ifname() -> str:
-    return "lo0" if sys.platform == "darwin" else "lo"
-
-
-def _url_host(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
-
-
-def _rendezvous_url(address: str, port: int, timeout_s: float) -> str:
-    return f"{_SCHEME}://{_url_host(address)}:{port}?timeout_s={timeout_s:g}"
-
-
-def _backend_options(url: str, rpc_timeout_s: float, threads: int) -> rpc.RpcBackendOptions:
-    return rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=threads,
-        rpc_timeout=rpc_timeout_s,
-        init_method=url,
-        _transports=["uv"],
-        _channels=["basic"],
-    )
-
-
-@contextlib.contextmanager
-def _patched_env(extra: dict[str, str]) -> Iterator[None]:
-    """Spawned children copy ``os.environ`` when they start; this is the only handle on it."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-# --------------------------------------------------------------------------------------
-# Worker process
-# --------------------------------------------------------------------------------------
-
-
-def _worker_main(spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float) -> None:
-    """A spawned worker: serve until the driver says stop, or exit with the driver."""
-    parent = multiprocessing.parent_process()
-    if parent is not None:  # an orphaned worker must not outlive a killed driver
-        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=False)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: it adds time and can trip over RPC's native threads.
-    os._exit(0)
-
-
-def serve_worker(
-    spec: WorkerSpec,
-    rank: int,
-    world: int,
-    address: str,
-    port: int,
-    rpc_timeout_s: float = 600.0,
-    start_timeout_s: float = 120.0,
-) -> None:
-    """Make this process worker ``spec`` of a world whose driver runs elsewhere.
-
-    For processes started by an external launcher (one ``torchrun`` rank each): join the RPC
-    world of ``world`` processes whose rendezvous store the driver (rank 0) serves at
-    ``address:port``, under ``spec.name`` and ``rank``, and serve actor calls. Returns when
-    the driver's stop handshake arrives, or when the driver has missed three pings a second
-    apart (then with one line on stderr). RPC is shut down on return; exit soon after
-    (``os._exit`` skips a teardown that can trip over RPC's native threads). Once per
-    process. ``spec.env`` is applied to ``os.environ`` here, so variables read at import
-    time must come from the launcher. On a loopback address every listener stays on
-    loopback; otherwise set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` as the network needs.
-    """
-    if not 0 < rank < world:
-        raise ValueError(f"worker rank {rank} is outside 1..{world - 1} (rank 0 is the driver).")
-    os.environ.update(spec.env)
-    if _is_loopback(address):
-        for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-            os.environ.setdefault(key, _loopback_ifname())
-    url = _rendezvous_url(address, port, start_timeout_s)
-    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=True)
-    if _DRIVER_LOST.is_set():
-        print(
-            f"worker {spec.name!r}: the driver stopped answering at {address}:{port}; exiting.",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def _serve(
-    spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float, *, watch_driver: bool
-) -> None:
-    """Join the world as ``spec.name``, serve until asked to exit, shut RPC down locally."""
-    global _WORKER_NAME
-    _WORKER_NAME = spec.name
-    if threading.current_thread() is threading.main_thread():
-        # Ctrl-C reaches the whole process group; the driver decides how workers stop.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(spec.threads)
-    _quiet_rpc_init_warning()
-    rpc.init_rpc(
-        spec.name,
-        rank=rank,
-        world_size=world,
-        rpc_backend_options=_backend_options(url, rpc_timeout_s, spec.rpc_threads),
-    )
-    if watch_driver:  # no parent process to watch: the driver may be on another machine
-        threading.Thread(target=_watch_driver, name="digen-driver-watch", daemon=True).start()
-    _EXIT.wait()
-    time.sleep(_EXIT_FLUSH_S)  # let the answer to the exit request leave before the pipes close
-    rpc.shutdown(graceful=False)
-
-
-_DRIVER_LOST = threading.Event()
-
-
-def _watch_driver() -> None:
-    """Ping the driver; when it stops answering, stop this worker as its handshake would."""
-    missed = 0
-    while not _EXIT.wait(_DRIVER_PING_PERIOD_S):
-        try:
-            rpc.rpc_sync(DRIVER, _ping, timeout=_PROBE_TIMEOUT_S)
-            missed = 0
-        except Exception:
-            missed += 1
-            if missed >= _DRIVER_MISSES and not _EXIT.is_set():
-                _DRIVER_LOST.set()
-                _request_exit()
-                return
-
-
-def _forget_earlier_worlds() -> None:
-    """Make this process's RPC module look freshly imported, like the workers' is.
-
-    ``init_rpc`` counts its calls per process (a store-key prefix) and ``_all_gather``
-    numbers its rounds per set of names; a driver on its second system would otherwise
-    wait for keys and rounds that its fresh workers never produce. Both live in private
-    globals, hence the guards.
-    """
-    if hasattr(rpc, "_init_counter"):
-        rpc._init_counter = 0
-    sequence = getattr(rpc.api, "_all_gather_sequence_id", None)
-    if isinstance(sequence, dict):
-        sequence.clear()
-
-
-def _joined(name: str) -> bool:
-    try:
-        rpc.get_worker_info(name)
-    except RuntimeError:
-        return False
-    return True
-
-
 def _kill(procs: Any) -> None:
     for proc in procs:
         if proc.exitcode is None:
@@ -686,11 +272,6 @@ def _kill_at_exit() -> None:
     system = ActorSystem._active
     if system is not None:
         _kill(system._procs.values())
-
-
-def _exit_with_parent(parent: Any) -> None:
-    parent.join()
-    os._exit(70)
 
 
 # --------------------------------------------------------------------------------------
@@ -757,6 +338,7 @@ class ActorSystem:
         self._stopping: asyncio.Task | None = None
         self._probes: dict[str, asyncio.Task] = {}
         self.startup_s: float | None = None
+        self._payload = Payload()
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -1024,7 +606,9 @@ class ActorSystem:
     def _post(self, worker: str, fn: Callable[..., Any], payload: tuple) -> torch.futures.Future:
         self._check(worker)
         self._calls += 1
-        return rpc.rpc_async(worker, fn, args=payload)
+        fut = rpc.rpc_async(worker, fn, args=payload)
+        self._count_sent(payload)  # once on its way, so that accounting never delays it
+        return fut
 
     async def _call(self, handle: ActorHandle, method: str, args: tuple, kwargs: dict) -> Any:
         worker, actor_id = handle.worker, handle.actor_id
@@ -1064,6 +648,7 @@ class ActorSystem:
             raise
         finally:
             pending.discard(fut)
+        self._count_received(value)
         return value
 
     def actor(self, worker: str, cls: type, /, *args: Any, **kwargs: Any) -> ActorHandle:
@@ -1083,6 +668,24 @@ class ActorSystem:
         fut = self._post(worker, _run_function, (fn, args, kwargs))
         return _unwrap(await self._await(worker, fut))
 
+    # ---- payload accounting ---------------------------------------------------------
+
+    def _count_sent(self, message: tuple) -> None:
+        tensor_bytes, other_bytes = payload_bytes(message)
+        self._payload += Payload(sent_tensor_bytes=tensor_bytes, sent_other_bytes=other_bytes)
+
+    def _count_received(self, value: Any) -> None:
+        tensor_bytes, other_bytes = payload_bytes(value)
+        self._payload += Payload(
+            received_tensor_bytes=tensor_bytes, received_other_bytes=other_bytes
+        )
+
+    @property
+    def payload(self) -> Payload:
+        """Bytes of payload this system's calls moved through the driver since it was built:
+        every construction, method call and :meth:`run` sent, every result received."""
+        return self._payload
+
     # ---- introspection --------------------------------------------------------------
 
     def pids(self) -> dict[str, int]:
@@ -1094,7 +697,8 @@ class ActorSystem:
         return dict(self._dead)
 
     def statistics(self) -> dict[str, Any]:
-        """Counters for logs and tests: state, calls sent, calls in flight, dead workers."""
+        """Counters for logs and tests: state, calls sent, calls in flight, dead workers,
+        payload moved."""
         return {
             "state": self._state,
             "workers": len(self.workers),
@@ -1102,6 +706,7 @@ class ActorSystem:
             "pending": {name: len(futs) for name, futs in self._pending.items()},
             "dead": sorted(self._dead),
             "startup_s": self.startup_s,
+            "payload": self._payload,
         }
 
 

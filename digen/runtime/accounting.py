@@ -1,0 +1,113 @@
+"""What the driver's calls cost, observed from outside the loops that make them.
+
+Every actor call the driver makes is reported here once it returns (:meth:`Accounts.record`):
+it becomes a trace event (for ``trace.json`` and the timeline), feeds the online profiler the
+TAG search plans with, and adds to its step's work and call overhead. At the end of a step,
+:meth:`Accounts.step_result` turns the step's book-keeping record into the metrics row and
+the sample grid the runner writes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from digen.config import DigenConfig
+from digen.runtime.metrics import OVERHEAD_KINDS, Overhead, step_metrics
+from digen.runtime.policy import LossStats, StepResult
+from digen.sched.book import StepRecord
+from digen.sched.costs import OnlineProfiler
+from digen.sched.schedule import TaskKind
+from digen.sched.trace import Trace
+
+__all__ = ["Accounts"]
+
+
+@dataclass(slots=True)
+class _Step:
+    busy_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    overhead: Overhead = field(default_factory=Overhead)
+
+
+class Accounts:
+    """The trace, the profiler and per-step costs of one disaggregated run."""
+
+    def __init__(self, cfg: DigenConfig, trace: Trace, workers: Sequence[str]) -> None:
+        self.cfg = cfg
+        self.trace = trace
+        self.workers = list(workers)
+        self.profiler = OnlineProfiler()
+        self._steps: dict[int, _Step] = defaultdict(_Step)
+
+    def record(
+        self,
+        kind: TaskKind,
+        worker: str,
+        step: int,
+        mb: int,
+        version: int,
+        span_s: float,
+        t0: float,
+        t1: float,
+    ) -> None:
+        """A call that took ``span_s`` at the driver and ``t0 .. t1`` of work in ``worker``."""
+        event = self.trace.record(kind.value, worker, step, mb, version, t0, t1)
+        self.profiler.observe(event)
+        acc = self._steps[step]
+        acc.busy_s[kind] += t1 - t0
+        if kind in OVERHEAD_KINDS:
+            acc.overhead.add(kind, span_s, t1 - t0)
+
+    def step_result(
+        self,
+        rec: StepRecord,
+        texts: Sequence[str],
+        *,
+        version: int,
+        grad_norm: float,
+        step_time_s: float,
+        optimizer_s: float,
+        sync_s: float,
+        driver_mb: float,
+    ) -> StepResult:
+        """The metrics row and sample grid of a finished step."""
+        cfg, s = self.cfg, rec.step
+        b, n = cfg.data.train_batch_size, cfg.rollout.n
+        rewards = torch.tensor([[rec.rewards[(p, j)] for j in range(n)] for p in range(b)])
+        components = {
+            name: sum(values[k] for k in sorted(values)) / len(values)
+            for name, values in rec.components.items()
+        }
+        loss = LossStats()
+        for stats in rec.stats_in_order():  # a fixed order: the metrics repeat bit for bit
+            loss.add(stats)
+        acc = self._steps.pop(s, _Step())
+        metrics = step_metrics(
+            step=s,
+            rewards=rewards,
+            components=components,
+            loss=loss,
+            grad_norm=grad_norm,
+            version=version,
+            trained_samples=b * (cfg.algo.best_of_n or n),
+            step_time_s=step_time_s,
+            busy_s=acc.busy_s,
+            optimizer_s=optimizer_s,
+            sync_s=sync_s,
+            usage=self.trace.step_stats(s, self.workers),
+            overhead=acc.overhead,
+            driver_mb=driver_mb,
+            stale=rec.stale,
+            tags=rec.tags,
+        )
+        pixels: Any = None
+        captions: list[str] = []
+        if rec.thumbnails:
+            order = sorted(rec.thumbnails)
+            pixels = torch.cat([rec.thumbnails[m] for m in order])
+            captions = [texts[rec.mbs[m].prompt] for m in order for _ in rec.mbs[m].samples]
+        return StepResult(metrics, pixels, captions)

@@ -1,0 +1,66 @@
+"""A small actor layer: named worker processes holding objects the driver calls by method name.
+
+The rest of digen sees only :class:`ActorSystem`, :class:`ActorHandle`, :class:`WorkerSpec`
+and the errors here; the transport underneath is ``torch.distributed.rpc`` (TensorPipe) and
+could be swapped without touching callers. The driver process is rank 0 (``"driver"``) and
+runs an asyncio loop; each :class:`WorkerSpec` becomes one spawned process, or, under an
+external launcher such as ``torchrun`` (:class:`ExternalLaunch`), one process that someone
+else started and that calls :func:`serve_worker`.
+
+What this layer guarantees, so actor classes need not care:
+
+- one method call at a time per actor, on that actor's own thread, and the driver's calls
+  to an actor start in the order they were made (RPC serves requests on a thread pool, so
+  calls sent in order would otherwise run concurrently and in any order);
+- an exception raised by an actor method reaches the caller as the same object type, with
+  the remote traceback attached as a note;
+- a dead worker turns every pending and later call to it into :class:`WorkerDied` within
+  about a second, and :meth:`ActorSystem.stop` never hangs (RPC's graceful shutdown is a
+  barrier that waits forever for a dead peer, so it is not used); with external launch the
+  driver has no process to poll, so a transport error followed by an unanswered probe is
+  what marks a worker dead, and a worker whose driver stops answering exits by itself;
+- only the loopback interface listens when the address is a loopback one.
+
+Worker-to-worker calls: an :class:`ActorHandle` pickles to a plain ``(worker, id)`` pair, so
+the driver can pass it to an actor, whose method then uses :meth:`ActorHandle.call_sync`;
+:func:`run_sync` runs a module-level function in another worker. A chain of synchronous
+calls must not lead back to an actor already in it: that actor's thread is the one
+waiting, so it would deadlock.
+
+Payload accounting: :attr:`ActorSystem.payload` counts the bytes the driver's calls move,
+arguments sent and results received, the tensors (sized as TensorPipe ships them) apart
+from the pickled rest. It observes the calls from the event loop thread, after a message
+has left, and never stops one.
+
+The layer is four private modules, one layer each, importing only those above them:
+
+- ``_remote``: what runs in every process: the actors' mailboxes and threads, and the
+  functions sent by reference over RPC;
+- ``_transport``: rendezvous, backend options, the torch-to-asyncio bridge, payload sizing;
+- ``_worker``: the worker process (:func:`serve_worker`);
+- ``_system``: the driver's view (:class:`ActorSystem`, handles, errors, payload counters).
+"""
+
+from digen.runtime.actors._system import (
+    ActorHandle,
+    ActorSystem,
+    ActorSystemClosed,
+    ExternalLaunch,
+    WorkerDied,
+    WorkerSpec,
+    external_launch,
+    run_sync,
+)
+from digen.runtime.actors._worker import serve_worker
+
+__all__ = [
+    "ActorHandle",
+    "ActorSystem",
+    "ActorSystemClosed",
+    "ExternalLaunch",
+    "WorkerDied",
+    "WorkerSpec",
+    "external_launch",
+    "run_sync",
+    "serve_worker",
+]

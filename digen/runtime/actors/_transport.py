@@ -1,0 +1,209 @@
+"""The transport under the actor layer: ``torch.distributed.rpc`` over TensorPipe.
+
+Rendezvous through a ``digen-tcp://`` store that listens on the given address only, the
+backend's options, the environment that keeps listeners on loopback, the bridge from
+torch futures (completed on RPC threads) to asyncio, and :func:`payload_bytes`, which sizes
+a message the way TensorPipe ships it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import ipaddress
+import os
+import pickle
+import sys
+import warnings
+from collections.abc import Hashable, Iterator
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+_SCHEME = "digen-tcp"
+
+
+def _quiet_rpc_init_warning() -> None:
+    # init_rpc itself trips a torch deprecation warning (it gathers over a bare gloo
+    # backend); it says nothing a digen user can act on.
+    warnings.filterwarnings(
+        "ignore", message=r"You are using a Backend .* as a ProcessGroup", category=UserWarning
+    )
+
+
+def _bridge(fut: torch.futures.Future) -> asyncio.Future:
+    """An asyncio future that completes with ``fut`` (which completes on an RPC thread)."""
+    loop = asyncio.get_running_loop()
+    out = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if out.done():  # cancelled by the caller, or failed early by the watchdog
+            return
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(value)
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            value, error = f.value(), None
+        except BaseException as exc:  # handed over as an argument: `exc` dies with this block
+            value, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop may already be closed
+            loop.call_soon_threadsafe(settle, value, error)
+
+    fut.add_done_callback(done)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Rendezvous: a TCPStore that listens on the given address only.
+# --------------------------------------------------------------------------------------
+
+_LISTEN_FDS: dict[int, int] = {}
+"""port -> pre-bound listening socket, handed to the driver's TCPStore (which owns it after)."""
+
+
+def _rendezvous(url: str, **_: Any) -> Iterator:
+    # The stock tcp:// handler makes rank 0 listen on every interface; binding the socket
+    # here and passing its fd keeps the store on the address we were given.
+    parsed = urlparse(url)
+    query = dict(pair.split("=") for pair in parsed.query.split("&") if pair)
+    rank, world = int(query["rank"]), int(query["world_size"])
+    timeout = timedelta(seconds=float(query["timeout_s"]))
+    host, port = parsed.hostname, parsed.port
+    assert host is not None and port is not None
+    if rank == 0:
+        fd = _LISTEN_FDS.pop(port)
+        store = dist.TCPStore(
+            host, port, world, True, timeout, wait_for_workers=False, master_listen_fd=fd
+        )
+    else:
+        store = dist.TCPStore(host, port, world, False, timeout)
+    yield store, rank, world
+    raise RuntimeError(f"{_SCHEME}:// cannot re-rendezvous")
+
+
+with contextlib.suppress(RuntimeError):  # already registered (module reloaded)
+    dist.register_rendezvous_handler(_SCHEME, _rendezvous)
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def _loopback_ifname() -> str:
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def _rendezvous_url(address: str, port: int, timeout_s: float) -> str:
+    return f"{_SCHEME}://{_url_host(address)}:{port}?timeout_s={timeout_s:g}"
+
+
+def _backend_options(url: str, rpc_timeout_s: float, threads: int) -> rpc.RpcBackendOptions:
+    return rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=threads,
+        rpc_timeout=rpc_timeout_s,
+        init_method=url,
+        _transports=["uv"],
+        _channels=["basic"],
+    )
+
+
+@contextlib.contextmanager
+def _patched_env(extra: dict[str, str]) -> Iterator[None]:
+    """Spawned children copy ``os.environ`` when they start; this is the only handle on it."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _forget_earlier_worlds() -> None:
+    """Make this process's RPC module look freshly imported, like the workers' is.
+
+    ``init_rpc`` counts its calls per process (a store-key prefix) and ``_all_gather``
+    numbers its rounds per set of names; a driver on its second system would otherwise
+    wait for keys and rounds that its fresh workers never produce. Both live in private
+    globals, hence the guards.
+    """
+    if hasattr(rpc, "_init_counter"):
+        rpc._init_counter = 0
+    sequence = getattr(rpc.api, "_all_gather_sequence_id", None)
+    if isinstance(sequence, dict):
+        sequence.clear()
+
+
+def _joined(name: str) -> bool:
+    try:
+        rpc.get_worker_info(name)
+    except RuntimeError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# Payload sizing: what one message costs on the wire.
+# --------------------------------------------------------------------------------------
+
+_CLONE_MIN_BYTES = 8 * 1024
+"""TensorPipe sends a copy of a tensor whose storage is at least this big and at least twice
+the tensor's own bytes (torch's ``cloneSparseTensors``); any other tensor ships its whole
+storage, once per message however many tensors view it."""
+
+
+class _Sizer(pickle.Pickler):
+    """Pickles a message but its tensors, and sizes each tensor as TensorPipe ships it."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)  # the default protocol, as torch's RPC pickler uses
+        self.shipped: dict[Hashable, int] = {}  # storage (or copied tensor) -> bytes
+        self._seen: list[torch.Tensor] = []  # keeps ids unique while the pass runs
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        try:
+            storage = obj.untyped_storage()
+        except Exception:  # no plain storage (sparse, some subclasses): pickle its parts
+            return None
+        whole, own = storage.nbytes(), obj.numel() * obj.element_size()
+        if whole >= _CLONE_MIN_BYTES and whole >= 2 * own:
+            self.shipped[("copy", id(obj))] = own
+        else:
+            self.shipped[(storage.data_ptr(), storage.device)] = whole
+        self._seen.append(obj)
+        return len(self._seen)
+
+
+def payload_bytes(obj: Any) -> tuple[int, int]:
+    """``(tensor bytes, other bytes)`` of ``obj`` sent as one RPC message.
+
+    Tensor bytes are what TensorPipe ships for the tensors reachable in ``obj`` (see
+    ``_CLONE_MIN_BYTES``); other bytes are the pickled size of the rest. One pickling pass
+    that never copies tensor data. Never raises: an object that cannot be pickled counts
+    what was pickled before it failed.
+    """
+    buffer = io.BytesIO()
+    sizer = _Sizer(buffer)
+    with contextlib.suppress(Exception):  # accounting must never stop a message
+        sizer.dump(obj)
+    return sum(sizer.shipped.values()), buffer.tell()

@@ -1,0 +1,131 @@
+"""The worker process: join the world under its name, serve calls until told to stop.
+
+A spawned worker (:func:`_worker_main`) exits with its parent; one started by an external
+launcher (:func:`serve_worker`) pings the driver and stops when it stops answering.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from digen.runtime.actors import _remote
+from digen.runtime.actors._remote import _EXIT, _PROBE_TIMEOUT_S, DRIVER, _ping, _request_exit
+from digen.runtime.actors._transport import (
+    _backend_options,
+    _is_loopback,
+    _loopback_ifname,
+    _quiet_rpc_init_warning,
+    _rendezvous_url,
+)
+
+if TYPE_CHECKING:
+    from digen.runtime.actors._system import WorkerSpec
+
+_EXIT_FLUSH_S = 0.1
+_DRIVER_PING_PERIOD_S = 1.0
+_DRIVER_MISSES = 3
+"""External launch: a worker exits after this many failed pings of the driver in a row."""
+
+
+def _worker_main(spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float) -> None:
+    """A spawned worker: serve until the driver says stop, or exit with the driver."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # an orphaned worker must not outlive a killed driver
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: it adds time and can trip over RPC's native threads.
+    os._exit(0)
+
+
+def serve_worker(
+    spec: WorkerSpec,
+    rank: int,
+    world: int,
+    address: str,
+    port: int,
+    rpc_timeout_s: float = 600.0,
+    start_timeout_s: float = 120.0,
+) -> None:
+    """Make this process worker ``spec`` of a world whose driver runs elsewhere.
+
+    For processes started by an external launcher (one ``torchrun`` rank each): join the RPC
+    world of ``world`` processes whose rendezvous store the driver (rank 0) serves at
+    ``address:port``, under ``spec.name`` and ``rank``, and serve actor calls. Returns when
+    the driver's stop handshake arrives, or when the driver has missed three pings a second
+    apart (then with one line on stderr). RPC is shut down on return; exit soon after
+    (``os._exit`` skips a teardown that can trip over RPC's native threads). Once per
+    process. ``spec.env`` is applied to ``os.environ`` here, so variables read at import
+    time must come from the launcher. On a loopback address every listener stays on
+    loopback; otherwise set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` as the network needs.
+    """
+    if not 0 < rank < world:
+        raise ValueError(f"worker rank {rank} is outside 1..{world - 1} (rank 0 is the driver).")
+    os.environ.update(spec.env)
+    if _is_loopback(address):
+        for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            os.environ.setdefault(key, _loopback_ifname())
+    url = _rendezvous_url(address, port, start_timeout_s)
+    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=True)
+    if _DRIVER_LOST.is_set():
+        print(
+            f"worker {spec.name!r}: the driver stopped answering at {address}:{port}; exiting.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _serve(
+    spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float, *, watch_driver: bool
+) -> None:
+    """Join the world as ``spec.name``, serve until asked to exit, shut RPC down locally."""
+    _remote._WORKER_NAME = spec.name  # the name errors raised here carry
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C reaches the whole process group; the driver decides how workers stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(spec.threads)
+    _quiet_rpc_init_warning()
+    rpc.init_rpc(
+        spec.name,
+        rank=rank,
+        world_size=world,
+        rpc_backend_options=_backend_options(url, rpc_timeout_s, spec.rpc_threads),
+    )
+    if watch_driver:  # no parent process to watch: the driver may be on another machine
+        threading.Thread(target=_watch_driver, name="digen-driver-watch", daemon=True).start()
+    _EXIT.wait()
+    time.sleep(_EXIT_FLUSH_S)  # let the answer to the exit request leave before the pipes close
+    rpc.shutdown(graceful=False)
+
+
+_DRIVER_LOST = threading.Event()
+
+
+def _watch_driver() -> None:
+    """Ping the driver; when it stops answering, stop this worker as its handshake would."""
+    missed = 0
+    while not _EXIT.wait(_DRIVER_PING_PERIOD_S):
+        try:
+            rpc.rpc_sync(DRIVER, _ping, timeout=_PROBE_TIMEOUT_S)
+            missed = 0
+        except Exception:
+            missed += 1
+            if missed >= _DRIVER_MISSES and not _EXIT.is_set():
+                _DRIVER_LOST.set()
+                _request_exit()
+                return
+
+
+def _exit_with_parent(parent: Any) -> None:
+    parent.join()
+    os._exit(70)

@@ -1,0 +1,160 @@
+"""The worker processes of a disaggregated run and the actors in them.
+
+:class:`Cluster` spawns one process per generator and trainer (or joins those a launcher
+started), builds a :class:`~digen.runtime.workers.GeneratorActor` or
+:class:`~digen.runtime.workers.TrainerActor` in each, wires the trainers' data-parallel group
+and the weight-broadcast group (addresses and free ports on trainer 0's machine), and gives
+every generator version 0. The driver (:mod:`digen.runtime.driver`) then only calls methods;
+everything about sockets and processes stays here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from digen.config import DigenConfig, config_to_dict
+from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec
+from digen.runtime.workers import Timed
+from digen.sched.schedule import Pool, worker_names
+
+__all__ = ["Cluster"]
+
+_WORKER_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DIFFUSERS_VERBOSITY": "error",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # TensorPipe logs every closed pipe at shutdown
+}
+
+
+class Cluster:
+    """``runtime.generators`` generator actors and ``runtime.trainers`` trainer actors."""
+
+    def __init__(self, cfg: DigenConfig, rewards: Sequence[Any] | None = None) -> None:
+        """rewards: reward hooks as objects, sent to the generators as they are; None loads
+        ``cfg.rewards`` by name in each generator."""
+        self.cfg = cfg
+        self.rewards = None if rewards is None else list(rewards)
+        rt = cfg.runtime
+        self.gen_names = worker_names(Pool.GENERATOR, rt.generators)
+        self.trainer_names = worker_names(Pool.TRAINER, rt.trainers)
+        self.system = ActorSystem(
+            [
+                WorkerSpec(name, threads=rt.threads_per_worker, env=_WORKER_ENV)
+                for name in self.gen_names + self.trainer_names
+            ],
+            address=rt.address,
+            rpc_timeout_s=rt.rpc_timeout_s,
+        )
+        self.gens: list[ActorHandle] = []
+        self.trainers: list[ActorHandle] = []
+
+    async def start(self) -> None:
+        """Spawn the workers and build the actors; generators end up holding version 0."""
+        await self.system.start()
+        cfg_dict = config_to_dict(self.cfg)
+        rt = self.cfg.runtime
+        # Trainer 0 hosts the store of each process group, so the address is one of its
+        # machine's (the RPC address itself on loopback) and the ports are free there.
+        host, dp_port, sync_port = self.system.address, 0, 0
+        if rt.trainers > 1 or rt.weight_sync == "broadcast":
+            lead = self.trainer_names[0]
+            host = await self.system.run(lead, _reachable_host, self.system.address)
+            dp_port = await self.system.run(lead, _free_port, host)
+            sync_port = await self.system.run(lead, _free_port, host)
+        from digen.runtime.workers import GeneratorActor, TrainerActor
+
+        self.gens = [
+            self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name)
+            for name in self.gen_names
+        ]
+        self.trainers = [
+            self.system.actor(name, TrainerActor, cfg_dict, i, rt.trainers, dp_port, host, name)
+            for i, name in enumerate(self.trainer_names)
+        ]
+        await asyncio.gather(*(a.call("ping") for a in self.gens + self.trainers))
+        if rt.weight_sync == "broadcast":
+            size = 1 + len(self.gens)
+            await asyncio.gather(
+                self.trainers[0].call("join_sync_group", sync_port, 0, size, host),
+                *(
+                    g.call("join_sync_group", sync_port, i + 1, size, host)
+                    for i, g in enumerate(self.gens)
+                ),
+            )
+        served = self.serve_weights(0)
+        await asyncio.gather(
+            *([served] if served is not None else []),
+            *(self.send_weights(i, 0) for i in range(len(self.gens))),
+        )
+
+    async def stop(self) -> None:
+        await self.system.stop()
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def serve_weights(self, version: int) -> Coroutine[Any, Any, Timed] | None:
+        """Trainer 0's side of a weight sync: the call that enters the broadcast; None when
+        the generators pull (trainer 0 published the weights at its optimizer step)."""
+        if self.cfg.runtime.weight_sync != "broadcast":
+            return None
+        return self.trainers[0].call("broadcast_weights", version)
+
+    async def send_weights(self, i: int, version: int) -> Timed:
+        """Generator ``i``'s side: it pulls ``version`` from trainer 0, or receives the
+        broadcast. Queued behind whatever that generator is running."""
+        if self.cfg.runtime.weight_sync == "broadcast":
+            return await self.gens[i].call("broadcast_weights", version)
+        return await self.gens[i].call("pull_weights", self.trainer_names[0], version)
+
+    async def save_weights(self, out_dir: str | Path) -> Path:
+        """Trainer 0 saves the trained weights (LoRA or full) into ``out_dir``."""
+        return Path(await self.trainers[0].call("save_weights", str(out_dir)))
+
+    async def final_state(self) -> dict[str, torch.Tensor]:
+        return await self.trainers[0].call("trainable_state")
+
+    async def release(self, holder: str, keys: list[tuple[int, int]]) -> None:
+        """Drop micro-batches nothing will train from ``holder``'s store."""
+        from digen.runtime.store import release
+
+        await self.system.run(holder, release, keys)
+
+    @property
+    def payload(self) -> Any:
+        """Bytes the driver's calls moved so far (:attr:`ActorSystem.payload`)."""
+        return self.system.payload
+
+
+def _reachable_host(peer: str) -> str:
+    """This machine's address on the route to ``peer`` (``peer`` itself when it is loopback).
+
+    Run on trainer 0, whose process-group stores the other members must reach; ``peer`` is
+    the RPC rendezvous address, which every process reaches.
+    """
+    try:
+        if ipaddress.ip_address(peer).is_loopback:
+            return peer
+    except ValueError:
+        if peer == "localhost":
+            return peer
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))  # a UDP connect sends nothing: it only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return peer
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]

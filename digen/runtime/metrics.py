@@ -1,0 +1,118 @@
+"""One train step's row of ``metrics.jsonl``: the same keys whatever the mode.
+
+Both the colocated trainer and the disaggregated driver build their rows here, so a run's
+metrics can be compared across modes column by column (``tests/test_run.py`` checks the keys
+match). Per-reward means appear as ``reward/<name>``, one column per configured reward.
+
+Columns:
+
+- ``reward_mean / _std / _min / _max``: over the step's ``B x n`` samples;
+- ``loss``, ``kl``, ``clip_fraction``, ``approx_kl``: means over trained (sample, timestep)
+  terms; ``grad_norm`` before clipping; ``policy_version`` after the step;
+- ``samples``, ``trained_samples`` (best-of-N trains fewer);
+- ``step_time_s``: wall time since the previous step ended; ``time/<kind>_s``: seconds of
+  work of each kind in the step (summed over workers); ``time/optimizer_s``, ``time/sync_s``;
+- ``overhead_fraction`` and ``overhead_ms/<kind>``: the time calls spent outside the actors'
+  own work (RPC, pickling, scheduling), relative and per call (0 when colocated);
+- ``driver_mb``: megabytes that crossed the driver process through the actor layer in the
+  step (0 when colocated);
+- ``stale_microbatches`` (TCSS), ``tag_microbatches`` (TAG);
+- ``utilisation``, ``bubble_fraction``: from the step's trace (:mod:`digen.sched.trace`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from digen.runtime.policy import LossStats
+from digen.sched.schedule import TaskKind
+from digen.sched.trace import StepUsage
+
+__all__ = ["OVERHEAD_KINDS", "Overhead", "step_metrics"]
+
+OVERHEAD_KINDS = (TaskKind.GENERATE, TaskKind.SCORE, TaskKind.UPDATE)
+_BUSY_KINDS = (TaskKind.GENERATE, TaskKind.TAG, TaskKind.SCORE, TaskKind.UPDATE)
+
+
+@dataclass(slots=True)
+class Overhead:
+    """Calls' time outside the actors' own work, by kind of call."""
+
+    compute_s: float = 0.0
+    """Time the actors spent working in the counted calls."""
+    by_kind: dict[str, list[float]] = field(default_factory=dict)
+    """Seconds of overhead of each call, by call kind."""
+
+    def add(self, kind: str, span_s: float, work_s: float) -> None:
+        self.compute_s += work_s
+        self.by_kind.setdefault(kind, []).append(max(0.0, span_s - work_s))
+
+    @property
+    def total_s(self) -> float:
+        return sum(sum(v) for v in self.by_kind.values())
+
+
+def step_metrics(
+    *,
+    step: int,
+    rewards: torch.Tensor,
+    components: Mapping[str, float],
+    loss: LossStats,
+    grad_norm: float,
+    version: int,
+    trained_samples: int,
+    step_time_s: float,
+    busy_s: Mapping[str, float],
+    optimizer_s: float,
+    sync_s: float,
+    usage: StepUsage | None,
+    overhead: Overhead | None = None,
+    driver_mb: float = 0.0,
+    stale: int = 0,
+    tags: int = 0,
+) -> dict[str, Any]:
+    """The metrics row of one step (module docstring). ``rewards``: ``[B, n]``."""
+    row: dict[str, Any] = {
+        "step": step,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "reward_min": float(rewards.min()),
+        "reward_max": float(rewards.max()),
+    }
+    for name, value in components.items():
+        row[f"reward/{name}"] = float(value)
+    row.update(loss.means())
+    over = overhead or Overhead()
+    per_call = {k: over.by_kind.get(k, []) for k in OVERHEAD_KINDS}
+    row.update(
+        {
+            "grad_norm": float(grad_norm),
+            "policy_version": version,
+            "samples": rewards.numel(),
+            "trained_samples": trained_samples,
+            "step_time_s": step_time_s,
+            **{f"time/{_busy_name(k)}_s": float(busy_s.get(k, 0.0)) for k in _BUSY_KINDS},
+            "time/optimizer_s": optimizer_s,
+            "time/sync_s": sync_s,
+            "overhead_fraction": over.total_s / over.compute_s if over.compute_s > 0 else 0.0,
+            **{f"overhead_ms/{k}": 1e3 * _mean(v) for k, v in per_call.items()},
+            "driver_mb": driver_mb,
+            "stale_microbatches": stale,
+            "tag_microbatches": tags,
+            "utilisation": usage.utilisation if usage else 1.0,
+            "bubble_fraction": usage.bubble_fraction if usage else 0.0,
+        }
+    )
+    return row
+
+
+def _busy_name(kind: str) -> str:
+    return "train" if kind == TaskKind.UPDATE else str(kind)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

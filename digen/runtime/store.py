@@ -1,0 +1,146 @@
+"""What a worker made and still holds: the data plane of a disaggregated run.
+
+A generated micro-batch stays in the process that made it — its rollout (the window's
+latents and log-probs) until a trainer has trained it, its decoded pixels until they are
+scored — keyed by ``(step, micro-batch)``. Other workers read it directly, actor to actor,
+with :func:`~digen.runtime.actors.run_sync` on the module-level functions below. Those run
+on RPC threads, not on the holder's actor thread, so a worker busy with a long generation
+still serves its data at once; the store therefore has its own lock. The driver only ever
+sees keys.
+
+Trainer 0 also publishes its weights here after every optimizer step, so generators pull
+new weights from it directly (:func:`fetch_weights`) rather than through the driver.
+
+One store per process (the worker processes hold one actor each).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from digen.algos.rollout import Rollout
+
+__all__ = ["STORE", "Store", "fetch_pixels", "fetch_rollout", "fetch_weights", "release"]
+
+Key = tuple[int, int]
+"""``(step, micro-batch)``."""
+
+
+@dataclass(slots=True)
+class _Held:
+    rollout: Rollout | None
+    pixels: torch.Tensor | None
+
+
+class Store:
+    """A bounded map ``(step, mb) -> (rollout, pixels)`` plus the last published weights."""
+
+    def __init__(self, capacity: int = 1 << 30) -> None:
+        self.capacity = capacity
+        self._items: dict[Key, _Held] = {}
+        self._weights: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+
+    def put(self, key: Key, rollout: Rollout, pixels: torch.Tensor) -> None:
+        with self._lock:
+            if key in self._items:
+                raise KeyError(f"micro-batch {key} is already held here")
+            if len(self._items) >= self.capacity:
+                raise RuntimeError(
+                    f"this worker already holds {len(self._items)} micro-batches, its limit "
+                    "(runtime.max_inflight bounds what is generated and not yet trained)"
+                )
+            self._items[key] = _Held(rollout.for_training(), pixels)
+
+    def take_pixels(self, key: Key) -> torch.Tensor:
+        """The decoded samples of ``key``; they are dropped here (scoring reads them once)."""
+        with self._lock:
+            held = self._get(key)
+            pixels, held.pixels = held.pixels, None
+            self._forget_if_empty(key, held)
+        if pixels is None:
+            raise KeyError(f"the pixels of micro-batch {key} were already taken")
+        return pixels
+
+    def take_rollout(self, key: Key, rows: list[int] | None = None) -> Rollout:
+        """The trajectories of ``key`` (only ``rows`` when given); they are dropped here."""
+        with self._lock:
+            held = self._get(key)
+            rollout, held.rollout = held.rollout, None
+            self._forget_if_empty(key, held)
+        if rollout is None:
+            raise KeyError(f"the rollout of micro-batch {key} was already taken")
+        return rollout if rows is None else rollout.select(torch.tensor(rows, dtype=torch.long))
+
+    def release(self, key: Key) -> None:
+        """Drop whatever is held for ``key`` (nothing of it will be trained)."""
+        with self._lock:
+            self._items.pop(key, None)
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._weights = (version, state)
+
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        with self._lock:
+            published = self._weights
+        if published is None or published[0] != version:
+            have = None if published is None else published[0]
+            raise RuntimeError(
+                f"weights of version {version} were asked for; this worker has {have}"
+            )
+        return published[1]
+
+    def statistics(self) -> dict[str, int]:
+        """Micro-batches held and their bytes, for logs and tests."""
+        with self._lock:
+            items = list(self._items.values())
+        nbytes = sum(
+            (h.rollout.nbytes if h.rollout is not None else 0)
+            + (h.pixels.nbytes if h.pixels is not None else 0)
+            for h in items
+        )
+        return {"held": len(items), "bytes": nbytes}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._weights = None
+
+    def _get(self, key: Key) -> _Held:
+        held = self._items.get(key)
+        if held is None:
+            raise KeyError(f"micro-batch {key} is not held by this worker")
+        return held
+
+    def _forget_if_empty(self, key: Key, held: _Held) -> None:
+        if held.rollout is None and held.pixels is None:
+            del self._items[key]
+
+
+STORE = Store()
+"""This process's store."""
+
+
+def fetch_pixels(key: Key) -> torch.Tensor:
+    """Run in the holder (actor to actor): take the decoded samples of ``key``."""
+    return STORE.take_pixels(key)
+
+
+def fetch_rollout(key: Key, rows: list[int] | None = None) -> Rollout:
+    """Run in the holder (actor to actor): take the trajectories of ``key``."""
+    return STORE.take_rollout(key, rows)
+
+
+def fetch_weights(version: int) -> dict[str, torch.Tensor]:
+    """Run in trainer 0: the trainable weights it published as ``version``."""
+    return STORE.weights(version)
+
+
+def release(keys: list[Key]) -> None:
+    """Run in the holder: drop what is held for ``keys``."""
+    for key in keys:
+        STORE.release(key)

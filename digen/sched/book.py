@@ -1,0 +1,302 @@
+"""The driver's book-keeping: what has been handed out, made, scored and trained, and by whom.
+
+Pure and torch-free: the driver (``digen/runtime/driver.py``) tells a :class:`Book` every
+transition as it happens — a micro-batch handed out, a task started or finished, a
+micro-batch generated, scored, queued for update, trained — and reads back what to do next
+(admission), when a group is complete, when a step is trained, and the
+:class:`~digen.sched.state.SchedState` a TAG policy sees at a bubble. Tests drive it with
+scripted histories and no processes; ``tests/sched/test_book.py`` replays the simulator's
+history into it and checks that both describe every bubble the same way.
+
+Identities: a micro-batch is ``(step, mb)``; a group is ``(step, prompt)``. Versions: the
+trainers hold :attr:`Book.version` (the train step being trained); each generator holds its
+own, which the driver sets when it queues new weights on it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from digen.sched.costs import Costs
+from digen.sched.microbatch import MicroBatch
+from digen.sched.schedule import Admission, Pool, TaskKind, index_of, pool_of
+from digen.sched.state import SchedState, WorkerClock
+
+__all__ = ["Book", "StepRecord"]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """Progress of one train step."""
+
+    step: int
+    mbs: list[MicroBatch]
+    mbs_per_group: int
+    handed: int = 0
+    """Micro-batches handed out so far (they go out in order)."""
+    stale: int = 0
+    """Of those, made with an older version than the step (TCSS)."""
+    made: dict[int, tuple[str, int]] = field(default_factory=dict)
+    """mb -> (holder, version): where the rollout and pixels of each generated one live."""
+    scored: set[int] = field(default_factory=set)
+    rewards: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(prompt, sample) -> total reward."""
+    components: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
+    queued: set[int] = field(default_factory=set)
+    """Micro-batches put on UQ (kept samples) and not yet trained."""
+    dropped: set[int] = field(default_factory=set)
+    """Micro-batches with no sample to train (best-of-N kept none of them)."""
+    trained: dict[int, Any] = field(default_factory=dict)
+    """mb -> the loss statistics its update returned."""
+    thumbnails: dict[int, Any] = field(default_factory=dict)
+    tags: int = 0
+    """TAG micro-batches inserted while this was the train step."""
+    bubbles: int = 0
+    """Trainer bubbles decided while this was the train step."""
+
+    @property
+    def size(self) -> int:
+        return len(self.mbs)
+
+    def group(self, prompt: int) -> list[MicroBatch]:
+        return [m for m in self.mbs if m.prompt == prompt]
+
+    def group_scored(self, prompt: int) -> int:
+        """Micro-batches of the group scored so far."""
+        return sum(1 for m in self.group(prompt) if m.mb in self.scored)
+
+    @property
+    def all_scored(self) -> bool:
+        return len(self.scored) == self.size
+
+    @property
+    def all_trained(self) -> bool:
+        return len(self.trained) + len(self.dropped) == self.size
+
+    def stats_in_order(self) -> list[Any]:
+        """The trained micro-batches' statistics in micro-batch order (a fixed sum order)."""
+        return [self.trained[m] for m in sorted(self.trained)]
+
+
+@dataclass(slots=True)
+class _Task:
+    kind: TaskKind
+    t0: float
+    step: int
+    mb: int
+
+
+class Book:
+    """The schedule as the driver knows it (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: Callable[[int], list[MicroBatch]],
+        *,
+        generators: int,
+        trainers: int,
+        admission: Admission,
+        first_step: int = 0,
+    ) -> None:
+        """``plan(step)``: the micro-batches of a train step, in hand-out order."""
+        self.plan = plan
+        self.generators, self.trainers = generators, trainers
+        self.admission = admission
+        self.version = first_step
+        """The trainers' weights: the train step being trained."""
+        self.gen_version = [first_step] * generators
+        """The version each generator's next call runs with."""
+        self.steps: dict[int, StepRecord] = {}
+        self.frontier = (first_step, 0)
+        """``(step, mb)`` of the next micro-batch to hand out."""
+        self.untrained = 0
+        """Handed out and neither trained nor dropped (what ``C_gen`` bounds)."""
+        self.sq: list[tuple[int, int]] = []
+        """Micro-batches made on trainers, waiting for a generator to score them (FIFO)."""
+        self.busy: dict[str, deque[_Task]] = defaultdict(deque)
+        """Per worker, the calls sent to it and not finished, oldest (the running one) first."""
+        self.waiting: set[int] = set()
+        """Trainers idle at a bubble already decided (or with nothing to generate)."""
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def record(self, step: int) -> StepRecord:
+        rec = self.steps.get(step)
+        if rec is None:
+            mbs = self.plan(step)
+            per_group = sum(1 for m in mbs if m.prompt == mbs[0].prompt) if mbs else 1
+            rec = self.steps[step] = StepRecord(step, mbs, per_group)
+        return rec
+
+    def advance(self, version: int) -> StepRecord:
+        """The trainers stepped to ``version``: forget the step before it; returns its record."""
+        self.version = version
+        self.waiting.clear()
+        return self.steps.pop(version - 1)
+
+    # --- admission ---------------------------------------------------------------------------
+
+    def next_for(self, version: int) -> MicroBatch | None:
+        """The micro-batch a worker holding ``version`` may start now, if any (no hand-out)."""
+        s, m = self.frontier
+        if not self.admission.admits(s, m, version, self.untrained):
+            return None
+        return self.record(s).mbs[m]
+
+    def hand_out(self, version: int) -> MicroBatch | None:
+        """Take :meth:`next_for` (``version``): it is now this worker's to make."""
+        mb = self.next_for(version)
+        if mb is None:
+            return None
+        rec = self.record(mb.step)
+        rec.handed += 1
+        rec.stale += version < mb.step
+        self.untrained += 1
+        self.frontier = (mb.step, mb.mb + 1) if mb.mb + 1 < rec.size else (mb.step + 1, 0)
+        return mb
+
+    def quota_pending(self, step: int) -> bool:
+        """Fixed TCSS: ``step``'s early micro-batches are not all handed out yet."""
+        return self.admission.quota_pending(step, self.frontier)
+
+    # --- tasks -------------------------------------------------------------------------------
+
+    def started(self, worker: str, kind: TaskKind, step: int, mb: int, t0: float) -> None:
+        """A call was sent to ``worker`` (a worker runs its calls in the order sent)."""
+        self.busy[worker].append(_Task(kind, t0, step, mb))
+        if kind == TaskKind.UPDATE:
+            self.waiting.discard(index_of(worker))
+
+    def finished(self, worker: str) -> None:
+        """``worker``'s oldest call returned."""
+        queue = self.busy.get(worker)
+        if queue:
+            queue.popleft()
+
+    # --- results -----------------------------------------------------------------------------
+
+    def generated(self, mb: MicroBatch, holder: str, version: int) -> None:
+        self.record(mb.step).made[mb.mb] = (holder, version)
+        if pool_of(holder) == Pool.TRAINER:
+            self.sq.append((mb.step, mb.mb))
+
+    def scoring(self, step: int, mb: int) -> None:
+        """A generator took ``(step, mb)`` off SQ."""
+        self.sq.remove((step, mb))
+
+    def scored(
+        self,
+        mb: MicroBatch,
+        rewards: Sequence[float],
+        components: dict[str, Sequence[float]],
+        thumbnails: Any = None,
+    ) -> bool:
+        """Record the rewards of ``mb``'s samples; True when this completes its group."""
+        rec = self.record(mb.step)
+        rec.scored.add(mb.mb)
+        for row, sample in enumerate(mb.samples):
+            rec.rewards[(mb.prompt, sample)] = float(rewards[row])
+            for name, values in components.items():
+                rec.components.setdefault(name, {})[(mb.prompt, sample)] = float(values[row])
+        if thumbnails is not None:
+            rec.thumbnails[mb.mb] = thumbnails
+        return rec.group_scored(mb.prompt) == len(rec.group(mb.prompt))
+
+    def group_rewards(self, step: int, prompt: int, n: int) -> list[float]:
+        rec = self.record(step)
+        return [rec.rewards[(prompt, s)] for s in range(n)]
+
+    def queued(self, step: int, mb: int) -> None:
+        """``(step, mb)`` went on UQ (it has samples to train)."""
+        self.record(step).queued.add(mb)
+
+    def dropped(self, step: int, mb: int) -> None:
+        """``(step, mb)`` has nothing to train (best-of-N): it counts as trained."""
+        self.record(step).dropped.add(mb)
+        self.untrained -= 1
+
+    def trained(self, step: int, mb: int, stats: Any) -> None:
+        rec = self.record(step)
+        rec.queued.discard(mb)
+        rec.trained[mb] = stats
+        self.untrained -= 1
+
+    def ready(self, step: int) -> int:
+        """Micro-batches of ``step`` on UQ or being trained."""
+        rec = self.steps.get(step)
+        return len(rec.queued) if rec else 0
+
+    def idle(self, trainer: int) -> None:
+        """Trainer ``trainer`` waits for UQ with nothing it could generate."""
+        self.waiting.add(trainer)
+
+    def bubble(self, trainer: int, insert: bool) -> None:
+        """Trainer ``trainer``'s bubble was decided (TAG inserted, or it waits for UQ)."""
+        rec = self.record(self.version)
+        rec.bubbles += 1
+        rec.tags += insert
+        if not insert:
+            self.waiting.add(trainer)
+
+    # --- what a TAG policy sees ----------------------------------------------------------------
+
+    def sched_state(self, trainer: int, now: float, costs: Costs) -> SchedState:
+        """The schedule at trainer ``trainer``'s bubble, as :class:`SchedState` describes it.
+
+        Running tasks are expected to end at their start plus the profiled cost of their kind.
+        """
+        expected = {
+            TaskKind.GENERATE: costs.gen,
+            TaskKind.TAG: costs.gen_tag,
+            TaskKind.SCORE: costs.score,
+            TaskKind.UPDATE: costs.update,
+        }
+        clocks: dict[str, dict[int, WorkerClock]] = {Pool.GENERATOR: {}, Pool.TRAINER: {}}
+        for worker, queue in self.busy.items():
+            pool = pool_of(worker)
+            # a weight load or optimizer step in the queue is short: the model skips it
+            task = next((t for t in queue if t.kind in expected), None)
+            if pool in clocks and task is not None:
+                until = task.t0 + expected[task.kind]  # type: ignore[operator]
+                clocks[pool][index_of(worker)] = WorkerClock(task.kind, until, task.step, task.mb)
+
+        def clock(pool: Pool, i: int) -> WorkerClock:
+            if pool == Pool.TRAINER and i == trainer:
+                return WorkerClock()  # the one asking: idle, not waiting
+            idle = WorkerClock(waiting=pool == Pool.TRAINER and i in self.waiting)
+            return clocks[pool].get(i, idle)
+
+        rec = self.record(self.version)
+        partial = tuple(
+            (s, p, c)
+            for s, r in sorted(self.steps.items())
+            for p in sorted({m.prompt for m in r.mbs})
+            if 0 < (c := r.group_scored(p)) < len(r.group(p))
+        )
+        return SchedState(
+            now=now,
+            trainer=trainer,
+            microbatches=rec.size,
+            step=self.version,
+            generators=tuple(clock(Pool.GENERATOR, i) for i in range(self.generators)),
+            trainers=tuple(clock(Pool.TRAINER, j) for j in range(self.trainers)),
+            next_mb=self.frontier,
+            sq=tuple(self.sq),
+            uq=len(rec.queued)
+            - sum(
+                1
+                for queue in self.busy.values()
+                for t in queue
+                if t.kind == TaskKind.UPDATE and t.step == rec.step
+            ),
+            updated=len(rec.trained) + len(rec.dropped),
+            partial_groups=partial,
+            mbs_per_group=rec.mbs_per_group,
+            untrained=self.untrained,
+            **SchedState.admission_fields(self.admission),
+            tags=rec.tags,
+            bubbles=rec.bubbles,
+        )

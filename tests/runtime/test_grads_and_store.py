@@ -1,0 +1,166 @@
+"""Gradient sums in a fixed order, the workers' data store, and sample-grid thumbnails."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from digen.algos.rollout import Rollout
+from digen.runtime.grads import GradAccumulator
+from digen.runtime.outputs import thumbnails
+from digen.runtime.store import Store
+
+
+def _model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(16, 8)
+
+
+def _backward(model: torch.nn.Linear, mb: int) -> None:
+    """A micro-batch's loss: different data and scale for each, so sums round visibly."""
+    g = torch.Generator().manual_seed(100 + mb)
+    x = torch.randn(4, 16, generator=g) * (10.0 ** (mb % 4 - 2))
+    (model(x).sin().sum() * (1.0 + mb / 3)).backward()
+
+
+def _ordered(order: list[int], owned: set[int] | None = None) -> GradAccumulator:
+    model = _model()
+    acc = GradAccumulator(list(model.parameters()), ordered=True)
+    for mb in order:
+        if owned is None or mb in owned:
+            with acc.micro_batch(mb):
+                _backward(model, mb)
+    return acc
+
+
+def _grads(acc: GradAccumulator) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in acc.params]
+
+
+def test_ordered_sum_is_the_same_bits_in_any_arrival_order() -> None:
+    a = _ordered([3, 0, 5, 1, 4, 2])
+    b = _ordered([0, 1, 2, 3, 4, 5])
+    a.reduce(6)
+    b.reduce(6)
+    # the reference: each micro-batch's gradient alone, added in micro-batch order
+    model = _model()
+    parts = []
+    for mb in range(6):
+        model.zero_grad(set_to_none=True)
+        _backward(model, mb)
+        parts.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    total = torch.zeros_like(parts[0])
+    for part in parts:
+        total += part
+    flat = torch.cat([g.reshape(-1) for g in _grads(a)])
+    assert torch.equal(flat, total)
+    assert all(torch.equal(x, y) for x, y in zip(_grads(a), _grads(b)))
+    assert a.held_bytes == 0  # the copies are gone after the step
+
+
+class _TwoRanks:
+    """An in-process two-member group: allreduce sums both members' buffers."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2)
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def member(self, rank: int):
+        group = self
+
+        class _Work:
+            def wait(self) -> None: ...
+
+        class _Member:
+            def allreduce(self, tensors: list[torch.Tensor]) -> _Work:
+                group.buffers[rank] = tensors[0]
+                group.barrier.wait()
+                total = group.buffers[0] + group.buffers[1]
+                group.barrier.wait()
+                tensors[0].copy_(total)
+                return _Work()
+
+        return _Member()
+
+
+def test_two_trainers_end_with_the_bits_of_one_whatever_the_split() -> None:
+    one = _ordered(list(range(6)))
+    one.reduce(6)
+    for owned0 in ({0, 2, 5}, {1, 2, 3, 4}, {0}):
+        group = _TwoRanks()
+        accs = [
+            _ordered([4, 1, 0, 3, 5, 2], owned0),
+            _ordered([2, 5, 3, 0, 1, 4], set(range(6)) - owned0),
+        ]
+        threads = [
+            threading.Thread(target=acc.reduce, args=(6, group.member(r)))
+            for r, acc in enumerate(accs)
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for acc in accs:
+            assert all(torch.equal(x, y) for x, y in zip(_grads(acc), _grads(one)))
+
+
+def test_arrival_order_sums_in_place_and_ordered_mode_checks_its_use() -> None:
+    model = _model()
+    acc = GradAccumulator(list(model.parameters()), ordered=False)
+    for mb in (2, 0):
+        with acc.micro_batch(mb):
+            _backward(model, mb)
+    acc.reduce(2)  # one worker: .grad already holds the sum
+    ref = _model()
+    _backward(ref, 2)
+    _backward(ref, 0)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+
+    ordered = _ordered([0])
+    with pytest.raises(ValueError, match="already trained"), ordered.micro_batch(0):
+        pass
+    model = _model()
+    _backward(model, 1)  # a stray .grad: the micro-batch would absorb it
+    stray = GradAccumulator(list(model.parameters()), ordered=True)
+    with pytest.raises(RuntimeError, match="cleared"), stray.micro_batch(1):
+        pass
+
+
+def _rollout(b: int = 2) -> Rollout:
+    x = torch.arange(b * 3 * 4, dtype=torch.float32).view(b, 3, 4)
+    return Rollout(x, x + 1, torch.ones(b, 3), final=torch.zeros(b, 4))
+
+
+def test_store_hands_out_each_part_once_and_is_bounded() -> None:
+    store = Store(capacity=2)
+    pixels = torch.zeros(2, 1, 8, 8, 3, dtype=torch.uint8)
+    store.put((0, 0), _rollout(), pixels)
+    store.put((0, 1), _rollout(), pixels)
+    with pytest.raises(RuntimeError, match="runtime.max_inflight"):
+        store.put((0, 2), _rollout(), pixels)
+    assert store.statistics()["held"] == 2
+    assert torch.equal(store.take_pixels((0, 0)), pixels)
+    with pytest.raises(KeyError, match="already taken"):
+        store.take_pixels((0, 0))
+    part = store.take_rollout((0, 0), [1])
+    assert part.final is None and torch.equal(part.latents, _rollout().latents[1:])
+    assert store.statistics()["held"] == 1  # both parts taken: forgotten
+    store.release((0, 1))
+    assert store.statistics() == {"held": 0, "bytes": 0}
+    store.publish(3, {"w": torch.ones(2)})
+    assert torch.equal(store.weights(3)["w"], torch.ones(2))
+    with pytest.raises(RuntimeError, match="version 4"):
+        store.weights(4)
+
+
+def test_thumbnails_are_small_whatever_the_image_size() -> None:
+    video = torch.randint(0, 256, (2, 9, 256, 192, 3), dtype=torch.uint8)
+    small = thumbnails(video)
+    assert small.shape == (2, 3, 64, 48, 3) and small.dtype == torch.uint8
+    # area downscaling: each thumbnail pixel is the mean of a 4 x 4 block of its frame
+    block = video[1, 4, 8:12, 4:8, 0].float().mean()
+    assert abs(int(small[1, 1, 2, 1, 0]) - float(block)) <= 0.5
+    tiny = torch.randint(0, 256, (1, 1, 32, 32, 3), dtype=torch.uint8)
+    assert torch.equal(thumbnails(tiny), tiny)  # already small: unchanged
