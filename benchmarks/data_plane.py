@@ -16,6 +16,8 @@ as medians over the steps after the first:
 Then, at the middle size, ``train.grad_order=fixed`` against ``arrival`` (repetitions
 interleaved so machine drift hits both alike): step time and the extra memory the fixed
 order holds (one fp32 gradient copy per micro-batch a trainer holds until the step).
+Last, per tiny backbone: what encoding one prompt costs a trainer (median ms, one thread)
+against the bytes its embedding would be if a generator shipped it instead.
 Prints one JSON line per measurement.
 """
 
@@ -56,6 +58,63 @@ def run(size: int, steps: int, extra: list[str]) -> dict[str, float]:
     }
 
 
+def embedding_cost(model: str, prompts: int = 12) -> dict[str, float]:
+    """Encode-once-per-prompt cost on this machine vs the bytes of shipping the embedding."""
+    import time
+
+    import torch
+
+    from digen.models import load_adapter
+    from digen.prompts import PromptSet
+
+    torch.set_num_threads(1)
+    adapter = load_adapter(model, None, device="cpu", dtype=torch.float32)
+    texts = PromptSet.builtin().prompts[:prompts]
+    times, sizes = [], []
+    with torch.no_grad():
+        adapter.encode_prompts(texts[:1])  # warm-up
+        for text in texts:
+            t0 = time.perf_counter()
+            emb = adapter.encode_prompts([text])
+            times.append(time.perf_counter() - t0)
+            sizes.append(sum(t.nbytes for t in emb.tensors.values()))
+    return {
+        "model": model,
+        "encode_ms": 1e3 * statistics.median(times),
+        "embedding_kb": statistics.median(sizes) / 1e3,
+    }
+
+
+def ordered_sum_cost(numel: int, microbatches: int, repeats: int = 5) -> dict[str, float]:
+    """Extra time of the fixed order for a LoRA of ``numel`` parameters, per train step:
+    keeping each micro-batch's gradient apart and adding them in order at the step, against
+    accumulating in place. The backward passes themselves are the same in both."""
+    import time
+
+    import torch
+
+    from digen.runtime.grads import GradAccumulator
+
+    torch.set_num_threads(1)
+    param = torch.nn.Parameter(torch.zeros(numel))
+    grad = torch.randn(numel)
+    out = {}
+    for ordered in (True, False):
+        acc = GradAccumulator([param], ordered=ordered)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for mb in range(microbatches):
+                with acc.micro_batch(mb):  # stands in for the backward: set / add .grad
+                    param.grad = grad.clone() if param.grad is None else param.grad + grad
+            acc.reduce(microbatches)
+            times.append(time.perf_counter() - t0)
+            param.grad = None
+        out["fixed_ms" if ordered else "arrival_ms"] = 1e3 * statistics.median(times)
+    held = microbatches * numel * 4 / 1e6
+    return {"lora_params": numel, "microbatches": microbatches, **out, "held_mb": held}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
@@ -77,6 +136,10 @@ def main() -> None:
         row["held_mb"] = 4 * 4 * last[order]["lora_params"] / 1e6 if order == "fixed" else 0
         row["reward_last"] = last[order]["reward_last"]
         print(json.dumps(row), flush=True)
+    for numel in (29_696, 10_000_000):
+        print(json.dumps(ordered_sum_cost(numel, 16)), flush=True)
+    for model in ("flux", "sd3", "hunyuanvideo"):
+        print(json.dumps(embedding_cost(model)), flush=True)
 
 
 if __name__ == "__main__":

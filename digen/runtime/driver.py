@@ -176,9 +176,13 @@ class Driver:
         results: list[StepResult] = []
         try:
             async with asyncio.TaskGroup() as tg:
-                loops = [tg.create_task(self._generator_loop(i)) for i in range(len(self.gens))]
+                loops = [
+                    tg.create_task(self._generator_loop(i), name=f"loop-{g.worker}")
+                    for i, g in enumerate(self.gens)
+                ]
                 loops += [
-                    tg.create_task(self._trainer_loop(j, steps)) for j in range(len(self.trainers))
+                    tg.create_task(self._trainer_loop(j, steps), name=f"loop-{t.worker}")
+                    for j, t in enumerate(self.trainers)
                 ]
                 for s in steps:
                     results.append(await self._finish_step(s))
@@ -229,7 +233,9 @@ class Driver:
         version, grad_norm = stepped[0]
         rec = self.book.advance(version)
         self._stepped[s].set()
-        del self.uq[s], self._trained[s]
+        for book_keeping in (self.uq, self._trained):  # every trainer loop is past step s - 1
+            book_keeping.pop(s - 1, None)
+        self._stepped.pop(s - 2, None)
         t1 = self.clock()
         await self._sync(version)
         return self.accounts.step_result(

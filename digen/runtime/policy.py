@@ -144,6 +144,8 @@ class Policy:
         self.version = 0
         self.sigmas = self.adapter.sigmas(cfg.rollout.num_inference_steps)
         self._cond_cache: OrderedDict[str, PromptEmbeds] = OrderedDict()
+        self.encoded = 0
+        """Prompts this copy ran through the text encoders (the rest came cached or shipped)."""
         self.reference: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[torch.nn.Parameter] = []
@@ -195,9 +197,25 @@ class Policy:
                 continue
             with torch.no_grad():
                 cache[p] = self.adapter.encode_prompts([p])
+            self.encoded += 1
             if len(cache) > _COND_CACHE_SIZE:
                 cache.popitem(last=False)
         return _cat_rows([cache[p] for p in prompts])
+
+    def cached_conditioning(self, prompt: str) -> PromptEmbeds | None:
+        """The cached embedding of ``prompt``, if this copy has it (no encoding)."""
+        return self._cond_cache.get(prompt)
+
+    def add_conditioning(self, prompt: str, embeds: PromptEmbeds) -> None:
+        """Cache an embedding another worker computed (on this copy's device and dtype)."""
+        dtype = self.adapter.dtype
+        tensors = {
+            k: v.to(self.adapter.device, dtype if v.is_floating_point() else v.dtype)
+            for k, v in embeds.tensors.items()
+        }
+        self._cond_cache[prompt] = PromptEmbeds(tensors)
+        if len(self._cond_cache) > _COND_CACHE_SIZE:
+            self._cond_cache.popitem(last=False)
 
     def negative_conditioning(self, batch: int) -> PromptEmbeds | None:
         r = self.cfg.rollout

@@ -1,8 +1,8 @@
 """What a worker made and still holds: the data plane of a disaggregated run.
 
 A generated micro-batch stays in the process that made it — its rollout (the window's
-latents and log-probs) until a trainer has trained it, its decoded pixels until they are
-scored — keyed by ``(step, micro-batch)``. Other workers read it directly, actor to actor,
+latents and log-probs) and its prompt's embedding until a trainer has trained it, its
+decoded pixels until they are scored — keyed by ``(step, micro-batch)``. Other workers read it directly, actor to actor,
 with :func:`~digen.runtime.actors.run_sync` on the module-level functions below. Those run
 on RPC threads, not on the holder's actor thread, so a worker busy with a long generation
 still serves its data at once; the store therefore has its own lock. The driver only ever
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,8 @@ Key = tuple[int, int]
 class _Held:
     rollout: Rollout | None
     pixels: torch.Tensor | None
+    conditioning: Any = None
+    """The prompt's embedding (a reference to the maker's cache), for the trainer."""
 
 
 class Store:
@@ -44,7 +47,9 @@ class Store:
         self._weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
 
-    def put(self, key: Key, rollout: Rollout, pixels: torch.Tensor) -> None:
+    def put(
+        self, key: Key, rollout: Rollout, pixels: torch.Tensor, conditioning: Any = None
+    ) -> None:
         with self._lock:
             if key in self._items:
                 raise KeyError(f"micro-batch {key} is already held here")
@@ -53,7 +58,7 @@ class Store:
                     f"this worker already holds {len(self._items)} micro-batches, its limit "
                     "(runtime.max_inflight bounds what is generated and not yet trained)"
                 )
-            self._items[key] = _Held(rollout.for_training(), pixels)
+            self._items[key] = _Held(rollout.for_training(), pixels, conditioning)
 
     def take_pixels(self, key: Key) -> torch.Tensor:
         """The decoded samples of ``key``; they are dropped here (scoring reads them once)."""
@@ -67,13 +72,21 @@ class Store:
 
     def take_rollout(self, key: Key, rows: list[int] | None = None) -> Rollout:
         """The trajectories of ``key`` (only ``rows`` when given); they are dropped here."""
+        return self.take_training(key, rows)[0]
+
+    def take_training(self, key: Key, rows: list[int] | None = None) -> tuple[Rollout, Any]:
+        """What a trainer needs of ``key``: its trajectories (``rows``) and its prompt's
+        embedding; dropped here."""
         with self._lock:
             held = self._get(key)
             rollout, held.rollout = held.rollout, None
+            conditioning = held.conditioning
             self._forget_if_empty(key, held)
         if rollout is None:
             raise KeyError(f"the rollout of micro-batch {key} was already taken")
-        return rollout if rows is None else rollout.select(torch.tensor(rows, dtype=torch.long))
+        if rows is not None:
+            rollout = rollout.select(torch.tensor(rows, dtype=torch.long))
+        return rollout, conditioning
 
     def release(self, key: Key) -> None:
         """Drop whatever is held for ``key`` (nothing of it will be trained)."""
@@ -130,9 +143,11 @@ def fetch_pixels(key: Key) -> torch.Tensor:
     return STORE.take_pixels(key)
 
 
-def fetch_rollout(key: Key, rows: list[int] | None = None) -> Rollout:
-    """Run in the holder (actor to actor): take the trajectories of ``key``."""
-    return STORE.take_rollout(key, rows)
+def fetch_rollout(key: Key, rows: list[int] | None = None, conditioning: bool = False):
+    """Run in the holder (actor to actor): take the trajectories of ``key``; with
+    ``conditioning``, also its prompt's embedding: ``(rollout, embedding or None)``."""
+    rollout, embeds = STORE.take_training(key, rows)
+    return (rollout, embeds if conditioning else None)
 
 
 def fetch_weights(version: int) -> dict[str, torch.Tensor]:

@@ -145,15 +145,16 @@ class _PolicyActor:
         self._jitter()
         t0 = time.time()
         out = self.policy.generate(keys, [prompt] * len(keys))
-        STORE.put((step, mb), out.rollout, out.pixels)
+        STORE.put((step, mb), out.rollout, out.pixels, self.policy.cached_conditioning(prompt))
         return Timed(out.version, t0, time.time())
 
     def version(self) -> int:
         return self.policy.version
 
-    def held(self) -> dict[str, int]:
-        """What this worker's store holds (micro-batches, bytes)."""
-        return STORE.statistics()
+    def statistics(self) -> dict[str, int]:
+        """What this worker's store holds (micro-batches, bytes) and how many prompts it
+        encoded itself."""
+        return {**STORE.statistics(), "encoded_prompts": self.policy.encoded}
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return self.policy.trainable_state()
@@ -292,8 +293,11 @@ class TrainerActor(_PolicyActor):
         key, rows = (step, mb), list(rows)
         if holder == self.name:
             rollout = STORE.take_rollout(key, rows)
-        else:
-            rollout = run_sync(holder, fetch_rollout, key, rows)
+        else:  # the prompt's embedding comes along the first time (cheaper than encoding)
+            need = self.policy.cached_conditioning(prompt) is None
+            rollout, embeds = run_sync(holder, fetch_rollout, key, rows, need)
+            if embeds is not None:
+                self.policy.add_conditioning(prompt, embeds)
         keys = list(keys)
         adv = torch.tensor(list(advantages), dtype=torch.float32)
         size = self.cfg.train.micro_batch_size

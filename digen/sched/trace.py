@@ -44,12 +44,12 @@ KINDS: tuple[str, ...] = tuple(TaskKind)
 trainer (trainer-assisted generation)."""
 
 KIND_COLOURS = {
-    "generate": "#1f77b4",
-    "tag": "#ff7f0e",
-    "score": "#2ca02c",
-    "update": "#d62728",
-    "step": "#9467bd",
-    "sync": "#7f7f7f",
+    TaskKind.GENERATE: "#1f77b4",
+    TaskKind.TAG: "#ff7f0e",
+    TaskKind.SCORE: "#2ca02c",
+    TaskKind.UPDATE: "#d62728",
+    TaskKind.STEP: "#9467bd",
+    TaskKind.SYNC: "#7f7f7f",
 }
 """One fixed colour per kind, so timelines of different runs read the same."""
 

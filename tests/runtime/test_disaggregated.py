@@ -116,9 +116,14 @@ async def test_trace_accounts_for_every_microbatch_and_version() -> None:
         pids = await asyncio.gather(*(a.call("ping") for a in driver.gens + driver.trainers))
         gen_state = await driver.gens[1].call("trainable_state")
         trainer_state = await driver.trainers[0].call("trainable_state")
-        held = await asyncio.gather(*(a.call("held") for a in driver.gens + driver.trainers))
+        held = await asyncio.gather(*(a.call("statistics") for a in driver.gens + driver.trainers))
     assert [r.metrics["policy_version"] for r in results] == [1, 2]
     assert all(h["held"] == 0 for h in held)  # every rollout was taken by its update
+    # prompts reach the trainer with the rollouts: it encodes only the prompts of what it
+    # generated itself (TAG; 2 micro-batches a group), and the negative prompt under CFG
+    tagged = {(e.step, e.mb // 2) for e in trace.events if e.kind == "tag"}
+    negative = int(cfg.rollout.guidance_scale > 1.0)
+    assert held[-1]["encoded_prompts"] == len(tagged) + negative
     assert len(set(pids)) == 3  # two generators and a trainer, each its own process
     # the first bubble of a run is always filled by TAG (it measures the trainer's speed)
     assert any(e.kind == "tag" and e.step == 0 for e in trace.events)

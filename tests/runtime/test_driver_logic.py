@@ -172,6 +172,22 @@ async def test_fixed_tcss_makes_exactly_the_first_share_stale(seed) -> None:
     assert [r.metrics["stale_microbatches"] for r in results] == [0, cap, cap, cap]
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.asyncio
+async def test_eager_tcss_stays_within_its_bounds(seed) -> None:
+    over = ["steps=4", "runtime.generators=3", "runtime.max_staleness=1", "rollout.n=6"]
+    over += ["runtime.staleness_ratio=0.5", "runtime.staleness_schedule=eager"]
+    cfg, driver, world = _driver(over, seed)
+    results = await driver.run(4)
+    cap = len(step_microbatches(cfg, 0)) // 2
+    stale = Counter(s for (s, m), version in world.made.items() if version < s)
+    assert all(s - version in (0, 1) for (s, m), version in world.made.items())
+    assert all(count <= cap for count in stale.values()) and sum(stale.values()) > 0
+    assert [r.metrics["stale_microbatches"] for r in results] == [stale[s] for s in range(4)]
+    # only a step's first micro-batches can go out early: they are handed out in order
+    assert all(m < cap for (s, m), version in world.made.items() if version < s)
+
+
 @pytest.mark.asyncio
 async def test_back_pressure_bounds_generated_but_untrained() -> None:
     over = ["steps=2", "runtime.generators=4", "rollout.n=8", "runtime.max_inflight=4"]

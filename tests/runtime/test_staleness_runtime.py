@@ -3,7 +3,8 @@ multi-process run, and the stale run learns like the on-policy one.
 
 With the fixed schedule (the default) which micro-batches are stale is part of the config,
 not of the timing, so both runs here are deterministic and their learning curves are fixed
-numbers; the eager schedule is checked for its bounds only (its stale set varies by design).
+numbers. The eager schedule's bounds are checked with fake actors
+(``tests/runtime/test_driver_logic.py``): its stale set varies with timing by design.
 """
 
 from __future__ import annotations
@@ -67,14 +68,3 @@ def test_tcss_invariants_and_learning(tmp_path: Path) -> None:
     for result in (sync, stale):
         r = [m["reward_mean"] for m in result.metrics]
         assert sum(r[-6:]) / 6 - sum(r[:6]) / 6 > 0.05, r
-
-
-@pytest.mark.slow
-def test_eager_tcss_stays_within_its_bounds(tmp_path: Path) -> None:
-    steps, n_mb = 4, 4
-    extra = ["steps=4", "runtime.max_staleness=1", "runtime.staleness_ratio=0.5"]
-    result, events = _run(tmp_path / "eager", [*extra, "runtime.staleness_schedule=eager"])
-    per_step = _check_trace(events, steps, n_mb)
-    # at most floor(0.5 * 4) = 2 of a step's micro-batches from the previous version
-    assert all(v <= stale_cap(n_mb, 0.5) for v in per_step.values())
-    assert sum(per_step.values()) == sum(m["stale_microbatches"] for m in result.metrics)
