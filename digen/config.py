@@ -458,7 +458,7 @@ class RuntimeConfig:
     staleness_ratio: float = 0.5
     """TCSS: the fraction of a step's micro-batches that come from the previous version (at most, with the eager schedule)."""
     staleness_schedule: str = "fixed"
-    """TCSS: fixed (the first staleness_ratio of every step's micro-batches are made one version early, always the same ones: seeded runs repeat) or eager (stale while a worker is free, up to the ratio: the paper's form; which ones depends on timing)."""
+    """TCSS: fixed (the first staleness_ratio of every step's micro-batches are made one version early, always the same ones, whatever max_staleness >= 1: seeded runs repeat) or eager (stale while a worker is free, up to max_staleness versions and the ratio: the paper's form; which ones depends on timing)."""
     max_inflight: int | None = None
     """C_gen: micro-batches generated but not yet trained, at most (back-pressure on generators, bounds what workers hold); None = one step's plus the TCSS share."""
     weight_sync: str = "rpc"
@@ -694,6 +694,16 @@ def step_microbatches(cfg: DigenConfig, step: int) -> list[MicroBatch]:
         axis=rt.microbatch_axis,
         samples=rt.samples_per_microbatch,
     )
+
+
+def max_inflight(cfg: DigenConfig) -> int:
+    """``C_gen``: ``runtime.max_inflight``, or by default one step's micro-batches plus the
+    share TCSS may start early (generators are then never held back within a step)."""
+    rt = cfg.runtime
+    if rt.max_inflight is not None:
+        return rt.max_inflight
+    per_step = cfg.data.train_batch_size * microbatches_per_group(cfg)
+    return per_step + rt.max_staleness * stale_cap(per_step, rt.staleness_ratio)
 
 
 def microbatches_per_group(cfg: DigenConfig) -> int:

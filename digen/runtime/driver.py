@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from digen.algos.grpo import score_groups, step_terms
-from digen.config import DigenConfig, microbatches_per_group, step_microbatches
+from digen.config import DigenConfig, max_inflight, microbatches_per_group, step_microbatches
 from digen.prompts import PromptSet
 from digen.runtime.accounting import Accounts
 from digen.runtime.actors import WorkerDied
@@ -101,7 +101,7 @@ class Driver:
             max_staleness=rt.max_staleness,
             stale_cap=cap,
             schedule=rt.staleness_schedule,
-            max_inflight=rt.max_inflight or per_step + rt.max_staleness * cap,
+            max_inflight=max_inflight(cfg),
         )
         self.book = Book(
             lambda step: step_microbatches(cfg, step),

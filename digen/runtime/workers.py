@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from digen.algos.rewards import build_reward
-from digen.config import DigenConfig, load_config
+from digen.config import DigenConfig, load_config, max_inflight
 from digen.runtime.actors import run_sync
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.outputs import thumbnails
@@ -122,6 +122,7 @@ class _PolicyActor:
         self.policy = Policy(cfg, trainable=trainable)
         self.sync_group = None
         self._jitter = _Jitter()
+        STORE.capacity = max_inflight(cfg)  # what the driver lets be generated, untrained
 
     def ping(self) -> int:
         return os.getpid()

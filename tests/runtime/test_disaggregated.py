@@ -181,8 +181,18 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
             os.kill(pid, 0)  # every worker process is gone
 
 
-@pytest.mark.parametrize("algo", ["flowgrpo", "dancegrpo"])
-@pytest.mark.parametrize("model", ["hunyuanvideo", "wan", "flux", "qwenimage", "sd3"])
+# every backbone once, each algorithm on both kinds (image and video); the colocated suite
+# runs all ten pairs in-process (tests/test_run.py), these spawn processes and cost more
+@pytest.mark.parametrize(
+    ("model", "algo"),
+    [
+        ("hunyuanvideo", "dancegrpo"),
+        ("wan", "flowgrpo"),
+        ("flux", "dancegrpo"),
+        ("qwenimage", "flowgrpo"),
+        ("sd3", "dancegrpo"),
+    ],
+)
 def test_digen_run_disaggregated_every_model_and_algo(
     tmp_path: Path, model: str, algo: str
 ) -> None:
