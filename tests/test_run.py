@@ -221,7 +221,7 @@ def test_tiny_flux_learns_jpeg_incompressibility(tmp_path: Path) -> None:
     result = _run(DigenRunner(cfg, out_dir=tmp_path, progress=False, save_weights=False))
     rewards = [m["reward_mean"] for m in result.metrics]
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
-    # measured: 3.69 kB -> 3.76 kB; the per-step noise of the batch mean is about 0.03 kB
+    # measured: 3.655 kB -> 3.724 kB; the per-step noise of the batch mean is about 0.03 kB
     assert last - first > 0.03, rewards
     # the second mini-batch of each step sees a moved policy: its ratios leave [1 - eps, 1 + eps]
     assert all(m["clip_fraction"] > 0 for m in result.metrics)
