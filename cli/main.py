@@ -31,11 +31,15 @@ RPC_PORT_ENV = "DIGEN_RPC_PORT"
 
 
 def _quiet_imports() -> None:
-    """Keep optional-dependency notices of third-party libraries off the user's terminal."""
+    """Keep optional-dependency notices of third-party libraries off the user's terminal
+    (read when they are imported, which is only once the config is known to be good)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+def _quiet_progress_bars() -> None:
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
@@ -138,11 +142,11 @@ def run(
         sys.exit(130)
     except Exception as exc:  # one sentence for the user's mistakes, tracebacks for ours
         from digen.errors import DigenError
-        from digen.runtime.actors import WorkerDied
 
         if debug:
             raise
-        if isinstance(exc, WorkerDied):  # not the user's mistake, but nothing to debug here
+        actors = sys.modules.get("digen.runtime.actors")  # a worker can only die once imported
+        if actors is not None and isinstance(exc, actors.WorkerDied):  # nothing to debug here
             click.echo(f"error: {exc} Outputs so far are in {out_dir}.", err=True)
             sys.exit(1)
         if not isinstance(exc, DigenError):
@@ -182,8 +186,6 @@ def _run(
 ):
     from digen.config import load_config
     from digen.errors import DigenError
-    from digen.presets import preset
-    from digen.runner import DigenRunner
 
     if model_path is not None and not model_path.exists():
         raise DigenError(f"--model-path '{model_path}' does not exist.")
@@ -200,14 +202,14 @@ def _run(
         cli["seed"] = seed
     if prompts is not None:
         cli.setdefault("data", {})["prompts"] = str(prompts)
-    model, algo, mode = _names_from_yaml(config_path, model, algo, mode, overrides)
-    base = preset(model, algo, real_weights=model_path is not None, mode=mode)
-    cli.setdefault("runtime", {})["mode"] = mode
-    cli.setdefault("model", {}).setdefault("name", model)
-    cli.setdefault("algo", {}).setdefault("name", algo)
-    cfg = load_config(config_path, overrides, base=cli, preset=base)
+    cfg = load_config(
+        config_path, overrides, base=cli, model=model, algo=algo, mode=mode, preset=True
+    )
     if launcher == "torchrun" or (launcher == "auto" and _under_torchrun(os.environ)):
         return _run_torchrun(cfg, out_dir, quiet, sample_every)
+    _quiet_progress_bars()  # imports diffusers: only once the config is good
+    from digen.runner import DigenRunner
+
     runner = DigenRunner(cfg, out_dir=out_dir, progress=not quiet, sample_every=sample_every)
     return _run_async(runner.run())
 
@@ -297,43 +299,6 @@ def _run_torchrun(cfg, out_dir, quiet, sample_every):
     )
     serve_worker(spec, rank, world, address, port, rpc_timeout_s=rt.rpc_timeout_s)
     return None
-
-
-def _names_from_yaml(
-    path: Path | None,
-    model: str | None,
-    algo: str | None,
-    mode: str | None,
-    overrides: tuple[str, ...],
-) -> tuple[str, str, str]:
-    """Model, algorithm and mode pick the preset: a flag wins, then an override, then the
-    YAML file, then the defaults (flux, flowgrpo, colocated)."""
-    data: dict[str, Any] = {}
-    if path is not None and path.is_file():
-        import yaml
-
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError:
-            loaded = None  # load_config reports it in one sentence
-        data = loaded if isinstance(loaded, dict) else {}
-
-    def pick(section: str, key: str, given: str | None, default: str) -> str:
-        if given is not None:
-            return given
-        for item in reversed(overrides):
-            name, sep, value = item.partition("=")
-            if sep and name.strip() == f"{section}.{key}":
-                return value.strip()
-        sec = data.get(section)
-        value = sec.get(key) if isinstance(sec, dict) else None
-        return value if isinstance(value, str) else default
-
-    return (
-        pick("model", "name", model, "flux"),
-        pick("algo", "name", algo, "flowgrpo"),
-        pick("runtime", "mode", mode, "colocated"),
-    )
 
 
 def _run_async(coro):

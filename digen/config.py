@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from digen.errors import ConfigError
+from digen.models.registry import BACKBONES, MODEL_NAMES
 from digen.sched.microbatch import MicroBatch, form_microbatches, samples_per_microbatch
 from digen.sched.schedule import STALENESS_SCHEDULES, stale_cap
 
@@ -38,8 +39,6 @@ __all__ = [
     "validate",
 ]
 
-MODEL_NAMES = ("hunyuanvideo", "wan", "flux", "qwenimage", "sd3")
-VIDEO_MODELS = ("hunyuanvideo", "wan")
 DTYPES = ("float32", "bfloat16", "float16")
 SDE_TYPES = ("sde", "cps", "dance")
 ALGO_NAMES = ("flowgrpo", "dancegrpo")
@@ -214,7 +213,7 @@ class ModelConfig:
                     frames,
                     "it must be of the form 4k+1 (1, 5, 9, ...) or null",
                 )
-            if frames > 1 and self.name not in VIDEO_MODELS:
+            if frames > 1 and not BACKBONES[self.name].video:
                 raise _bad(
                     _key(p, "num_frames"),
                     frames,
@@ -723,12 +722,19 @@ def load_config(
     overrides: Sequence[str] = (),
     base: Mapping[str, Any] | None = None,
     *,
-    preset: Mapping[str, Any] | None = None,
+    model: str | None = None,
+    algo: str | None = None,
+    mode: str | None = None,
+    preset: bool | None = None,
 ) -> DigenConfig:
-    """Load a config: defaults <- ``preset`` <- YAML ``path`` <- ``base`` <- ``key=value`` overrides.
+    """Load a config: defaults <- preset <- YAML ``path`` <- ``base`` <- ``key=value`` overrides.
 
-    ``preset`` is a starting point the file may change (a model x algorithm recipe); ``base``
-    holds settings that win over the file (the CLI's own flags).
+    The preset layer (:func:`digen.presets.preset`, the recipe of a model x algorithm x mode)
+    is used when ``preset`` is True, or when it is None and ``model``, ``algo`` or ``mode`` is
+    given. Those three name the preset and win over every other layer; when not given, each
+    is read from the overrides, ``base``, the file, then the defaults (flux, flowgrpo,
+    colocated). A set ``model.path`` selects the real-weight recipe. ``base`` holds settings
+    that win over the file (the CLI's own flags). Choosing a preset imports nothing heavy.
 
     The YAML file is a nested mapping matching the dataclasses (``rewards`` is a list of
     ``{name, weight}``). Override values are parsed as YAML (``rollout.n=8``,
@@ -737,18 +743,47 @@ def load_config(
     ``algo.name=dancegrpo`` and no ``rollout.sde_type`` given, the SDE type becomes ``dance``.
     """
     data: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
-    if preset:
-        data = _merge(preset, data)
     if base:
         data = _merge(data, base)
     for item in overrides:
         _apply_override(data, item)
+    if preset or (preset is None and (model, algo, mode) != (None, None, None)):
+        data = _with_preset(data, model, algo, mode)
     _default_sde_type(data)
     names = [f.name for f in fields(DigenConfig)]
     for key in data:
         if key not in names:
             raise ConfigError(f"unknown config key '{key}'; the top level has: {', '.join(names)}.")
     return DigenConfig(**data)
+
+
+def _with_preset(
+    data: dict[str, Any], model: str | None, algo: str | None, mode: str | None
+) -> dict[str, Any]:
+    """``data`` over the preset it names (flags first, then ``data``, then the defaults)."""
+    from digen.presets import preset
+
+    def pick(section: str, key: str, given: str | None, default: str) -> str:
+        if given is not None:
+            return given
+        sec = data.get(section)
+        value = sec.get(key) if isinstance(sec, Mapping) else None
+        return value if isinstance(value, str) else default
+
+    names = (
+        ("model", "name", pick("model", "name", model, "flux")),
+        ("algo", "name", pick("algo", "name", algo, "flowgrpo")),
+        ("runtime", "mode", pick("runtime", "mode", mode, "colocated")),
+    )
+    section = data.get("model")
+    real = isinstance(section, Mapping) and section.get("path") is not None
+    layer = preset(names[0][2], names[1][2], real_weights=real, mode=names[2][2])
+    data = _merge(layer, data)
+    for section_name, key, value in names:
+        if not isinstance(data.get(section_name), dict):
+            data[section_name] = {}
+        data[section_name][key] = value
+    return data
 
 
 def _default_sde_type(data: dict[str, Any]) -> None:

@@ -13,21 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from digen.errors import DigenError
-from digen.models import MODEL_NAMES
+from digen.models.registry import BACKBONES, MODEL_NAMES
 
 __all__ = ["ALGO_NAMES", "preset"]
 
 ALGO_NAMES = ("flowgrpo", "dancegrpo")
-_VIDEO = ("hunyuanvideo", "wan")
-
-# real-weight sampling settings per backbone: resolution, frames, CFG
-_REAL_MODEL: dict[str, dict[str, Any]] = {
-    "hunyuanvideo": {"height": 320, "width": 512, "num_frames": 33, "guidance_scale": 1.0},
-    "wan": {"height": 480, "width": 832, "num_frames": 33, "guidance_scale": 5.0},
-    "flux": {"height": 512, "width": 512, "num_frames": None, "guidance_scale": 1.0},
-    "qwenimage": {"height": 512, "width": 512, "num_frames": None, "guidance_scale": 4.0},
-    "sd3": {"height": 512, "width": 512, "num_frames": None, "guidance_scale": 4.5},
-}
 
 
 def preset(
@@ -54,7 +44,7 @@ def preset(
 
 def _tiny(cfg: dict[str, Any], model: str, algo: str) -> None:
     cfg["steps"] = 30
-    if model not in _VIDEO:
+    if not BACKBONES[model].video:
         # 64 px: at 32 px a JPEG is mostly header and the reward barely depends on the sample
         cfg["model"].update({"height": 64, "width": 64})
     cfg["data"] = {"train_batch_size": 2}
@@ -91,9 +81,9 @@ def _tiny(cfg: dict[str, Any], model: str, algo: str) -> None:
 
 
 def _real(cfg: dict[str, Any], model: str, algo: str) -> None:
-    m = _REAL_MODEL[model]
+    m = BACKBONES[model].recipe
     cfg["model"].update({"height": m["height"], "width": m["width"], "dtype": "bfloat16"})
-    if m["num_frames"] is not None:
+    if "num_frames" in m:
         cfg["model"]["num_frames"] = m["num_frames"]
     cfg["data"] = {"train_batch_size": 8}
     cfg["train"] = {

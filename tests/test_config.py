@@ -98,10 +98,20 @@ def test_yaml_then_base_then_overrides(tmp_path: Path) -> None:
 
 def test_preset_sits_under_the_file(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
-    path.write_text("rollout:\n  n: 6\n")
-    preset = {"rollout": {"n": 12, "noise_level": 0.3}}
-    cfg = load_config(path, base={"seed": 2}, preset=preset)
-    assert (cfg.rollout.n, cfg.rollout.noise_level, cfg.seed) == (6, 0.3, 2)
+    path.write_text("rollout:\n  n: 16\nmodel:\n  name: sd3\n")
+    cfg = load_config(path, base={"seed": 2}, algo="dancegrpo")
+    # the file names the model, the flag the algorithm: the sd3 x dancegrpo preset, under both
+    assert (cfg.model.name, cfg.algo.name, cfg.rollout.sde_type) == ("sd3", "dancegrpo", "dance")
+    assert (cfg.rollout.n, cfg.rollout.noise_level, cfg.seed) == (16, 0.3, 2)
+    assert cfg.steps == 30  # from the tiny preset, which nothing above changes
+    # a flag beats an override, which beats the file
+    cfg = load_config(path, ["model.name=wan", "algo.name=flowgrpo"], model="flux", preset=True)
+    assert (cfg.model.name, cfg.algo.name, cfg.rollout.sde_type) == ("flux", "flowgrpo", "sde")
+    # a model path picks the real-weight recipe
+    cfg = load_config(overrides=["model.path=/models/x"], model="flux")
+    assert (cfg.model.dtype, cfg.rollout.num_inference_steps) == ("bfloat16", 10)
+    # no names, no preset flag: the plain defaults
+    assert load_config(path).steps == 10
 
 
 def test_whole_reward_list_override() -> None:

@@ -1,34 +1,46 @@
-"""Backbone adapters: one file per model, all behind :class:`DiffusionAdapter`."""
+"""Backbone adapters: one file per model, all behind :class:`DiffusionAdapter`.
+
+The registry (:mod:`digen.models.registry`) is light; the adapters, and the base classes
+they share, import diffusers only when first used.
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from digen.errors import DigenError
-from digen.models.base import DiffusionAdapter, PromptEmbeds
+from digen.models.registry import BACKBONES, MODEL_NAMES, Backbone
 
-__all__ = ["MODEL_NAMES", "DiffusionAdapter", "PromptEmbeds", "get_adapter_class", "load_adapter"]
+if TYPE_CHECKING:
+    from digen.models.base import DiffusionAdapter, PromptEmbeds
 
-#: registry name -> "module:Class"
-_ADAPTERS = {
-    "hunyuanvideo": "digen.models.hunyuanvideo:HunyuanVideoAdapter",
-    "wan": "digen.models.wan:WanAdapter",
-    "flux": "digen.models.flux:FluxAdapter",
-    "qwenimage": "digen.models.qwenimage:QwenImageAdapter",
-    "sd3": "digen.models.sd3:SD3Adapter",
-}
-MODEL_NAMES = tuple(_ADAPTERS)
+__all__ = [
+    "BACKBONES",
+    "MODEL_NAMES",
+    "Backbone",
+    "DiffusionAdapter",
+    "PromptEmbeds",
+    "get_adapter_class",
+    "load_adapter",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DiffusionAdapter", "PromptEmbeds"):
+        return getattr(importlib.import_module("digen.models.base"), name)
+    raise AttributeError(f"module 'digen.models' has no attribute {name!r}")
 
 
 def get_adapter_class(name: str) -> type[DiffusionAdapter]:
     """The adapter class registered under ``name``."""
-    if name not in _ADAPTERS:
+    if name not in BACKBONES:
         raise DigenError(f"unknown model '{name}'; choose one of: {', '.join(MODEL_NAMES)}.")
-    module, cls = _ADAPTERS[name].split(":")
+    module, cls = BACKBONES[name].adapter.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
-def load_adapter(name: str, path: str | None = None, **kwargs) -> DiffusionAdapter:
+def load_adapter(name: str, path: str | None = None, **kwargs: Any) -> DiffusionAdapter:
     """Real weights from a local diffusers directory, or the tiny flavour when ``path`` is None."""
     cls = get_adapter_class(name)
     if path is None:

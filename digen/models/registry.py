@@ -1,0 +1,66 @@
+"""Every backbone digen knows, by name: one entry each, and nothing heavy to import.
+
+Config validation, presets and the CLI read this (a typo in ``--model`` is reported without
+importing torch or diffusers); :func:`digen.models.get_adapter_class` imports an adapter only
+when it is used. To add a backbone, write its adapter file (``digen/models/<name>.py``, one
+class over the diffusers model, see ``docs/EXTENDING.md``) and add one line here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BACKBONES", "MODEL_NAMES", "Backbone"]
+
+
+@dataclass(frozen=True, slots=True)
+class Backbone:
+    """One registered backbone."""
+
+    name: str
+    adapter: str
+    """``"module:Class"`` of its :class:`~digen.models.base.DiffusionAdapter`."""
+    video: bool
+    """Generates videos (frames) rather than images."""
+    recipe: dict[str, Any] = field(default_factory=dict)
+    """Sampling settings of the published recipes with real weights: ``height``, ``width``,
+    ``num_frames`` (videos), ``guidance_scale``."""
+
+
+BACKBONES: dict[str, Backbone] = {
+    b.name: b
+    for b in (
+        Backbone(
+            "hunyuanvideo",
+            "digen.models.hunyuanvideo:HunyuanVideoAdapter",
+            video=True,
+            recipe={"height": 320, "width": 512, "num_frames": 33, "guidance_scale": 1.0},
+        ),
+        Backbone(
+            "wan",
+            "digen.models.wan:WanAdapter",
+            video=True,
+            recipe={"height": 480, "width": 832, "num_frames": 33, "guidance_scale": 5.0},
+        ),
+        Backbone(
+            "flux",
+            "digen.models.flux:FluxAdapter",
+            video=False,
+            recipe={"height": 512, "width": 512, "guidance_scale": 1.0},
+        ),
+        Backbone(
+            "qwenimage",
+            "digen.models.qwenimage:QwenImageAdapter",
+            video=False,
+            recipe={"height": 512, "width": 512, "guidance_scale": 4.0},
+        ),
+        Backbone(
+            "sd3",
+            "digen.models.sd3:SD3Adapter",
+            video=False,
+            recipe={"height": 512, "width": 512, "guidance_scale": 4.5},
+        ),
+    )
+}
+MODEL_NAMES: tuple[str, ...] = tuple(BACKBONES)
