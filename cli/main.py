@@ -24,6 +24,9 @@ from typing import Any
 
 import click
 
+from digen.algos.registry import ALGO_NAMES, ALGORITHMS
+from digen.models.registry import BACKBONES, MODEL_NAMES
+
 __all__ = ["main", "role_for_rank"]
 
 RPC_PORT_ENV = "DIGEN_RPC_PORT"
@@ -47,6 +50,10 @@ def _quiet_progress_bars() -> None:
     transformers_logging.disable_progress_bar()
 
 
+def _or(names: tuple[str, ...]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="digen")
 def main() -> None:
@@ -54,8 +61,8 @@ def main() -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": False})
-@click.option("--model", help="hunyuanvideo, wan, flux, qwenimage or sd3 [default: flux].")
-@click.option("--algo", help="flowgrpo or dancegrpo [default: flowgrpo].")
+@click.option("--model", help=f"{_or(MODEL_NAMES)} [default: flux]; see `digen models`.")
+@click.option("--algo", help=f"{_or(ALGO_NAMES)} [default: flowgrpo]; see `digen algos`.")
 @click.option(
     "--config",
     "config_path",
@@ -313,6 +320,26 @@ def _run_async(coro):
 def _pretty(summary: dict[str, Any]) -> str:
     lines = [f"{k:>18}: {v}" for k, v in summary.items()]
     return "\n".join(lines)
+
+
+@main.command()
+def algos() -> None:
+    """The registered algorithms: their step kinds, KL convention and own settings."""
+    for name, algo in ALGORITHMS.items():
+        click.echo(f"{name}: {algo.title}")
+        click.echo(f"  rollout.sde_type: {', '.join(algo.sde_types)} (default {algo.sde_types[0]})")
+        click.echo(f"  algo.kl_type default: {algo.kl_type}")
+        for key, param in algo.params.items():
+            click.echo(f"  algo.params.{key} = {param.default!r}: {param.doc}")
+
+
+@main.command()
+def models() -> None:
+    """The registered backbones and the sampling size of their published recipes."""
+    for name, b in BACKBONES.items():
+        r = b.recipe
+        size = f"{r['width']}x{r['height']}" + (f" x {r['num_frames']} frames" if b.video else "")
+        click.echo(f"{name}: {'video' if b.video else 'image'}, {size}, CFG {r['guidance_scale']}")
 
 
 @main.command()

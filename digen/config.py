@@ -14,14 +14,17 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
 
+from digen.algos.registry import ALGO_NAMES, get_algorithm
+from digen.algos.steps import STEP_KINDS
 from digen.errors import ConfigError
 from digen.models.registry import BACKBONES, MODEL_NAMES
 from digen.sched.microbatch import MicroBatch, form_microbatches, samples_per_microbatch
 from digen.sched.schedule import STALENESS_SCHEDULES, stale_cap
+from digen.sched.tag import TAG_POLICIES as TAG_POLICY_FACTORIES
 
 __all__ = [
     "AlgoConfig",
@@ -40,11 +43,16 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
-SDE_TYPES = ("sde", "cps", "dance")
-ALGO_NAMES = ("flowgrpo", "dancegrpo")
+SDE_TYPES: tuple[str, ...] = tuple(STEP_KINDS)
 ADV_NORMS = ("group", "none")
-# The stochastic steps each algorithm is defined with.
-ALGO_SDE_TYPES = {"flowgrpo": ("sde", "cps"), "dancegrpo": ("dance",)}
+ADV_STDS = ("group", "global")
+KL_TYPES = ("flowgrpo", "exact")
+CPS_LOGPROBS = ("published", "gaussian")
+
+# Choices derived from the registries: the config types name them, and the loader checks them.
+ModelName = Literal[MODEL_NAMES]  # type: ignore[valid-type]
+AlgoName = Literal[ALGO_NAMES]  # type: ignore[valid-type]
+SdeType = Literal[SDE_TYPES]  # type: ignore[valid-type]
 # Names resolved by digen.algos.rewards without an import (kept here so loading a config
 # needs no torch); a test keeps the two lists equal.
 BUILTIN_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility")
@@ -140,8 +148,31 @@ def _optional(convert: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
     return convert_optional
 
 
+def _as_mapping(value: Any, key: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _bad(key, value, "it must be a mapping of settings")
+    return dict(value)
+
+
+def _one_of(choices: Any) -> Callable[[Any, str], str]:
+    options = get_args(choices)
+
+    def convert(value: Any, key: str) -> str:
+        if value not in options:
+            raise _bad(key, value, "choose one of " + ", ".join(options))
+        return value
+
+    return convert
+
+
 # Field annotations (strings, because of `from __future__ import annotations`) -> converter.
 _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
+    "ModelName": _one_of(ModelName),
+    "AlgoName": _one_of(AlgoName),
+    "SdeType | None": _optional(_one_of(SdeType)),
+    "dict[str, Any]": _as_mapping,
     "int": _as_int,
     "float": _as_float,
     "str": _as_str,
@@ -176,8 +207,8 @@ def _positive(prefix: str, name: str, value: float, why: str = "") -> None:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    name: str = "flux"
-    """Backbone: one of hunyuanvideo, wan, flux, qwenimage, sd3."""
+    name: ModelName = "flux"
+    """Backbone: one of the registered ones (digen.models.registry: hunyuanvideo, wan, flux, qwenimage, sd3)."""
     path: str | None = None
     """Local diffusers-format directory with real weights; None runs the tiny random-init flavour."""
     dtype: str = "float32"
@@ -197,7 +228,6 @@ class ModelConfig:
         _validate_section(self, "model")
 
     def _check_values(self, p: str) -> None:
-        _choice(_key(p, "name"), self.name, MODEL_NAMES)
         _choice(_key(p, "dtype"), self.dtype, DTYPES)
         if not self.device:
             raise _bad(_key(p, "device"), self.device, "name a torch device such as cpu or cuda:0")
@@ -229,12 +259,12 @@ class RolloutConfig:
     """Group size: samples per prompt. At least 2 (advantages are group-relative)."""
     num_inference_steps: int = 10
     """Denoising steps per sample."""
-    sde_type: str = "sde"
-    """Stochastic step: sde or cps (Flow-GRPO), dance (DanceGRPO)."""
+    sde_type: SdeType | None = None
+    """Stochastic step: sde or cps (Flow-GRPO, MixGRPO: sde), dance (DanceGRPO); None takes the algorithm's own."""
     noise_level: float = 0.7
     """SDE noise: `a` for Flow-GRPO sde/cps, `eta` for DanceGRPO. Non-negative."""
     sde_window_size: int = 0
-    """Steps in the SDE (trained) window; 0 makes every step stochastic."""
+    """Steps in the SDE (trained) window; 0: the algorithm's plan without a window (Flow-GRPO: every step; DanceGRPO: every step but the last)."""
     sde_window_range: tuple[int, int] | None = None
     """[lo, hi): the window start is drawn per step from [lo, hi - sde_window_size]; None = [0, num_inference_steps)."""
     timestep_fraction: float = 1.0
@@ -243,6 +273,10 @@ class RolloutConfig:
     """Classifier-free guidance scale; 1.0 turns CFG off."""
     negative_prompt: str = ""
     """Negative prompt used with CFG."""
+    cps_logprob: str = "published"
+    """Log-prob of the cps step: published (-mean((x' - mu)^2), what published clip ranges mean) or gaussian (the full density)."""
+    same_initial_noise: bool = False
+    """The samples of a group start from the same noise (DanceGRPO / MixGRPO) instead of each its own."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "rollout")
@@ -255,8 +289,8 @@ class RolloutConfig:
                 "the group size must be at least 2 (advantages are group-relative)",
             )
         _at_least(p, "num_inference_steps", self.num_inference_steps, 1)
-        _choice(_key(p, "sde_type"), self.sde_type, SDE_TYPES)
         _at_least(p, "noise_level", self.noise_level, 0.0)
+        _choice(_key(p, "cps_logprob"), self.cps_logprob, CPS_LOGPROBS)
         steps = self.num_inference_steps
         size = self.sde_window_size
         if size < 0 or size > steps:
@@ -288,27 +322,53 @@ class RolloutConfig:
 
 @dataclass(kw_only=True, slots=True)
 class AlgoConfig:
-    name: str = "flowgrpo"
-    """flowgrpo or dancegrpo."""
+    name: AlgoName = "flowgrpo"
+    """One of the registered algorithms (digen.algos.registry: flowgrpo, dancegrpo, mixgrpo)."""
     adv_norm: str = "group"
-    """Advantage scaling: group (divide by the group's std) or none (Dr.GRPO: mean-centred only)."""
+    """Advantage scaling: group (centre per prompt and divide by a std) or none (Dr.GRPO: centred only)."""
+    adv_std: str = "group"
+    """Which std advantages divide by: group (each prompt's own) or global (one over the whole batch: Flow-GRPO's shipped configs; training then waits until the batch is scored)."""
+    adv_std_unbiased: bool = False
+    """Use the unbiased (n - 1) std (DanceGRPO, MixGRPO) instead of the population std (Flow-GRPO)."""
     adv_eps: float = 1e-4
-    """Added to the std before dividing."""
+    """Added to the std before dividing (Flow-GRPO 1e-4; DanceGRPO, MixGRPO 1e-8)."""
     adv_clip_max: float = 5.0
     """Advantages are clipped to [-adv_clip_max, adv_clip_max]. Positive."""
     clip_ratio: float = 1e-4
     """PPO clip range eps: the ratio is clipped to [1 - eps, 1 + eps]. Positive."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference (the base model, LoRA off); 0 turns it off."""
+    kl_type: str | None = None
+    """KL convention: flowgrpo (divided by Flow-GRPO's std_dev_t^2, without the step's |dt|: what its published beta means) or exact (the Gaussian KL of the step); None takes the algorithm's."""
     best_of_n: int = 0
     """DanceGRPO best-of-N: train only the top and bottom k/2 samples of each group; 0 keeps all."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The algorithm's own settings (algo.params.<key>; see `digen algos`); missing ones take its defaults."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "algo")
 
+    @property
+    def resolved_kl_type(self) -> str:
+        return self.kl_type or get_algorithm(self.name).kl_type
+
     def _check_values(self, p: str) -> None:
-        _choice(_key(p, "name"), self.name, ALGO_NAMES)
         _choice(_key(p, "adv_norm"), self.adv_norm, ADV_NORMS)
+        _choice(_key(p, "adv_std"), self.adv_std, ADV_STDS)
+        if self.kl_type is not None:
+            _choice(_key(p, "kl_type"), self.kl_type, KL_TYPES)
+        declared = get_algorithm(self.name).params
+        for key, value in self.params.items():
+            if key not in declared:
+                have = ", ".join(declared) or "none"
+                raise ConfigError(
+                    f"unknown config key '{_key(p, 'params.' + str(key))}'; "
+                    f"{self.name} has these params: {have}."
+                )
+            problem = declared[key].check(value)
+            if problem:
+                raise _bad(_key(p, f"params.{key}"), value, problem)
+        self.params = {k: self.params.get(k, param.default) for k, param in declared.items()}
         _at_least(p, "adv_eps", self.adv_eps, 0.0)
         _positive(p, "adv_clip_max", self.adv_clip_max)
         _positive(p, "clip_ratio", self.clip_ratio)
@@ -418,7 +478,7 @@ class RewardSpec:
 MODES = ("colocated", "disaggregated")
 MICROBATCH_AXES = ("generation", "prompt")
 WEIGHT_SYNCS = ("rpc", "broadcast")
-TAG_POLICIES = ("bts", "static", "none")
+TAG_POLICIES: tuple[str, ...] = tuple(TAG_POLICY_FACTORIES)
 GRAD_ORDERS = ("auto", "fixed", "arrival")
 
 
@@ -590,13 +650,19 @@ def validate(cfg: DigenConfig) -> None:
 def _check_cross(cfg: DigenConfig) -> None:
     rollout, algo, train, data = cfg.rollout, cfg.algo, cfg.train, cfg.data
 
-    allowed = ALGO_SDE_TYPES[algo.name]
-    if rollout.sde_type not in allowed:
+    algorithm = get_algorithm(algo.name)
+    if rollout.sde_type is None:
+        rollout.sde_type = algorithm.sde_types[0]
+    if rollout.sde_type not in algorithm.sde_types:
         raise _bad(
             "rollout.sde_type",
             rollout.sde_type,
-            f"algo.name = {algo.name!r} steps with " + " or ".join(repr(s) for s in allowed),
+            f"algo.name = {algo.name!r} steps with "
+            + " or ".join(repr(s) for s in algorithm.sde_types),
         )
+    problem = algorithm.check(cfg)
+    if problem:
+        raise ConfigError(problem + ".")
 
     if algo.best_of_n > rollout.n:
         raise _bad(
@@ -747,9 +813,17 @@ def load_config(
         data = _merge(data, base)
     for item in overrides:
         _apply_override(data, item)
+    for section, key, given in (
+        ("model", "name", model),
+        ("algo", "name", algo),
+        ("runtime", "mode", mode),
+    ):
+        if given is not None:  # flags win over every layer
+            if not isinstance(data.get(section), dict):
+                data[section] = {}
+            data[section][key] = given
     if preset or (preset is None and (model, algo, mode) != (None, None, None)):
-        data = _with_preset(data, model, algo, mode)
-    _default_sde_type(data)
+        data = _with_preset(data)
     names = [f.name for f in fields(DigenConfig)]
     for key in data:
         if key not in names:
@@ -757,44 +831,24 @@ def load_config(
     return DigenConfig(**data)
 
 
-def _with_preset(
-    data: dict[str, Any], model: str | None, algo: str | None, mode: str | None
-) -> dict[str, Any]:
-    """``data`` over the preset it names (flags first, then ``data``, then the defaults)."""
+def _with_preset(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` over the preset it names (or the defaults: flux, flowgrpo, colocated)."""
     from digen.presets import preset
 
-    def pick(section: str, key: str, given: str | None, default: str) -> str:
-        if given is not None:
-            return given
+    def pick(section: str, key: str, default: str) -> str:
         sec = data.get(section)
         value = sec.get(key) if isinstance(sec, Mapping) else None
         return value if isinstance(value, str) else default
 
-    names = (
-        ("model", "name", pick("model", "name", model, "flux")),
-        ("algo", "name", pick("algo", "name", algo, "flowgrpo")),
-        ("runtime", "mode", pick("runtime", "mode", mode, "colocated")),
+    model = data.get("model")
+    real = isinstance(model, Mapping) and model.get("path") is not None
+    layer = preset(
+        pick("model", "name", "flux"),
+        pick("algo", "name", "flowgrpo"),
+        real_weights=real,
+        mode=pick("runtime", "mode", "colocated"),
     )
-    section = data.get("model")
-    real = isinstance(section, Mapping) and section.get("path") is not None
-    layer = preset(names[0][2], names[1][2], real_weights=real, mode=names[2][2])
-    data = _merge(layer, data)
-    for section_name, key, value in names:
-        if not isinstance(data.get(section_name), dict):
-            data[section_name] = {}
-        data[section_name][key] = value
-    return data
-
-
-def _default_sde_type(data: dict[str, Any]) -> None:
-    """DanceGRPO only steps with the `dance` SDE: pick it when the user named no sde_type."""
-    algo = data.get("algo")
-    if not isinstance(algo, Mapping) or algo.get("name") != "dancegrpo":
-        return
-    if data.get("rollout") is None:
-        data["rollout"] = {}
-    if isinstance(data["rollout"], dict):
-        data["rollout"].setdefault("sde_type", "dance")
+    return _merge(layer, data)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -852,12 +906,21 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         data[top] = value
     elif top in _SECTIONS:
         section = data.setdefault(top, {})
-        if not isinstance(section, dict) or len(parts) > 2:
-            raise ConfigError(f"config key '{key}' does not exist: {top} holds plain settings.")
         allowed = [f.name for f in fields(_SECTIONS[top])]
-        if parts[1] not in allowed:
+        if isinstance(section, dict) and len(parts) > 1 and parts[1] not in allowed:
             raise ConfigError(f"unknown config key '{key}'; {top} has: {', '.join(allowed)}.")
-        section[parts[1]] = value
+        mapping = len(parts) == 3 and _SECTIONS[top].__annotations__[parts[1]] == "dict[str, Any]"
+        if not isinstance(section, dict) or (len(parts) > 2 and not mapping):
+            raise ConfigError(f"config key '{key}' does not exist: {top} holds plain settings.")
+        if mapping:  # a setting of a mapping field, e.g. algo.params.stride=2
+            inner = section.setdefault(parts[1], {})
+            if not isinstance(inner, dict):
+                raise ConfigError(
+                    f"config key '{key}' does not exist: {parts[1]} is not a mapping."
+                )
+            inner[parts[2]] = value
+        else:
+            section[parts[1]] = value
     elif top == "rewards":
         _override_reward(data, key, parts[1:], value)
     else:

@@ -108,6 +108,15 @@ class DigenRunner:
         log, log_fh = _open_log(outputs.log_path if outputs else None)
         if outputs:
             outputs.write_config(config_to_dict(cfg))
+        if lead and cfg.runtime.mode == "disaggregated" and cfg.algo.adv_std == "global":
+            note = (
+                "algo.adv_std = global divides advantages by one std over the whole batch, so "
+                "updates wait until every group of a step is scored (algo.adv_std = group lets "
+                "training start after the first group)"
+            )
+            log.info("note", text=note)
+            if self.progress:
+                print(f"note: {note}.", file=sys.stderr)
         log.info(
             "run_start",
             model=cfg.model.name,

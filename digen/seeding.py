@@ -11,7 +11,7 @@ import hashlib
 
 import torch
 
-__all__ = ["derive_seed", "sample_generator", "step_generator"]
+__all__ = ["derive_seed", "group_generator", "sample_generator", "step_generator"]
 
 _MASK = (1 << 63) - 1
 
@@ -27,6 +27,11 @@ def sample_generator(seed: int, step: int, prompt_index: int, sample_index: int)
     return torch.Generator("cpu").manual_seed(
         derive_seed("sample", seed, step, prompt_index, sample_index)
     )
+
+
+def group_generator(seed: int, step: int, prompt_index: int) -> torch.Generator:
+    """The CPU generator of a group's shared initial latent (``rollout.same_initial_noise``)."""
+    return torch.Generator("cpu").manual_seed(derive_seed("group", seed, step, prompt_index))
 
 
 def step_generator(seed: int, step: int, purpose: str) -> torch.Generator:

@@ -109,7 +109,9 @@ def test_preset_sits_under_the_file(tmp_path: Path) -> None:
     assert (cfg.model.name, cfg.algo.name, cfg.rollout.sde_type) == ("flux", "flowgrpo", "sde")
     # a model path picks the real-weight recipe
     cfg = load_config(overrides=["model.path=/models/x"], model="flux")
-    assert (cfg.model.dtype, cfg.rollout.num_inference_steps) == ("bfloat16", 10)
+    # (Flow-GRPO's FLUX recipe: 6 sampling steps, a = 0.9)
+    r = cfg.rollout
+    assert (cfg.model.dtype, r.num_inference_steps, r.noise_level) == ("bfloat16", 6, 0.9)
     # no names, no preset flag: the plain defaults
     assert load_config(path).steps == 10
 
@@ -147,7 +149,7 @@ def test_round_trip(tmp_path: Path) -> None:
 
 
 def test_sections_from_mappings_and_direct_checks() -> None:
-    assert DigenConfig(rollout={"n": 8}).rollout == RolloutConfig(n=8)
+    assert DigenConfig(rollout={"n": 8}).rollout == RolloutConfig(n=8, sde_type="sde")
     with pytest.raises(ConfigError, match=r"^rollout\.n = 1 is not allowed"):
         RolloutConfig(n=1)
     with pytest.raises(ConfigError, match=r"^algo\.clip_ratio = 0\.0 is not allowed"):

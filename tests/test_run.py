@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from cli.main import main
 from digen import DigenRunner, load_config
+from digen.algos.registry import get_algorithm
 from digen.config import config_to_dict
 from digen.models import MODEL_NAMES, get_adapter_class
 from digen.presets import ALGO_NAMES, preset
@@ -57,7 +58,7 @@ def test_run_every_model_and_algo(tmp_path: Path, model: str, algo: str) -> None
 
     cfg = load_config(out / "config.yaml")  # the resolved config loads back as it ran
     assert (cfg.model.name, cfg.algo.name, cfg.rollout.n, cfg.steps) == (model, algo, 2, 1)
-    assert cfg.rollout.sde_type == ("dance" if algo == "dancegrpo" else "sde")
+    assert cfg.rollout.sde_type == get_algorithm(algo).sde_types[0]
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and set(rows[0]) >= METRIC_KEYS

@@ -8,21 +8,36 @@ __all__ = ["best_of_n", "group_advantages"]
 
 
 def group_advantages(
-    rewards: torch.Tensor, *, norm: str = "group", eps: float = 1e-4, clip_max: float | None = None
+    rewards: torch.Tensor,
+    *,
+    norm: str = "group",
+    std: str = "group",
+    unbiased: bool = False,
+    eps: float = 1e-4,
+    clip_max: float | None = None,
 ) -> torch.Tensor:
     """Advantages of each sample relative to its group.
 
     rewards: ``[G, n]`` (G groups of n samples of one prompt each) -> ``[G, n]`` fp32.
-    ``norm="group"``: ``(r - mean_g) / (std_g + eps)`` with the population std of the group;
-    ``norm="none"`` (Dr.GRPO): ``r - mean_g``. Clipped to ``[-clip_max, clip_max]`` when given.
-    A group needs only its own n rewards, so it can be computed as soon as it is scored.
+    ``norm="group"``: ``(r - mean_g) / (s + eps)``, with ``s`` each group's std
+    (``std="group"``) or one std over every reward given (``std="global"``: Flow-GRPO's
+    shipped configs, over the whole batch), population or ``unbiased`` (``n - 1``: DanceGRPO,
+    MixGRPO); ``norm="none"`` (Dr.GRPO): ``r - mean_g``. Clipped to ``[-clip_max,
+    clip_max]`` when given. With ``std="group"`` a group needs only its own n rewards, so
+    it can be computed as soon as it is scored.
     """
     if rewards.ndim != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [groups, n] with n >= 2, got {tuple(rewards.shape)}")
     r = rewards.float()
     adv = r - r.mean(dim=1, keepdim=True)
     if norm == "group":
-        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+        if std == "group":
+            scale = r.std(dim=1, unbiased=unbiased, keepdim=True)
+        elif std == "global":
+            scale = r.std(unbiased=unbiased)
+        else:
+            raise ValueError(f"unknown advantage std {std!r}; expected 'group' or 'global'")
+        adv = adv / (scale + eps)
     elif norm != "none":
         raise ValueError(f"unknown advantage norm {norm!r}; expected 'group' or 'none'")
     if clip_max is not None:

@@ -1,5 +1,8 @@
 """One train step's group math, shared by the colocated trainer and the disaggregated driver.
 
+Each function asks the run's algorithm (:mod:`digen.algos.registry`):
+
+- :func:`step_plan`: which denoising steps of train step ``s`` draw noise and may train;
 - :func:`score_groups`: rewards of whole groups -> advantages and which samples are trained
   (all of them, or DanceGRPO's best-of-N);
 - :func:`terms_per_sample` / :func:`step_terms`: how many (sample, timestep) loss terms a step
@@ -11,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from digen.algos.advantages import best_of_n, group_advantages
-from digen.algos.timesteps import sde_window
+from digen.algos.base import StepPlan
+from digen.algos.registry import get_algorithm
 from digen.config import AlgoConfig, DigenConfig
 
-__all__ = ["score_groups", "step_terms", "step_window", "terms_per_sample"]
+__all__ = ["score_groups", "step_plan", "step_terms", "terms_per_sample"]
 
 
 def score_groups(rewards: torch.Tensor, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,34 +26,19 @@ def score_groups(rewards: torch.Tensor, algo: AlgoConfig) -> tuple[torch.Tensor,
 
     rewards: ``[G, n]`` (one row per prompt) -> ``(advantages [G, n] fp32, keep [G, n] bool)``.
     """
-    adv = group_advantages(
-        rewards, norm=algo.adv_norm, eps=algo.adv_eps, clip_max=algo.adv_clip_max
-    )
-    keep = torch.ones_like(adv, dtype=torch.bool)
-    if algo.best_of_n:
-        keep.zero_()
-        keep.scatter_(1, best_of_n(adv, algo.best_of_n), True)
-    return adv, keep
+    return get_algorithm(algo.name).advantages(rewards, algo)
 
 
-def step_window(cfg: DigenConfig, step: int) -> list[int]:
-    """The SDE window of train step ``step`` (shared by every sample of the step)."""
-    r = cfg.rollout
-    return sde_window(
-        seed=cfg.seed,
-        step=step,
-        num_inference_steps=r.num_inference_steps,
-        window_size=r.sde_window_size,
-        window_range=r.sde_window_range,
-        sde_type=r.sde_type,
-    )
+def step_plan(cfg: DigenConfig, step: int) -> StepPlan:
+    """The :class:`StepPlan` of train step ``step`` (shared by every sample of the step)."""
+    return get_algorithm(cfg.algo.name).plan(cfg, step)
 
 
 def terms_per_sample(cfg: DigenConfig, step: int) -> int:
-    """Trained timesteps of one sample of ``step`` (the window, or its timestep fraction)."""
-    window = len(step_window(cfg, step))
+    """Trained timesteps of one sample of ``step`` (its trainable steps, or their fraction)."""
+    trainable = len(step_plan(cfg, step).trainable)
     frac = cfg.rollout.timestep_fraction
-    return window if frac >= 1.0 else max(1, int(window * frac))
+    return trainable if frac >= 1.0 else max(1, int(trainable * frac))
 
 
 def step_terms(cfg: DigenConfig, step: int, prompts: int | None = None) -> int:

@@ -26,14 +26,24 @@ class SamplerSpec:
     sigmas: torch.Tensor
     """``[N + 1]`` flow-matching sigmas, ending in 0."""
     window: tuple[int, ...]
-    """Step indices that are stochastic (and trainable), ascending."""
+    """Steps whose transitions are kept (and may be trained), ascending."""
     sde_type: str = "sde"
     noise_level: float = 0.7
     guidance_scale: float = 1.0
+    stochastic: tuple[int, ...] | None = None
+    """Steps that draw noise, ascending (a superset of ``window``); None: ``window``."""
+    log_prob: str = "gaussian"
+    """Log-prob form (:data:`digen.algos.steps.LOG_PROBS`)."""
+    algorithm: str | None = None
+    """Whose step kinds (:meth:`digen.algos.base.Algorithm.transition`); None: the shared ones."""
 
     @property
     def num_steps(self) -> int:
         return self.sigmas.numel() - 1
+
+    @property
+    def noisy(self) -> tuple[int, ...]:
+        return self.window if self.stochastic is None else self.stochastic
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,26 +107,32 @@ def sample_rollout(
     generators: Sequence[torch.Generator],
     spec: SamplerSpec,
     neg_cond: PromptEmbeds | None = None,
+    initial_generators: Sequence[torch.Generator] | None = None,
 ) -> Rollout:
-    """Denoise ``len(generators)`` samples from noise, stochastic inside ``spec.window``.
+    """Denoise ``len(generators)`` samples from noise, drawing noise at ``spec.noisy`` steps
+    and keeping the transitions of ``spec.window``.
 
-    cond (and neg_cond): one row per sample, ``B = len(generators)``.
+    cond (and neg_cond): one row per sample, ``B = len(generators)``. The initial latents
+    come from ``initial_generators`` when given (e.g. one shared by a group), else from each
+    sample's own generator, which then draws the steps' noise.
     """
-    x = adapter.initial_latents(generators).float()  # [B, *latent]
-    window = set(spec.window)
+    initial = generators if initial_generators is None else initial_generators
+    x = adapter.initial_latents(initial).float()  # [B, *latent]
+    kept, noisy = set(spec.window), set(spec.noisy)
     xs, nexts, logps = [], [], []
     for i in range(spec.num_steps):
         v = _velocity(adapter, x, spec.sigmas[i], cond, neg_cond, spec)
-        if i in window:
+        if i in noisy:
             noise = torch.stack(
                 [torch.randn(x.shape[1:], generator=g, dtype=torch.float32) for g in generators]
             ).to(x.device)
-            out = sde_step(spec.sde_type, v, x, spec.sigmas, i, spec.noise_level, noise=noise)
+            out = _step(spec, v, x, i, noise=noise)
             if out.log_prob is None:
                 raise ValueError(f"step {i} of the SDE window has no noise; raise noise_level")
-            xs.append(x)
-            nexts.append(out.prev_sample)
-            logps.append(out.log_prob)
+            if i in kept:
+                xs.append(x)
+                nexts.append(out.prev_sample)
+                logps.append(out.log_prob)
             x = out.prev_sample
         else:
             x = ode_step(v, x, spec.sigmas, i)
@@ -147,12 +163,18 @@ def score_step(
     idx = torch.as_tensor(step_index, dtype=torch.long)
     sigma = spec.sigmas[idx] if idx.ndim else spec.sigmas[int(idx)]
     v = _velocity(adapter, latents, sigma, cond, neg_cond, spec)
+    return _step(spec, v, latents, step_index, prev_sample=next_latents)
+
+
+def _step(spec: SamplerSpec, v, x, step_index, **given) -> StepOutput:
     return sde_step(
         spec.sde_type,
         v,
-        latents,
+        x,
         spec.sigmas,
         step_index,
         spec.noise_level,
-        prev_sample=next_latents,
+        log_prob=spec.log_prob,
+        algorithm=spec.algorithm,
+        **given,
     )

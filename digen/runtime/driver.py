@@ -46,7 +46,7 @@ from digen.runtime.policy import SampleKey, StepResult
 from digen.sched.book import Book
 from digen.sched.microbatch import MicroBatch
 from digen.sched.schedule import DRIVER, Admission, Pool, TaskKind, stale_cap, worker_names
-from digen.sched.tag import BTS, StaticTAG, TagPolicy
+from digen.sched.tag import make_tag_policy
 from digen.sched.trace import Trace
 
 __all__ = ["Driver"]
@@ -111,7 +111,7 @@ class Driver:
         )
         workers = worker_names(Pool.GENERATOR, rt.generators)
         self.accounts = Accounts(cfg, trace, workers + worker_names(Pool.TRAINER, rt.trainers))
-        self.tag_policy = _tag_policy(rt.tag, rt.tag_k)
+        self.tag_policy = make_tag_policy(rt.tag, rt.tag_k)
         self.sq: asyncio.Queue[Made] = asyncio.Queue(admission.max_inflight)
         """Micro-batches made on trainers (TAG), waiting for a generator to score them."""
         self.uq: dict[int, asyncio.Queue[Work | None]] = {}
@@ -271,19 +271,29 @@ class Driver:
             await self._group_scored(mb.step, mb.prompt)
 
     async def _group_scored(self, s: int, prompt: int) -> None:
-        """Advantages of a complete group; its micro-batches with kept samples go to UQ."""
+        """Advantages of a complete group; its micro-batches with kept samples go to UQ.
+
+        With ``algo.adv_std = global`` the std spans the whole batch: every group waits for
+        the last one to be scored.
+        """
         rec = self.book.record(s)
-        rewards = torch.tensor([self.book.group_rewards(s, prompt, self.cfg.rollout.n)])
+        whole_batch = self.cfg.algo.adv_std == "global"
+        if whole_batch and not rec.all_scored:
+            return
+        prompts = sorted({m.prompt for m in rec.mbs}) if whole_batch else [prompt]
+        n = self.cfg.rollout.n
+        rewards = torch.tensor([self.book.group_rewards(s, p, n) for p in prompts])
         adv, keep = score_groups(rewards, self.cfg.algo)
-        for mb in rec.group(prompt):
-            holder, version = rec.made[mb.mb]
-            rows = tuple(r for r, sample in enumerate(mb.samples) if keep[0, sample])
-            if not rows:  # best-of-N kept none of it
-                self.book.dropped(s, mb.mb)
-                await self.cluster.release(holder, [(s, mb.mb)])
-                continue
-            advs = tuple(float(adv[0, mb.samples[r]]) for r in rows)
-            self._held_back[s].append(Work(Made(mb, holder, version), rows, advs))
+        for row, p in enumerate(prompts):
+            for mb in rec.group(p):
+                holder, version = rec.made[mb.mb]
+                rows = tuple(r for r, sample in enumerate(mb.samples) if keep[row, sample])
+                if not rows:  # best-of-N kept none of it
+                    self.book.dropped(s, mb.mb)
+                    await self.cluster.release(holder, [(s, mb.mb)])
+                    continue
+                advs = tuple(float(adv[row, mb.samples[r]]) for r in rows)
+                self._held_back[s].append(Work(Made(mb, holder, version), rows, advs))
         if self.cfg.runtime.pipeline or rec.all_scored:  # naive: train once all is scored
             for work in self._held_back.pop(s, []):
                 self.book.queued(s, work.made.mb.mb)
@@ -404,12 +414,6 @@ class Driver:
         if step not in self.uq:
             self.uq[step] = asyncio.Queue(self.book.record(step).size + len(self.trainers))
         return self.uq[step]
-
-
-def _tag_policy(name: str, k: int) -> TagPolicy | None:
-    if name == "bts":
-        return BTS()
-    return StaticTAG(k) if name == "static" else None
 
 
 def _main_error(group: BaseExceptionGroup) -> BaseException:

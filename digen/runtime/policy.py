@@ -20,14 +20,12 @@ from typing import Any
 
 import torch
 
-from digen.algos.grpo import step_window
-from digen.algos.loss import clipped_policy_loss, kl_to_reference
+from digen.algos.registry import get_algorithm
 from digen.algos.rollout import Rollout, SamplerSpec, sample_rollout, score_step
-from digen.algos.timesteps import train_timesteps
 from digen.config import DigenConfig
 from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
-from digen.seeding import sample_generator
+from digen.seeding import group_generator, sample_generator
 
 __all__ = ["Generated", "Policy", "SampleKey", "StepResult", "LossStats", "TrainItem"]
 
@@ -142,6 +140,7 @@ class Policy:
             max_sequence_length=m.max_sequence_length,
         )
         self.version = 0
+        self.algorithm = get_algorithm(cfg.algo.name)
         self.sigmas = self.adapter.sigmas(cfg.rollout.num_inference_steps)
         self._cond_cache: OrderedDict[str, PromptEmbeds] = OrderedDict()
         self.encoded = 0
@@ -174,13 +173,18 @@ class Policy:
     # --- sampling -----------------------------------------------------------------------
 
     def sampler_spec(self, step: int) -> SamplerSpec:
+        """How train step ``step`` samples: the algorithm's plan, its step kind and log-prob."""
         r = self.cfg.rollout
+        plan = self.algorithm.plan(self.cfg, step)
         return SamplerSpec(
             sigmas=self.sigmas,
-            window=tuple(step_window(self.cfg, step)),
+            window=plan.trainable,
             sde_type=r.sde_type,
             noise_level=r.noise_level,
             guidance_scale=r.guidance_scale,
+            stochastic=plan.stochastic,
+            log_prob=self.algorithm.log_prob_form(r.sde_type, self.cfg),
+            algorithm=self.algorithm.name,
         )
 
     def conditioning(self, prompts: Sequence[str]) -> PromptEmbeds:
@@ -230,10 +234,14 @@ class Policy:
         spec = self.sampler_spec(keys[0].step)
         if any(k.step != keys[0].step for k in keys):
             raise ValueError("one generate call makes samples of one train step")
-        gens = [sample_generator(self.cfg.seed, k.step, k.prompt, k.sample) for k in keys]
+        seed = self.cfg.seed
+        gens = [sample_generator(seed, k.step, k.prompt, k.sample) for k in keys]
+        initial = None
+        if self.cfg.rollout.same_initial_noise:  # a group starts from one noise
+            initial = [group_generator(seed, k.step, k.prompt) for k in keys]
         cond = self.conditioning(prompts)
         rollout = sample_rollout(
-            self.adapter, cond, gens, spec, self.negative_conditioning(len(keys))
+            self.adapter, cond, gens, spec, self.negative_conditioning(len(keys)), initial
         )
         with torch.no_grad():
             pixels = self.adapter.decode(rollout.final.to(self.adapter.dtype)).cpu()
@@ -253,20 +261,12 @@ class Policy:
         """
         if self.optimizer is None:
             raise RuntimeError("this policy copy is not trainable")
-        cfg = self.cfg
-        spec = self.sampler_spec(item.keys[0].step)
+        cfg, algorithm = self.cfg, self.algorithm
+        step = item.keys[0].step
+        spec = self.sampler_spec(step)
+        plan = algorithm.plan(cfg, step)
         positions = torch.tensor(
-            [
-                train_timesteps(
-                    list(spec.window),
-                    cfg.rollout.timestep_fraction,
-                    seed=cfg.seed,
-                    step=k.step,
-                    prompt_index=k.prompt,
-                    sample_index=k.sample,
-                )
-                for k in item.keys
-            ]
+            [algorithm.trained_positions(cfg, step, plan, k.prompt, k.sample) for k in item.keys]
         )  # [B, K']: positions into the window, per sample
         window = torch.tensor(spec.window)
         b = len(item.keys)
@@ -286,17 +286,11 @@ class Policy:
             cond_d = cond if d == 1 else PromptEmbeds.cat([cond] * d)
             neg_d = neg if neg is None or d == 1 else PromptEmbeds.cat([neg] * d)
             out = score_step(self.adapter, x_t, x_next, window[pos], cond_d, spec, neg_d)
-            loss, ls = clipped_policy_loss(
-                out.log_prob,
-                old,
-                item.advantages.repeat(d),
-                cfg.algo.clip_ratio,
-                cfg.algo.adv_clip_max,
-            )
+            loss, ls = algorithm.loss(cfg.algo, out.log_prob, old, item.advantages.repeat(d))
             kl_val = 0.0
             if cfg.algo.kl_coef > 0:
                 ref_mean = self._reference_mean(x_t, window[pos], cond_d, spec, neg_d)
-                kl = kl_to_reference(out.mean, ref_mean, out.std).mean()
+                kl = algorithm.kl(cfg.algo, out.mean, ref_mean, out).mean()
                 loss = loss + cfg.algo.kl_coef * kl
                 kl_val = float(kl.detach())
             terms = d * b

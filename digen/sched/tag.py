@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from digen.sched._engine import GEN, TAG, UPDATE, Engine
@@ -46,6 +47,8 @@ from digen.sched.state import SchedState, WorkerClock
 
 __all__ = [
     "BTS",
+    "TAG_POLICIES",
+    "make_tag_policy",
     "BTSStats",
     "NoTAG",
     "SchedState",
@@ -468,3 +471,16 @@ class BTS(TagPolicy):
         st.nodes += res.nodes
         st.ms.append(res.elapsed_ms)
         return res.insert
+
+
+TAG_POLICIES: dict[str, Callable[[int], TagPolicy | None]] = {
+    "bts": lambda k: BTS(),
+    "static": StaticTAG,
+    "none": lambda k: None,
+}
+"""``runtime.tag`` names -> a factory taking ``runtime.tag_k`` (None: trainers only train)."""
+
+
+def make_tag_policy(name: str, k: int) -> TagPolicy | None:
+    """The TAG policy ``runtime.tag = name`` selects (``k``: ``runtime.tag_k``)."""
+    return TAG_POLICIES[name](k)

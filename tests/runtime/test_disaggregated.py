@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from digen import DigenRunner, load_config
+from digen.models.registry import MODEL_NAMES
 from digen.presets import preset
 from digen.prompts import PromptSet
 from digen.runtime.driver import Driver
@@ -181,11 +182,12 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
             os.kill(pid, 0)  # every worker process is gone
 
 
-# every backbone once, each algorithm on both kinds (image and video); the colocated suite
-# runs all ten pairs in-process (tests/test_run.py), these spawn processes and cost more
+# every backbone with MixGRPO, and Flow-GRPO and DanceGRPO each on image and video backbones;
+# the colocated suite runs every pair in-process (tests/test_run.py), these spawn processes
 @pytest.mark.parametrize(
     ("model", "algo"),
     [
+        *((model, "mixgrpo") for model in MODEL_NAMES),
         ("hunyuanvideo", "dancegrpo"),
         ("wan", "flowgrpo"),
         ("flux", "dancegrpo"),
