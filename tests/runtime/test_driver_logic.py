@@ -130,6 +130,7 @@ def _driver(overrides: list[str], seed: int = 0, fail_on=None):
         ["runtime.generators=3", "runtime.trainers=2", "rollout.n=6"],
         ["runtime.generators=4", "runtime.trainers=2", "runtime.microbatch_axis=prompt"],
         ["runtime.generators=2", "runtime.pipeline=false", "runtime.tag=none"],
+        ["runtime.generators=2", "algo.adv_std=global"],  # a batch-wide std waits for all
     ],
 )
 @pytest.mark.asyncio
@@ -148,7 +149,7 @@ async def test_every_microbatch_once_and_in_dependency_order(overrides, seed) ->
         for m in range(mbs):
             group = range(m // per_group * per_group, (m // per_group + 1) * per_group)
             assert all(order[("score", s, g)] < order[("update", s, m)] for g in group)
-        if not cfg.runtime.pipeline:  # naive: every score before the first update
+        if not cfg.runtime.pipeline or cfg.algo.adv_std == "global":  # every score first
             last_score = max(order[("score", s, m)] for m in range(mbs))
             assert last_score < min(order[("update", s, m)] for m in range(mbs))
     assert [r.metrics["policy_version"] for r in results] == [1, 2, 3]
