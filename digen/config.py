@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE_RE = re.compile(r"cpu|meta|cuda(:\d+)?|mps|xpu(:\d+)?")
 SDE_TYPES: tuple[str, ...] = tuple(STEP_KINDS)
 ADV_NORMS = ("group", "none")
 ADV_STDS = ("group", "global")
@@ -53,6 +55,8 @@ CPS_LOGPROBS = ("published", "gaussian")
 ModelName = Literal[MODEL_NAMES]  # type: ignore[valid-type]
 AlgoName = Literal[ALGO_NAMES]  # type: ignore[valid-type]
 SdeType = Literal[SDE_TYPES]  # type: ignore[valid-type]
+Devices = list[str] | None
+"""A pool's devices (the loader also takes one comma-separated string)."""
 # Names resolved by digen.algos.rewards without an import (kept here so loading a config
 # needs no torch); a test keeps the two lists equal.
 BUILTIN_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility")
@@ -125,6 +129,18 @@ def _as_pair(value: Any, key: str) -> tuple[int, int]:
     return (int(value[0]), int(value[1]))
 
 
+def _as_device_list(value: Any, key: str) -> list[str]:
+    if isinstance(value, str):  # the command line's cuda:0,cuda:1
+        value = [part.strip() for part in value.split(",")]
+    if (
+        not isinstance(value, list | tuple)
+        or not value
+        or not all(isinstance(v, str) for v in value)
+    ):
+        raise _bad(key, value, "it must be a list of devices such as [cuda:0, cuda:1], or null")
+    return list(value)
+
+
 def _as_str_list(value: Any, key: str) -> list[str]:
     if (
         not isinstance(value, list | tuple)
@@ -181,6 +197,7 @@ _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
     "str | None": _optional(_as_str),
     "tuple[int, int] | None": _optional(_as_pair),
     "list[str] | None": _optional(_as_str_list),
+    "Devices": _optional(_as_device_list),
 }
 
 
@@ -490,10 +507,10 @@ class RuntimeConfig:
     """Generator workers (disaggregated): sample and score."""
     trainers: int = 1
     """Trainer workers (disaggregated): data-parallel among themselves."""
-    generator_device: str | None = None
-    """Device of the generator pool; None uses model.device."""
-    trainer_device: str | None = None
-    """Device of the trainer pool; None uses model.device."""
+    generator_devices: Devices = None
+    """Devices of the generator pool (e.g. [cuda:0, cuda:1] or "cuda:0,cuda:1"); worker i takes entry i mod len. None: model.device, and with model.device = cuda the visible GPUs split between the pools."""
+    trainer_devices: Devices = None
+    """Devices of the trainer pool, as generator_devices."""
     generator_dtype: str | None = None
     """Weights dtype of the generator pool (float32, bfloat16, float16); None uses model.dtype."""
     trainer_dtype: str | None = None
@@ -521,7 +538,9 @@ class RuntimeConfig:
     max_inflight: int | None = None
     """C_gen: micro-batches generated but not yet trained, at most (back-pressure on generators, bounds what workers hold); None = one step's plus the TCSS share."""
     weight_sync: str = "rpc"
-    """How new weights reach the generators: rpc (tensors over RPC) or broadcast (a gloo/NCCL group)."""
+    """How new weights reach the generators: rpc (each pulls them from trainer 0) or broadcast (one gloo/NCCL group)."""
+    sync_bucket_mb: float = 256.0
+    """Largest piece of the weights one sync message or broadcast carries, in MB."""
     address: str = "127.0.0.1"
     """Address the RPC and process groups listen on; loopback keeps everything on this machine."""
     rpc_timeout_s: float = 600.0
@@ -538,6 +557,15 @@ class RuntimeConfig:
             dtype = getattr(self, f"{pool}_dtype")
             if dtype is not None:
                 _choice(_key(p, f"{pool}_dtype"), dtype, DTYPES)
+            devices = getattr(self, f"{pool}_devices")
+            for device in devices or ():
+                if not _DEVICE_RE.fullmatch(device):
+                    raise _bad(
+                        _key(p, f"{pool}_devices"),
+                        devices,
+                        "name devices such as cpu, cuda or cuda:1, one per entry",
+                    )
+        _positive(p, "sync_bucket_mb", self.sync_bucket_mb)
         _at_least(p, "threads_per_worker", self.threads_per_worker, 1)
         _choice(_key(p, "microbatch_axis"), self.microbatch_axis, MICROBATCH_AXES)
         if self.samples_per_microbatch is not None:

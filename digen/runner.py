@@ -191,10 +191,15 @@ class DigenRunner:
 
             rewards = self._reward_objects if self._reward_objects is not None else None
             return Driver(self.cfg, rewards, self.prompts, trace)
-        from digen.runtime.colocated import ColocatedTrainer
+        from digen.runtime.colocated import ColocatedTrainer, worker_config
 
         return ColocatedTrainer(
-            self.cfg, self.reward, self.prompts, rank=rank, world=world, trace=trace
+            worker_config(self.cfg, rank),
+            self.reward,
+            self.prompts,
+            rank=rank,
+            world=world,
+            trace=trace,
         )
 
     def _samples_at(self, step: int) -> bool:
@@ -217,7 +222,7 @@ class DigenRunner:
         for p in procs:
             p.start()
         try:
-            _init_group(0, world, port)
+            _init_group(0, world, port, self.cfg)
             try:
                 return asyncio.run(self._run_worker(0, world))
             finally:
@@ -258,19 +263,24 @@ def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
         progress=False,
         save_weights=False,
     )
-    _init_group(rank, world, port)
+    _init_group(rank, world, port, runner.cfg)
     try:
         asyncio.run(runner._run_worker(rank, world))
     finally:
         _destroy_group()
 
 
-def _init_group(rank: int, world: int, port: int) -> None:
+def _init_group(rank: int, world: int, port: int, cfg: DigenConfig) -> None:
+    """The colocated workers' group: NCCL when they are on GPUs, gloo otherwise."""
     import torch.distributed as dist
 
+    from digen.runtime.colocated import worker_config
+    from digen.runtime.placement import group_backend
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    devices = [worker_config(cfg, r).model.device for r in range(world)]
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        group_backend(devices), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
 
 

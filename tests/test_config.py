@@ -379,7 +379,9 @@ def test_builtin_reward_names_match_the_rewards_module() -> None:
 def test_each_pool_gets_its_own_device_and_dtype() -> None:
     from digen.runtime.workers import _pool_config
 
-    cfg = load_config(overrides=["runtime.generator_dtype=bfloat16", "runtime.trainer_device=meta"])
+    cfg = load_config(
+        overrides=["runtime.generator_dtype=bfloat16", "runtime.trainer_devices=meta"]
+    )
     gen, trainer = _pool_config(cfg, "generator"), _pool_config(cfg, "trainer")
     assert (gen.model.dtype, gen.model.device) == ("bfloat16", "cpu")
     assert (trainer.model.dtype, trainer.model.device) == ("float32", "meta")

@@ -65,6 +65,13 @@ class Rollout:
         final = None if self.final is None else self.final[rows]
         return Rollout(self.latents[rows], self.next_latents[rows], self.log_probs[rows], final)
 
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same trajectories on ``device`` (no copy where they already are)."""
+        final = None if self.final is None else self.final.to(device)
+        return Rollout(
+            self.latents.to(device), self.next_latents.to(device), self.log_probs.to(device), final
+        )
+
     def for_training(self) -> Rollout:
         """What an update reads: the window's latents and log-probs, without the final latent."""
         return Rollout(self.latents, self.next_latents, self.log_probs)

@@ -21,7 +21,7 @@ from digen.runtime.metrics import OVERHEAD_KINDS, Overhead, step_metrics
 from digen.runtime.policy import LossStats, StepResult
 from digen.sched.book import StepRecord
 from digen.sched.costs import OnlineProfiler
-from digen.sched.schedule import TaskKind
+from digen.sched.schedule import TaskKind, pool_of
 from digen.sched.trace import Trace
 
 __all__ = ["Accounts"]
@@ -31,6 +31,8 @@ __all__ = ["Accounts"]
 class _Step:
     busy_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     overhead: Overhead = field(default_factory=Overhead)
+    memory_gb: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Per pool, the largest peak memory a worker reported in the step."""
 
 
 class Accounts:
@@ -53,11 +55,15 @@ class Accounts:
         span_s: float,
         t0: float,
         t1: float,
+        memory_gb: float = 0.0,
     ) -> None:
-        """A call that took ``span_s`` at the driver and ``t0 .. t1`` of work in ``worker``."""
+        """A call that took ``span_s`` at the driver and ``t0 .. t1`` of work in ``worker``,
+        whose peak memory was then ``memory_gb``."""
         event = self.trace.record(kind.value, worker, step, mb, version, t0, t1)
         self.profiler.observe(event)
         acc = self._steps[step]
+        pool = pool_of(worker)
+        acc.memory_gb[pool] = max(acc.memory_gb[pool], memory_gb)
         acc.busy_s[kind] += t1 - t0
         if kind in OVERHEAD_KINDS:
             acc.overhead.add(kind, span_s, t1 - t0)
@@ -103,6 +109,7 @@ class Accounts:
             driver_mb=driver_mb,
             stale=rec.stale,
             tags=rec.tags,
+            memory_gb=dict(acc.memory_gb),
         )
         pixels: Any = None
         captions: list[str] = []

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from digen.config import DigenConfig, config_to_dict
-from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec
+from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec, active_launch
+from digen.runtime.placement import all_devices, device_maps
 from digen.runtime.workers import Timed
 from digen.sched.schedule import Pool, worker_names
 
@@ -45,9 +46,19 @@ class Cluster:
         rt = cfg.runtime
         self.gen_names = worker_names(Pool.GENERATOR, rt.generators)
         self.trainer_names = worker_names(Pool.TRAINER, rt.trainers)
+        self.devices = all_devices(cfg)
+        # GPU to GPU between workers where every end is a GPU; under an external launcher
+        # each rank picks its GPU itself, so tensors are staged through the CPU there
+        self.direct = active_launch() is None
+        maps = device_maps(self.devices) if self.direct else {}
         self.system = ActorSystem(
             [
-                WorkerSpec(name, threads=rt.threads_per_worker, env=_WORKER_ENV)
+                WorkerSpec(
+                    name,
+                    threads=rt.threads_per_worker,
+                    env=_WORKER_ENV,
+                    device_maps=maps.get(name, {}),
+                )
                 for name in self.gen_names + self.trainer_names
             ],
             address=rt.address,
@@ -71,12 +82,15 @@ class Cluster:
             sync_port = await self.system.run(lead, _free_port, host)
         from digen.runtime.workers import GeneratorActor, TrainerActor
 
+        where = {"devices": self.devices, "direct": self.direct}
         self.gens = [
-            self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name)
+            self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
             for name in self.gen_names
         ]
         self.trainers = [
-            self.system.actor(name, TrainerActor, cfg_dict, i, rt.trainers, dp_port, host, name)
+            self.system.actor(
+                name, TrainerActor, cfg_dict, i, rt.trainers, dp_port, host, name, **where
+            )
             for i, name in enumerate(self.trainer_names)
         ]
         await asyncio.gather(*(a.call("ping") for a in self.gens + self.trainers))
@@ -102,7 +116,7 @@ class Cluster:
 
     def serve_weights(self, version: int) -> Coroutine[Any, Any, Timed] | None:
         """Trainer 0's side of a weight sync: the call that enters the broadcast; None when
-        the generators pull (trainer 0 published the weights at its optimizer step)."""
+        the generators pull (trainer 0 serves its live weights, bucket by bucket)."""
         if self.cfg.runtime.weight_sync != "broadcast":
             return None
         return self.trainers[0].call("broadcast_weights", version)

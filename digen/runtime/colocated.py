@@ -19,6 +19,7 @@ modes end a step with the same bits.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -35,11 +36,22 @@ from digen.config import DigenConfig
 from digen.prompts import PromptSet
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.metrics import step_metrics
+from digen.runtime.placement import is_cuda, peak_memory_gb
 from digen.runtime.policy import Generated, LossStats, Policy, SampleKey, StepResult, TrainItem
 from digen.sched.schedule import TaskKind
 from digen.sched.trace import Trace
 
-__all__ = ["ColocatedTrainer"]
+__all__ = ["ColocatedTrainer", "worker_config"]
+
+
+def worker_config(cfg: DigenConfig, rank: int) -> DigenConfig:
+    """``cfg`` with data-parallel worker ``rank`` on its own GPU when ``model.device`` is a
+    bare ``cuda`` (rank mod the visible GPUs), unchanged otherwise."""
+    if cfg.model.device != "cuda":
+        return cfg
+    count = max(torch.cuda.device_count(), 1)
+    model = dataclasses.replace(cfg.model, device=f"cuda:{rank % count}")
+    return dataclasses.replace(cfg, model=model)
 
 
 class ColocatedTrainer:
@@ -60,6 +72,8 @@ class ColocatedTrainer:
         self.reward = reward
         self.prompts = prompts
         self.rank, self.world = rank, world
+        if is_cuda(cfg.model.device):
+            torch.cuda.set_device(torch.device(cfg.model.device))
         self.policy = policy or Policy(cfg, trainable=True)
         self.trace = trace
         self.worker = f"worker-{rank}"
@@ -207,6 +221,7 @@ class ColocatedTrainer:
             optimizer_s=optimizer_s,
             sync_s=0.0,
             usage=self.trace.step_stats(step, [self.worker]) if self.trace else None,
+            memory_gb=dict.fromkeys(("generator", "trainer"), peak_memory_gb(cfg.model.device)),
         )
         captions = [texts[k.prompt] for k in keys]
         return StepResult(metrics=metrics, pixels=pixels, captions=captions)

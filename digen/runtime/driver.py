@@ -403,7 +403,9 @@ class Driver:
         finally:
             self.book.finished(actor.worker)
         ver = res.value if version is None else version
-        self.accounts.record(kind, actor.worker, step, mb, ver, self.clock() - t0, res.t0, res.t1)
+        span = self.clock() - t0
+        memory = getattr(res, "memory_gb", 0.0)
+        self.accounts.record(kind, actor.worker, step, mb, ver, span, res.t0, res.t1, memory)
         return res.value
 
     async def _notify(self) -> None:

@@ -17,7 +17,10 @@ Columns:
 - ``driver_mb``: megabytes that crossed the driver process through the actor layer in the
   step (0 when colocated);
 - ``stale_microbatches`` (TCSS), ``tag_microbatches`` (TAG);
-- ``utilisation``, ``bubble_fraction``: from the step's trace (:mod:`digen.sched.trace`).
+- ``utilisation``, ``bubble_fraction``: from the step's trace (:mod:`digen.sched.trace`);
+- ``memory/peak_gb/generator`` and ``/trainer``: the largest peak memory a worker of the pool
+  reported (GPU: ``max_memory_allocated``; CPU: peak resident size); colocated workers do
+  both jobs and report the same number twice.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 
 from digen.runtime.policy import LossStats
-from digen.sched.schedule import TaskKind
+from digen.sched.schedule import Pool, TaskKind
 from digen.sched.trace import StepUsage
 
 __all__ = ["OVERHEAD_KINDS", "Overhead", "step_metrics"]
@@ -74,6 +77,7 @@ def step_metrics(
     driver_mb: float = 0.0,
     stale: int = 0,
     tags: int = 0,
+    memory_gb: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The metrics row of one step (module docstring). ``rewards``: ``[B, n]``."""
     row: dict[str, Any] = {
@@ -105,6 +109,10 @@ def step_metrics(
             "tag_microbatches": tags,
             "utilisation": usage.utilisation if usage else 1.0,
             "bubble_fraction": usage.bubble_fraction if usage else 0.0,
+            **{
+                f"memory/peak_gb/{pool}": float((memory_gb or {}).get(pool, 0.0))
+                for pool in (Pool.GENERATOR, Pool.TRAINER)
+            },
         }
     )
     return row

@@ -272,7 +272,9 @@ class Policy:
         b = len(item.keys)
         cond = self.conditioning(item.prompts)
         neg = self.negative_conditioning(b)
-        ro = item.rollout
+        device = self.adapter.device
+        ro = item.rollout.to(device)  # what came from elsewhere goes where the model is
+        advantages = item.advantages.to(device)
         rows = torch.arange(b)
         stats = LossStats()
         self.adapter.transformer.train()
@@ -286,7 +288,7 @@ class Policy:
             cond_d = cond if d == 1 else PromptEmbeds.cat([cond] * d)
             neg_d = neg if neg is None or d == 1 else PromptEmbeds.cat([neg] * d)
             out = score_step(self.adapter, x_t, x_next, window[pos], cond_d, spec, neg_d)
-            loss, ls = algorithm.loss(cfg.algo, out.log_prob, old, item.advantages.repeat(d))
+            loss, ls = algorithm.loss(cfg.algo, out.log_prob, old, advantages.repeat(d))
             kl_val = 0.0
             if cfg.algo.kl_coef > 0:
                 ref_mean = self._reference_mean(x_t, window[pos], cond_d, spec, neg_d)

@@ -8,8 +8,9 @@ on RPC threads, not on the holder's actor thread, so a worker busy with a long g
 still serves its data at once; the store therefore has its own lock. The driver only ever
 sees keys.
 
-Trainer 0 also publishes its weights here after every optimizer step, so generators pull
-new weights from it directly (:func:`fetch_weights`) rather than through the driver.
+Trainer 0 also serves its weights from here, bucket by bucket from its live parameters, so
+generators pull new weights from it directly (:func:`fetch_weights`), not through the driver.
+Whatever leaves is staged on the CPU unless both ends are GPUs joined by a device map.
 
 One store per process (the worker processes hold one actor each).
 """
@@ -17,6 +18,7 @@ One store per process (the worker processes hold one actor each).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,12 +41,12 @@ class _Held:
 
 
 class Store:
-    """A bounded map ``(step, mb) -> (rollout, pixels)`` plus the last published weights."""
+    """A bounded map ``(step, mb) -> (rollout, pixels)``, plus trainer 0's weights source."""
 
     def __init__(self, capacity: int = 1 << 30) -> None:
         self.capacity = capacity
         self._items: dict[Key, _Held] = {}
-        self._weights: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._weights: Callable[[int, int, str | None], dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
 
     def put(
@@ -93,19 +95,20 @@ class Store:
         with self._lock:
             self._items.pop(key, None)
 
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+    def serve_weights(
+        self, source: Callable[[int, int, str | None], dict[str, torch.Tensor]]
+    ) -> None:
+        """Serve weights from ``source(version, bucket, wire)`` (trainer 0's live weights)."""
         with self._lock:
-            self._weights = (version, state)
+            self._weights = source
 
-    def weights(self, version: int) -> dict[str, torch.Tensor]:
+    def weights(self, version: int, bucket: int = 0, wire: str | None = None) -> dict[str, Any]:
+        """Bucket ``bucket`` of the weights of ``version``, on ``wire`` (None: where they are)."""
         with self._lock:
-            published = self._weights
-        if published is None or published[0] != version:
-            have = None if published is None else published[0]
-            raise RuntimeError(
-                f"weights of version {version} were asked for; this worker has {have}"
-            )
-        return published[1]
+            source = self._weights
+        if source is None:
+            raise RuntimeError("this worker serves no weights (only trainer 0 does)")
+        return source(version, bucket, wire)
 
     def statistics(self) -> dict[str, int]:
         """Micro-batches held and their bytes, for logs and tests."""
@@ -138,21 +141,32 @@ STORE = Store()
 """This process's store."""
 
 
-def fetch_pixels(key: Key) -> torch.Tensor:
-    """Run in the holder (actor to actor): take the decoded samples of ``key``."""
-    return STORE.take_pixels(key)
+def fetch_pixels(key: Key, wire: str | None = None) -> torch.Tensor:
+    """Run in the holder (actor to actor): take the decoded samples of ``key``; ``wire``:
+    the device they leave on (``"cpu"`` stages them; None sends them as they are)."""
+    return _on(STORE.take_pixels(key), wire)
 
 
-def fetch_rollout(key: Key, rows: list[int] | None = None, conditioning: bool = False):
+def fetch_rollout(
+    key: Key, rows: list[int] | None = None, conditioning: bool = False, wire: str | None = None
+):
     """Run in the holder (actor to actor): take the trajectories of ``key``; with
     ``conditioning``, also its prompt's embedding: ``(rollout, embedding or None)``."""
     rollout, embeds = STORE.take_training(key, rows)
-    return (rollout, embeds if conditioning else None)
+    if not conditioning:
+        embeds = None
+    elif embeds is not None and wire is not None:
+        embeds = embeds.to(wire)
+    return (_on(rollout, wire), embeds)
 
 
-def fetch_weights(version: int) -> dict[str, torch.Tensor]:
-    """Run in trainer 0: the trainable weights it published as ``version``."""
-    return STORE.weights(version)
+def fetch_weights(version: int, bucket: int = 0, wire: str | None = None) -> dict[str, Any]:
+    """Run in trainer 0: bucket ``bucket`` of its weights of ``version``, on ``wire``."""
+    return STORE.weights(version, bucket, wire)
+
+
+def _on(value: Any, wire: str | None) -> Any:
+    return value if wire is None else value.to(wire)
 
 
 def release(keys: list[Key]) -> None:

@@ -1,18 +1,24 @@
 """The generator and trainer actors: what runs inside the worker processes.
 
-Each actor wraps a :class:`~digen.runtime.policy.Policy` on its pool's device and knows
-nothing about RPC: the actor layer (:mod:`digen.runtime.actors`) calls its methods one at a
-time. Methods report the wall-clock span of their own work (:class:`Timed`: ``t0``, ``t1``
-from ``time.time()``, one clock for every process on a machine) so the driver can build the
-trace.
+Each actor wraps a :class:`~digen.runtime.policy.Policy` on its own device
+(:mod:`digen.runtime.placement`: ``torch.cuda.set_device`` on a GPU) and knows nothing about
+RPC: the actor layer (:mod:`digen.runtime.actors`) calls its methods one at a time. Methods
+report the wall-clock span of their own work and the process's peak memory so far
+(:class:`Timed`) so the driver can build the trace and the metrics.
 
 The data plane (:mod:`digen.runtime.store`): ``generate`` keeps the micro-batch's rollout
 and pixels in this process and returns only its version; ``score`` reads the pixels where
 they are (here, or from the trainer that made them, actor to actor); ``update`` takes the
-rollout from whichever worker holds it, directly. The driver passes keys, rewards and
-advantages, never tensors. Weights reach the generators the same way: trainer 0 publishes
-them after each optimizer step and every generator pulls them (``weight_sync: rpc``), or
-all of them enter one broadcast (``weight_sync: broadcast``).
+rollout from whichever worker holds it, directly. Between two GPU workers tensors travel
+GPU to GPU (device maps); otherwise the sender stages them on the CPU. Every method moves
+what it receives onto its own device before using it. The driver passes keys, rewards and
+advantages, never tensors.
+
+Weights reach the generators in buckets of at most ``runtime.sync_bucket_mb``: each
+generator pulls them from trainer 0 (``weight_sync: rpc``; trainer 0 serves them from its
+live parameters, no full copy), or trainer 0 and the generators enter one broadcast per
+bucket (``weight_sync: broadcast``; NCCL when every member is on a GPU, else gloo through
+the CPU). Where the pools hold different dtypes, weights travel in fp32.
 
 Trainers are data-parallel among themselves over a gloo (CPU) or NCCL (GPU) group built from
 an explicit TCP store, so no process-global default group is needed; they sum gradients
@@ -42,10 +48,19 @@ from digen.config import DigenConfig, load_config, max_inflight
 from digen.runtime.actors import run_sync
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.outputs import thumbnails
+from digen.runtime.placement import group_backend, is_cuda, peak_memory_gb, worker_device
 from digen.runtime.policy import LossStats, Policy, SampleKey, TrainItem
 from digen.runtime.store import STORE, fetch_pixels, fetch_rollout, fetch_weights
+from digen.sched.schedule import index_of
 
-__all__ = ["GeneratorActor", "Scores", "Timed", "TrainerActor", "make_group"]
+__all__ = [
+    "GeneratorActor",
+    "Scores",
+    "Timed",
+    "TrainerActor",
+    "make_group",
+    "weight_buckets",
+]
 
 _JITTER_ENV = "DIGEN_TEST_JITTER_S"
 
@@ -57,6 +72,8 @@ class Timed:
     value: Any
     t0: float
     t1: float
+    memory_gb: float = 0.0
+    """Peak memory of the worker so far: device memory on a GPU, resident size on the CPU."""
 
 
 @dataclass(slots=True)
@@ -69,21 +86,36 @@ class Scores:
     """Small copies of the samples for the run's sample grid, when asked for."""
 
 
-def make_group(address: str, port: int, rank: int, size: int, device: str, timeout_s: float):
+def make_group(
+    address: str, port: int, rank: int, size: int, backend: str, timeout_s: float
+) -> dist.ProcessGroup:
     """A process group of ``size`` members over its own TCP store (no default group)."""
     store = dist.TCPStore(
         address, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
     )
-    if device.startswith("cuda") and torch.cuda.is_available():
-        opts = dist.ProcessGroupNCCL.Options()
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
-def _pool_config(cfg: DigenConfig | dict[str, Any], pool: str) -> DigenConfig:
-    """The run's config with ``model.device`` / ``model.dtype`` set to this pool's own."""
+def weight_buckets(params: Sequence[torch.Tensor], max_numel: int) -> list[list[int]]:
+    """Indices of ``params`` cut into consecutive buckets of at most ``max_numel`` elements
+    (a larger tensor gets a bucket of its own). Every copy of the policy cuts the same."""
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for i, p in enumerate(params):
+        if buckets[-1] and size + p.numel() > max_numel:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += p.numel()
+    return buckets
+
+
+def _pool_config(cfg: DigenConfig | dict[str, Any], pool: str, index: int = 0) -> DigenConfig:
+    """The run's config with ``model.device`` / ``model.dtype`` set to this worker's own."""
     cfg = cfg if isinstance(cfg, DigenConfig) else load_config(base=cfg)
-    device = getattr(cfg.runtime, f"{pool}_device") or cfg.model.device
+    device = worker_device(cfg, pool, index)
     dtype = getattr(cfg.runtime, f"{pool}_dtype") or cfg.model.dtype
     model = dataclasses.replace(cfg.model, device=device, dtype=dtype)
     return dataclasses.replace(cfg, model=model)
@@ -113,12 +145,29 @@ class _Jitter:
 
 
 class _PolicyActor:
-    """What both pools share: a policy copy, generation into the store, weight loading."""
+    """What both pools share: a policy copy on its device, generation into the store, weights.
 
-    def __init__(self, cfg: DigenConfig, name: str, *, trainable: bool) -> None:
+    ``devices``: every worker's device by name, and ``direct``: whether GPU workers exchange
+    tensors GPU to GPU (the actor layer was given device maps); both from the cluster.
+    """
+
+    def __init__(
+        self,
+        cfg: DigenConfig,
+        name: str,
+        *,
+        trainable: bool,
+        devices: dict[str, str] | None = None,
+        direct: bool = False,
+    ) -> None:
         _set_threads(cfg.runtime.threads_per_worker)
         self.cfg = cfg
         self.name = name
+        self.device = cfg.model.device
+        if is_cuda(self.device):
+            torch.cuda.set_device(torch.device(self.device))
+        self.devices = devices or {}
+        self.direct = direct
         self.policy = Policy(cfg, trainable=trainable)
         self.sync_group = None
         self._jitter = _Jitter()
@@ -127,14 +176,24 @@ class _PolicyActor:
     def ping(self) -> int:
         return os.getpid()
 
+    def _timed(self, value: Any, t0: float) -> Timed:
+        return Timed(value, t0, time.time(), peak_memory_gb(self.device))
+
+    def _wire_from(self, peer: str) -> str | None:
+        """How ``peer`` must send tensors to this worker: as they are, or staged on the CPU."""
+        direct = self.direct and is_cuda(self.device) and is_cuda(self.devices.get(peer, "cpu"))
+        return None if direct else "cpu"
+
     def join_sync_group(self, port: int, rank: int, size: int, host: str | None = None) -> None:
         """Join the weight-broadcast group (trainer 0 is rank 0; its store at ``host``)."""
+        members = [d for w, d in self.devices.items() if w.startswith("generator")]
+        members.append(self.devices.get("trainer-0", self.device))
         self.sync_group = make_group(
             host or self.cfg.runtime.address,
             port,
             rank,
             size,
-            self.cfg.model.device,
+            group_backend(members or [self.device]),
             self.cfg.runtime.rpc_timeout_s,
         )
 
@@ -147,60 +206,90 @@ class _PolicyActor:
         t0 = time.time()
         out = self.policy.generate(keys, [prompt] * len(keys))
         STORE.put((step, mb), out.rollout, out.pixels, self.policy.cached_conditioning(prompt))
-        return Timed(out.version, t0, time.time())
+        return self._timed(out.version, t0)
 
     def version(self) -> int:
         return self.policy.version
 
-    def statistics(self) -> dict[str, int]:
-        """What this worker's store holds (micro-batches, bytes) and how many prompts it
-        encoded itself."""
-        return {**STORE.statistics(), "encoded_prompts": self.policy.encoded}
+    def statistics(self) -> dict[str, Any]:
+        """What this worker's store holds (micro-batches, bytes), how many prompts it
+        encoded itself, and its device and peak memory."""
+        return {
+            **STORE.statistics(),
+            "encoded_prompts": self.policy.encoded,
+            "device": self.device,
+            "memory_gb": peak_memory_gb(self.device),
+        }
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        return self.policy.trainable_state()
+        """Name -> CPU copy of the trained weights (it goes to the driver)."""
+        return {k: v.cpu() for k, v in self.policy.trainable_state().items()}
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def _synced(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return self.policy.synced_parameters()
+
+    def _buckets(self) -> list[list[int]]:
+        max_numel = max(1, int(self.cfg.runtime.sync_bucket_mb * 1e6 / 4))
+        return weight_buckets([p for _, p in self._synced()], max_numel)
+
+    def _sync_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype weights travel in: their own, or fp32 where the pools' dtypes differ."""
+        rt = self.cfg.runtime
+        gen, trainer = rt.generator_dtype, rt.trainer_dtype
+        return p.dtype if gen == trainer else torch.float32
 
     def broadcast_weights(self, version: int) -> Timed:
-        """Enter the weight broadcast (every member at once): trainer 0 sends, others receive."""
+        """Enter the weight broadcast (every member at once, bucket by bucket): trainer 0
+        sends, the others receive."""
         t0 = time.time()
-        params = [p for _, p in self.policy.synced_parameters()]
-        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params])
-        self.sync_group.broadcast(flat, 0).wait()
-        self._unflatten_into(params, flat)
+        params = [p for _, p in self._synced()]
+        on = "cuda" if is_cuda(self.device) and self._sync_backend() == "nccl" else "cpu"
+        for bucket in self._buckets():
+            flat = torch.cat(
+                [params[i].detach().reshape(-1).to(on, self._sync_dtype(params[i])) for i in bucket]
+            )
+            self.sync_group.broadcast(flat, 0).wait()
+            _unflatten_into([params[i] for i in bucket], flat)
         self.policy.version = version
-        return Timed(version, t0, time.time())
+        return self._timed(version, t0)
+
+    def _sync_backend(self) -> str:
+        return "nccl" if isinstance(self.sync_group, dist.ProcessGroupNCCL) else "gloo"
 
     def pull_weights(self, source: str, version: int) -> Timed:
-        """Load the weights ``source`` (trainer 0) published as ``version``, actor to actor."""
+        """Load the weights ``source`` (trainer 0) serves as ``version``, bucket by bucket."""
         t0 = time.time()
-        if source == self.name:
-            state = STORE.weights(version)
-        else:
-            state = run_sync(source, fetch_weights, version)
-        self._load(state, version)
-        return Timed(version, t0, time.time())
+        named = self._synced()
+        wire = self._wire_from(source)
+        for b, bucket in enumerate(self._buckets()):
+            part = run_sync(source, fetch_weights, version, b, wire)
+            with torch.no_grad():
+                for i in bucket:
+                    name, p = named[i]
+                    p.copy_(part[name].to(p.device, p.dtype))
+        self.policy.version = version
+        return self._timed(version, t0)
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> Timed:
         """Copy ``state`` (name -> tensor, as :meth:`trainable_state` gives) into the policy."""
         t0 = time.time()
-        self._load(state, version)
-        return Timed(version, t0, time.time())
-
-    def _load(self, state: dict[str, torch.Tensor], version: int) -> None:
         named = dict(self.policy.adapter.transformer.named_parameters())
         with torch.no_grad():
             for name, value in state.items():
                 named[name].copy_(value.to(named[name].device, named[name].dtype))
         self.policy.version = version
+        return self._timed(version, t0)
 
-    @staticmethod
-    def _unflatten_into(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                n = p.numel()
-                p.copy_(flat[offset : offset + n].view_as(p).to(p.device, p.dtype))
-                offset += n
+
+def _unflatten_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p).to(p.device, p.dtype))
+            offset += n
 
 
 class GeneratorActor(_PolicyActor):
@@ -211,9 +300,11 @@ class GeneratorActor(_PolicyActor):
         cfg: DigenConfig | dict[str, Any],
         rewards: Sequence[Any] | None = None,
         name: str = "generator-0",
+        devices: dict[str, str] | None = None,
+        direct: bool = False,
     ) -> None:
-        cfg = _pool_config(cfg, "generator")
-        super().__init__(cfg, name, trainable=False)
+        cfg = _pool_config(cfg, "generator", max(index_of(name), 0))
+        super().__init__(cfg, name, trainable=False, devices=devices, direct=direct)
         self.reward = build_reward(list(rewards) if rewards is not None else cfg.rewards)
 
     def score(
@@ -232,14 +323,15 @@ class GeneratorActor(_PolicyActor):
         if holder == self.name:
             pixels = STORE.take_pixels(key)
         else:
-            pixels = run_sync(holder, fetch_pixels, key)
+            pixels = run_sync(holder, fetch_pixels, key, self._wire_from(holder))
+        pixels = pixels.cpu()  # rewards take uint8 images on the CPU
         res = self.reward.score_sync(pixels, prompts, metadata)
         scores = Scores(
             total=res.total.tolist(),
             components={name: v.tolist() for name, v in res.components.items()},
             thumbnails=thumbnails(pixels) if with_thumbnails else None,
         )
-        return Timed(scores, t0, time.time())
+        return self._timed(scores, t0)
 
 
 class TrainerActor(_PolicyActor):
@@ -253,25 +345,44 @@ class TrainerActor(_PolicyActor):
         dp_port: int,
         dp_host: str | None = None,
         name: str | None = None,
+        devices: dict[str, str] | None = None,
+        direct: bool = False,
     ) -> None:
         """``dp_host``: where trainer 0 serves the data-parallel group's store
         (``runtime.address`` when None)."""
-        cfg = _pool_config(cfg, "trainer")
-        super().__init__(cfg, name or f"trainer-{rank}", trainable=True)
+        cfg = _pool_config(cfg, "trainer", rank)
+        super().__init__(
+            cfg, name or f"trainer-{rank}", trainable=True, devices=devices, direct=direct
+        )
         self.rank, self.world = rank, world
         self.dp_group = None
         if world > 1:
+            trainers = [d for w, d in self.devices.items() if w.startswith("trainer")]
             self.dp_group = make_group(
                 dp_host or cfg.runtime.address,
                 dp_port,
                 rank,
                 world,
-                cfg.model.device,
+                group_backend(trainers or [self.device]),
                 cfg.runtime.rpc_timeout_s,
             )
         self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
         if rank == 0:
-            STORE.publish(self.policy.version, self.policy.trainable_state())
+            STORE.serve_weights(self._weights_bucket)
+
+    def _weights_bucket(self, version: int, bucket: int, wire: str | None) -> dict[str, Any]:
+        """Bucket ``bucket`` of the weights of ``version``, read live (served on an RPC
+        thread: the weights change only at :meth:`step`, and no pull overlaps a step)."""
+        if self.policy.version != version:
+            raise RuntimeError(
+                f"weights of version {version} were asked for; trainer 0 holds "
+                f"{self.policy.version}"
+            )
+        named = self._synced()
+        return {
+            named[i][0]: named[i][1].detach().to(wire or self.device, self._sync_dtype(named[i][1]))
+            for i in self._buckets()[bucket]
+        }
 
     def update(
         self,
@@ -296,11 +407,13 @@ class TrainerActor(_PolicyActor):
             rollout = STORE.take_rollout(key, rows)
         else:  # the prompt's embedding comes along the first time (cheaper than encoding)
             need = self.policy.cached_conditioning(prompt) is None
-            rollout, embeds = run_sync(holder, fetch_rollout, key, rows, need)
+            wire = self._wire_from(holder)
+            rollout, embeds = run_sync(holder, fetch_rollout, key, rows, need, wire)
             if embeds is not None:
                 self.policy.add_conditioning(prompt, embeds)
+        rollout = rollout.to(self.device)
         keys = list(keys)
-        adv = torch.tensor(list(advantages), dtype=torch.float32)
+        adv = torch.tensor(list(advantages), dtype=torch.float32, device=self.device)
         size = self.cfg.train.micro_batch_size
         stats = LossStats()
         with self.grads.micro_batch(mb):
@@ -312,18 +425,16 @@ class TrainerActor(_PolicyActor):
                     advantages=adv[i : i + size],
                 )
                 stats.add(self.policy.accumulate(part, loss_scale, self.cfg.runtime.tsp_degree))
-        return Timed(stats, t0, time.time())
+        return self._timed(stats, t0)
 
     def save_weights(self, out_dir: str) -> str:
         return str(self.policy.save_weights(out_dir))
 
     def step(self, microbatches: int) -> Timed:
-        """Sum the step's gradients over the trainers, clip, step; trainer 0 publishes the
-        new weights. Returns ``(version, grad norm)``."""
+        """Sum the step's gradients over the trainers, clip, step. Returns ``(version, grad
+        norm)``; trainer 0 then serves the new weights."""
         self._jitter()
         t0 = time.time()
         self.grads.reduce(microbatches, self.dp_group)
         norm = self.policy.optimizer_step()
-        if self.rank == 0:
-            STORE.publish(self.policy.version, self.policy.trainable_state())
-        return Timed((self.policy.version, norm), t0, time.time())
+        return self._timed((self.policy.version, norm), t0)

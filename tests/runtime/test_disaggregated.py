@@ -221,3 +221,27 @@ def test_digen_run_disaggregated_every_model_and_algo(
     assert kinds["tag"] == row["tag_microbatches"]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (out / "timeline.png").is_file() and (out / "samples" / "step_0000.png").is_file()
+
+
+@pytest.mark.parametrize("sync", ["rpc", "broadcast"])
+@pytest.mark.asyncio
+async def test_heterogeneous_pools_sync_in_buckets(sync: str) -> None:
+    """bf16 generators, fp32 trainers: weights travel in fp32, in many small buckets, and
+    what a trainer receives (bf16 prompt embeddings) is cast to its own dtype before use."""
+    over = ["runtime.generator_dtype=bfloat16", "runtime.trainer_dtype=float32", "steps=2"]
+    over += [f"runtime.weight_sync={sync}", "runtime.sync_bucket_mb=0.01", "runtime.tag=none"]
+    cfg = _cfg("sd3", "flowgrpo", "disaggregated", over)
+    async with Driver(cfg, None, PromptSet.builtin(), Trace()) as driver:
+        results = await driver.run(2)
+        gen_state = await driver.gens[0].call("trainable_state")
+        trainer_state = await driver.trainers[0].call("trainable_state")
+        stats = await driver.trainers[0].call("statistics")
+    assert stats["encoded_prompts"] == 0  # every embedding came from the bf16 generator
+    assert {v.dtype for v in gen_state.values()} == {torch.bfloat16}
+    assert {v.dtype for v in trainer_state.values()} == {torch.float32}
+    moved = 0.0
+    for name, value in trainer_state.items():
+        assert torch.equal(gen_state[name], value.to(torch.bfloat16)), name
+        moved = max(moved, float(value.abs().max()) if "lora_B" in name else 0.0)
+    assert moved > 0 and len(results) == 2
+    assert results[-1].metrics["memory/peak_gb/trainer"] > 0

@@ -149,10 +149,21 @@ def test_store_hands_out_each_part_once_and_is_bounded() -> None:
     assert store.statistics()["held"] == 1  # both parts taken: forgotten
     store.release((0, 1))
     assert store.statistics() == {"held": 0, "bytes": 0}
-    store.publish(3, {"w": torch.ones(2)})
-    assert torch.equal(store.weights(3)["w"], torch.ones(2))
-    with pytest.raises(RuntimeError, match="version 4"):
-        store.weights(4)
+    with pytest.raises(RuntimeError, match="serves no weights"):
+        store.weights(0)
+    asked: list[tuple] = []
+    store.serve_weights(lambda v, b, wire: asked.append((v, b, wire)) or {"w": torch.ones(2)})
+    assert torch.equal(store.weights(3, 1, "cpu")["w"], torch.ones(2))
+    assert asked == [(3, 1, "cpu")]
+
+
+def test_weights_travel_in_bounded_buckets() -> None:
+    from digen.runtime.workers import weight_buckets
+
+    params = [torch.zeros(n) for n in (3, 4, 10, 2, 2)]
+    assert weight_buckets(params, 7) == [[0, 1], [2], [3, 4]]  # 10 > 7 gets its own
+    assert weight_buckets(params, 100) == [[0, 1, 2, 3, 4]]
+    assert weight_buckets(params, 1) == [[0], [1], [2], [3], [4]]
 
 
 def test_thumbnails_are_small_whatever_the_image_size() -> None:

@@ -48,6 +48,7 @@ from digen.runtime.actors._system import (
     ExternalLaunch,
     WorkerDied,
     WorkerSpec,
+    active_launch,
     external_launch,
     run_sync,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "ExternalLaunch",
     "WorkerDied",
     "WorkerSpec",
+    "active_launch",
     "external_launch",
     "run_sync",
     "serve_worker",

@@ -76,6 +76,9 @@ class WorkerSpec:
     rpc_threads: int = 16
     """RPC server threads: they queue actor calls (each actor runs on its own thread) and
     run module-level functions sent with ``run``."""
+    device_maps: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Peer worker -> {own device: peer device}: CUDA tensors to those peers travel GPU to
+    GPU (TensorPipe device maps). Empty: only CPU tensors may cross."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.fullmatch(self.name) or self.name == DRIVER:
@@ -132,6 +135,11 @@ def external_launch(launch: ExternalLaunch) -> Iterator[None]:
         yield
     finally:
         _LAUNCH = saved
+
+
+def active_launch() -> ExternalLaunch | None:
+    """The external launch an :class:`ActorSystem` built here now would join, if any."""
+    return _LAUNCH
 
 
 class WorkerDied(RuntimeError):

@@ -112,14 +112,25 @@ def _rendezvous_url(address: str, port: int, timeout_s: float) -> str:
     return f"{_SCHEME}://{_url_host(address)}:{port}?timeout_s={timeout_s:g}"
 
 
-def _backend_options(url: str, rpc_timeout_s: float, threads: int) -> rpc.RpcBackendOptions:
-    return rpc.TensorPipeRpcBackendOptions(
+def _backend_options(
+    url: str,
+    rpc_timeout_s: float,
+    threads: int,
+    device_maps: dict[str, dict[str, str]] | None = None,
+) -> rpc.RpcBackendOptions:
+    """TensorPipe over uv; with ``device_maps`` (peer -> {own device: peer device}) CUDA
+    tensors travel GPU to GPU to those peers (the CUDA channels are then allowed too)."""
+    channels = ["basic"] if not device_maps else None  # None: TensorPipe picks, CUDA included
+    options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=threads,
         rpc_timeout=rpc_timeout_s,
         init_method=url,
         _transports=["uv"],
-        _channels=["basic"],
+        _channels=channels,
     )
+    for peer, mapping in (device_maps or {}).items():
+        options.set_device_map(peer, mapping)
+    return options
 
 
 @contextlib.contextmanager

@@ -99,7 +99,9 @@ def _serve(
         spec.name,
         rank=rank,
         world_size=world,
-        rpc_backend_options=_backend_options(url, rpc_timeout_s, spec.rpc_threads),
+        rpc_backend_options=_backend_options(
+            url, rpc_timeout_s, spec.rpc_threads, spec.device_maps
+        ),
     )
     if watch_driver:  # no parent process to watch: the driver may be on another machine
         threading.Thread(target=_watch_driver, name="digen-driver-watch", daemon=True).start()
