@@ -22,7 +22,7 @@ import yaml
 from digen.algos.registry import ALGO_NAMES, get_algorithm
 from digen.algos.steps import STEP_KINDS
 from digen.errors import ConfigError
-from digen.models.registry import BACKBONES, MODEL_NAMES
+from digen.models.registry import BACKBONES, FLAVOURS, MODEL_NAMES
 from digen.sched.microbatch import MicroBatch, form_microbatches, samples_per_microbatch
 from digen.sched.schedule import STALENESS_SCHEDULES, stale_cap
 from digen.sched.tag import TAG_POLICIES as TAG_POLICY_FACTORIES
@@ -240,6 +240,12 @@ class ModelConfig:
     """Video frames (video backbones only); None takes the flavour's default. Must be 4k+1."""
     max_sequence_length: int | None = None
     """Text tokens per prompt; None takes the pipeline's default."""
+    flavour: str = "tiny"
+    """Random-init architecture built from config when path is null: tiny (toy width, for tests and CPUs) or medium (about 1B parameters for image backbones, a small video model: for measuring on a GPU)."""
+    vae_tiling: bool = False
+    """Decode in slices (one sample at a time) and spatial tiles, bounding decode memory (long videos, large images)."""
+    offload_text_encoders: bool = False
+    """Keep the text encoders on the CPU and bring them to the model's device only to encode a prompt (embeddings are cached)."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "model")
@@ -268,6 +274,7 @@ class ModelConfig:
                 )
         if self.max_sequence_length is not None:
             _at_least(p, "max_sequence_length", self.max_sequence_length, 1)
+        _choice(_key(p, "flavour"), self.flavour, FLAVOURS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -423,6 +430,8 @@ class TrainConfig:
     """Samples per forward/backward on one device (gradient accumulation unit)."""
     num_devices: int = 1
     """Data-parallel training devices the mini-batch is split over."""
+    gradient_checkpointing: bool = False
+    """Recompute the transformer's activations in the backward pass (less memory, about a third more compute)."""
     grad_order: str = "auto"
     """How a step's gradients are summed: fixed (per micro-batch, in micro-batch order: a seeded run repeats bit for bit whatever the timing; memory: one gradient copy per micro-batch a trainer holds), arrival (in place, as updates finish: one buffer, last bits vary with timing), auto (fixed with LoRA, arrival for full fine-tuning)."""
 
@@ -493,6 +502,7 @@ class RewardSpec:
 
 
 MODES = ("colocated", "disaggregated")
+TRAINER_PARALLEL = ("replicate", "fsdp", "hsdp")
 MICROBATCH_AXES = ("generation", "prompt")
 WEIGHT_SYNCS = ("rpc", "broadcast")
 TAG_POLICIES: tuple[str, ...] = tuple(TAG_POLICY_FACTORIES)
@@ -507,6 +517,10 @@ class RuntimeConfig:
     """Generator workers (disaggregated): sample and score."""
     trainers: int = 1
     """Trainer workers (disaggregated): data-parallel among themselves."""
+    trainer_parallel: str = "replicate"
+    """How trainers (and colocated workers) share the model: replicate (each holds all of it; gradients all-reduced), fsdp (FSDP2: every transformer block sharded over all of them; the trainers act as one), hsdp (sharded inside groups of shard_size, replicated across)."""
+    shard_size: int | None = None
+    """hsdp: trainers per sharding group (the GPUs of a node); None = the visible GPUs, at most the trainers. Must divide the trainer count."""
     generator_devices: Devices = None
     """Devices of the generator pool (e.g. [cuda:0, cuda:1] or "cuda:0,cuda:1"); worker i takes entry i mod len. None: model.device, and with model.device = cuda the visible GPUs split between the pools."""
     trainer_devices: Devices = None
@@ -553,6 +567,9 @@ class RuntimeConfig:
         _choice(_key(p, "mode"), self.mode, MODES)
         _at_least(p, "generators", self.generators, 1)
         _at_least(p, "trainers", self.trainers, 1)
+        _choice(_key(p, "trainer_parallel"), self.trainer_parallel, TRAINER_PARALLEL)
+        if self.shard_size is not None:
+            _at_least(p, "shard_size", self.shard_size, 1)
         for pool in ("generator", "trainer"):
             dtype = getattr(self, f"{pool}_dtype")
             if dtype is not None:
@@ -797,6 +814,13 @@ def max_inflight(cfg: DigenConfig) -> int:
         return rt.max_inflight
     per_step = cfg.data.train_batch_size * microbatches_per_group(cfg)
     return per_step + rt.max_staleness * stale_cap(per_step, rt.staleness_ratio)
+
+
+def trainer_slots(cfg: DigenConfig) -> int:
+    """Trainers the driver schedules: ``runtime.trainers``, or one when they shard the model
+    (fsdp / hsdp trainers move in lockstep, as one trainer ``runtime.trainers`` devices wide)."""
+    rt = cfg.runtime
+    return 1 if rt.trainer_parallel in ("fsdp", "hsdp") else rt.trainers
 
 
 def microbatches_per_group(cfg: DigenConfig) -> int:

@@ -48,3 +48,29 @@ def test_batched_timesteps_equal_sequential_gradient(
         assert loss == pytest.approx(loss1, rel=1e-4, abs=1e-8)
         for a, b in zip(g1, g):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def test_activation_checkpointing_keeps_the_gradient() -> None:
+    """``train.gradient_checkpointing`` recomputes activations in the backward pass: the
+    same gradient, less memory."""
+    over = ["rollout.n=2", "rollout.num_inference_steps=4", "algo.kl_coef=0.0"]
+    over += ["data.train_batch_size=1", "train.micro_batch_size=2"]
+    plain = Policy(load_config(base=preset("sd3", "flowgrpo"), overrides=over))
+    ckpt_cfg = load_config(
+        base=preset("sd3", "flowgrpo"), overrides=[*over, "train.gradient_checkpointing=true"]
+    )
+    checkpointed = Policy(ckpt_cfg)
+    assert checkpointed.adapter.transformer.is_gradient_checkpointing
+    assert not plain.adapter.transformer.is_gradient_checkpointing
+    keys = [SampleKey(0, 0, s) for s in range(2)]
+    gen = plain.generate(keys, ["a red cube"] * 2)
+    item = TrainItem(keys, ["a red cube"] * 2, gen.rollout, torch.tensor([1.0, -1.0]))
+    for policy in (plain, checkpointed):  # LoRA B off zero: every layer's gradient counts
+        with torch.no_grad():
+            for p in policy.params:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+    want, _ = _grads_for(plain, item, 2)
+    got, _ = _grads_for(checkpointed, item, 2)
+    assert sum(float(g.norm()) for g in want) > 0
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

@@ -40,9 +40,25 @@ def get_adapter_class(name: str) -> type[DiffusionAdapter]:
     return getattr(importlib.import_module(module), cls)
 
 
-def load_adapter(name: str, path: str | None = None, **kwargs: Any) -> DiffusionAdapter:
-    """Real weights from a local diffusers directory, or the tiny flavour when ``path`` is None."""
+def load_adapter(
+    name: str,
+    path: str | None = None,
+    *,
+    flavour: str = "tiny",
+    vae_tiling: bool = False,
+    offload_text_encoders: bool = False,
+    **kwargs: Any,
+) -> DiffusionAdapter:
+    """Real weights from a local diffusers directory, or the random-init ``flavour`` (``tiny``
+    or ``medium``) when ``path`` is None.
+
+    ``vae_tiling`` decodes in slices and tiles; ``offload_text_encoders`` keeps the text
+    encoders on the CPU between prompt encodings. ``kwargs`` go to
+    :meth:`~digen.models.base.DiffusionAdapter.from_pretrained`: ``device``, ``dtype`` and the
+    geometry, where None takes the flavour's default (the tiny one's with real weights).
+    """
     cls = get_adapter_class(name)
+    options = {"vae_tiling": vae_tiling, "offload_text_encoders": offload_text_encoders}
     if path is None:
-        return cls.tiny(**kwargs)
-    return cls.from_pretrained(path, **kwargs)
+        return cls.random_init(flavour, **options, **kwargs)
+    return cls.from_pretrained(path, **options, **kwargs)

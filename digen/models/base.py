@@ -25,10 +25,10 @@ import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
@@ -48,11 +48,15 @@ JOINT_ATTENTION_TARGETS = (
     "to_add_out",
 )
 
+#: pipeline attributes that hold text encoders (absent ones are skipped)
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
 __all__ = [
     "JOINT_ATTENTION_TARGETS",
+    "TEXT_ENCODERS",
     "DiffusionAdapter",
     "PromptEmbeds",
-    "tiny_cache_root",
+    "cache_root",
     "make_byte_tokenizer",
 ]
 
@@ -87,10 +91,10 @@ class PromptEmbeds:
         return PromptEmbeds({k: torch.cat([p.tensors[k] for p in parts], dim=0) for k in keys})
 
 
-def tiny_cache_root() -> Path:
-    """Where tiny flavours are saved: ``$DIGEN_CACHE`` or ``~/.cache/digen``."""
-    root = os.environ.get("DIGEN_CACHE") or os.path.join(Path.home(), ".cache", "digen")
-    return Path(root) / "tiny"
+def cache_root() -> Path:
+    """Where random-init flavours are saved, one folder per flavour: ``$DIGEN_CACHE`` or
+    ``~/.cache/digen``."""
+    return Path(os.environ.get("DIGEN_CACHE") or os.path.join(Path.home(), ".cache", "digen"))
 
 
 def make_byte_tokenizer(
@@ -141,8 +145,22 @@ def make_byte_tokenizer(
     return fast
 
 
+class _Flavour(NamedTuple):
+    """What a random-init flavour of one backbone is made of."""
+
+    build: Callable[[], dict[str, Any]]
+    version: int
+    geometry: dict[str, int]
+
+
 class DiffusionAdapter(ABC):
-    """One backbone over its diffusers pipeline. Subclasses live one per file."""
+    """One backbone over its diffusers pipeline. Subclasses live one per file.
+
+    Without weights, a backbone is built from code in one of two random-init flavours: ``tiny``
+    (toy width, builds in seconds on a CPU: tests and the default run) or ``medium`` (the real
+    architectures at about 1B transformer parameters: for measuring on one GPU). Either is
+    saved once to the cache and loaded back through :meth:`from_pretrained`, like real weights.
+    """
 
     #: registry name used by configs and the CLI (``flux``, ``sd3``, ...)
     name: ClassVar[str]
@@ -152,12 +170,16 @@ class DiffusionAdapter(ABC):
     is_video: ClassVar[bool] = False
     #: LoRA target modules (peft names) used when the config gives none
     lora_targets: ClassVar[tuple[str, ...]]
-    #: bump when a tiny flavour's architecture changes so stale caches are rebuilt
+    #: bump when a flavour's architecture changes so stale caches are rebuilt
     tiny_version: ClassVar[int] = 1
-    #: default geometry of the tiny flavour, in pixels / frames
+    medium_version: ClassVar[int] = 1
+    #: default geometry of each flavour, in pixels / frames
     tiny_height: ClassVar[int] = 32
     tiny_width: ClassVar[int] = 32
     tiny_num_frames: ClassVar[int] = 1
+    medium_height: ClassVar[int] = 512
+    medium_width: ClassVar[int] = 512
+    medium_num_frames: ClassVar[int] = 1
 
     def __init__(
         self,
@@ -167,17 +189,23 @@ class DiffusionAdapter(ABC):
         width: int | None = None,
         num_frames: int | None = None,
         max_sequence_length: int | None = None,
+        offload_text_encoders: bool = False,
     ) -> None:
         self.pipe = pipe
         self.height = int(height or self.tiny_height)
         self.width = int(width or self.tiny_width)
         self.num_frames = int(num_frames or self.tiny_num_frames) if self.is_video else 1
         self.max_sequence_length = max_sequence_length
+        #: the text encoders live on the CPU and visit the model's device in encode_prompts
+        self.offload_text_encoders = offload_text_encoders
         for comp in self.frozen_modules():
             comp.requires_grad_(False)
             comp.eval()
         self.transformer.requires_grad_(False)
         self.transformer.eval()
+        if offload_text_encoders:
+            for encoder in self.text_encoders():
+                encoder.to("cpu")
 
     # --- loading ------------------------------------------------------------------------
 
@@ -188,9 +216,17 @@ class DiffusionAdapter(ABC):
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        vae_tiling: bool = False,
+        offload_text_encoders: bool = False,
         **geometry: Any,
     ) -> DiffusionAdapter:
-        """Load a local diffusers-format directory (``model_index.json`` + subfolders)."""
+        """Load a local diffusers-format directory (``model_index.json`` + subfolders).
+
+        ``vae_tiling`` makes the VAE decode one sample at a time and in overlapping spatial
+        tiles (blended, so close to but not bit-equal with a whole decode) where its class can;
+        ``offload_text_encoders`` leaves the text encoders on the CPU (see
+        :meth:`encode_prompts`).
+        """
         path = Path(path)
         if not path.is_dir():
             raise DigenError(f"model path '{path}' does not exist or is not a directory.")
@@ -200,29 +236,60 @@ class DiffusionAdapter(ABC):
             )
         pipe = cls.pipeline_class.from_pretrained(str(path), dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
-        pipe.to(device)
-        return cls(pipe, **geometry)
+        stay = TEXT_ENCODERS if offload_text_encoders else ()
+        for key, part in pipe.components.items():
+            if isinstance(part, torch.nn.Module) and key not in stay:
+                part.to(device)
+        if vae_tiling:
+            if hasattr(pipe.vae, "enable_slicing"):
+                pipe.vae.enable_slicing()
+            if hasattr(pipe.vae, "enable_tiling"):
+                pipe.vae.enable_tiling()
+        return cls(pipe, offload_text_encoders=offload_text_encoders, **geometry)
 
     @classmethod
-    def tiny(
+    def random_init(
         cls,
+        flavour: str = "tiny",
         *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
         cache_dir: str | os.PathLike | None = None,
-        **geometry: Any,
+        **options: Any,
     ) -> DiffusionAdapter:
-        """The tiny random-init flavour, saved once to the cache and loaded back from disk."""
-        return cls.from_pretrained(cls.tiny_path(cache_dir), device=device, dtype=dtype, **geometry)
+        """The random-init ``flavour``, saved once to the cache and loaded back from disk.
+
+        ``options`` are :meth:`from_pretrained`'s; a ``height``, ``width`` or ``num_frames``
+        left out or None takes the flavour's default.
+        """
+        for key, default in cls._flavour(flavour).geometry.items():
+            if options.get(key) is None:
+                options[key] = default
+        return cls.from_pretrained(cls.flavour_path(flavour, cache_dir), **options)
+
+    @classmethod
+    def tiny(cls, **options: Any) -> DiffusionAdapter:
+        """The tiny flavour: :meth:`random_init` with ``flavour="tiny"``."""
+        return cls.random_init("tiny", **options)
 
     @classmethod
     def tiny_path(cls, cache_dir: str | os.PathLike | None = None) -> Path:
-        """Build (if needed) and save the tiny flavour; return its directory."""
-        root = Path(cache_dir) if cache_dir is not None else tiny_cache_root()
+        """The tiny flavour's directory: :meth:`flavour_path` with ``flavour="tiny"``."""
+        return cls.flavour_path("tiny", cache_dir)
+
+    @classmethod
+    def flavour_path(cls, flavour: str, cache_dir: str | os.PathLike | None = None) -> Path:
+        """Build (if needed) and save ``flavour``; return its directory.
+
+        The directory is ``<cache_dir>/<flavour>/<name>-<hash>`` (``cache_dir`` defaults to
+        :func:`cache_root`), the hash covering the flavour's version and the diffusers and
+        transformers versions. Weights are saved as the build made them, fp32 safetensors, so
+        any ``dtype`` loads from them.
+        """
+        spec = cls._flavour(flavour)
+        root = (Path(cache_dir) if cache_dir is not None else cache_root()) / flavour
         import diffusers
         import transformers
 
-        tag = f"{cls.name}-v{cls.tiny_version}-{diffusers.__version__}-{transformers.__version__}"
+        tag = f"{cls.name}-v{spec.version}-{diffusers.__version__}-{transformers.__version__}"
         target = root / f"{cls.name}-{hashlib.sha1(tag.encode()).hexdigest()[:10]}"
         if (target / "model_index.json").is_file():
             return target
@@ -231,10 +298,10 @@ class DiffusionAdapter(ABC):
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any model dir
         try:
             with _fork_rng(seed=0):
-                components = cls.build_tiny_components()
+                components = spec.build()
             pipe = cls.pipeline_class(**components)
             pipe.save_pretrained(str(tmp), safe_serialization=True)
-            (tmp / "digen_tiny.json").write_text(json.dumps({"tag": tag}) + "\n")
+            (tmp / f"digen_{flavour}.json").write_text(json.dumps({"tag": tag}) + "\n")
             try:
                 os.rename(tmp, target)  # atomic: concurrent builders race harmlessly
             except OSError:
@@ -245,9 +312,44 @@ class DiffusionAdapter(ABC):
         return target
 
     @classmethod
+    def _flavour(cls, flavour: str) -> _Flavour:
+        """The flavour named ``flavour``; an unknown name is refused, naming the choices."""
+        flavours = {
+            "tiny": _Flavour(
+                cls.build_tiny_components,
+                cls.tiny_version,
+                {
+                    "height": cls.tiny_height,
+                    "width": cls.tiny_width,
+                    "num_frames": cls.tiny_num_frames,
+                },
+            ),
+            "medium": _Flavour(
+                cls.build_medium_components,
+                cls.medium_version,
+                {
+                    "height": cls.medium_height,
+                    "width": cls.medium_width,
+                    "num_frames": cls.medium_num_frames,
+                },
+            ),
+        }
+        if flavour not in flavours:
+            raise DigenError(
+                f"model.flavour '{flavour}' is not a flavour; choose one of: {', '.join(flavours)}."
+            )
+        return flavours[flavour]
+
+    @classmethod
     @abstractmethod
     def build_tiny_components(cls) -> dict[str, Any]:
         """Random-init components of the tiny flavour, as ``pipeline_class(**components)`` takes."""
+
+    @classmethod
+    @abstractmethod
+    def build_medium_components(cls) -> dict[str, Any]:
+        """Random-init components of the medium flavour, as ``pipeline_class(**components)``
+        takes. Call it under ``torch.device("meta")`` to inspect it without the memory."""
 
     # --- the protocol -------------------------------------------------------------------
 
@@ -261,11 +363,19 @@ class DiffusionAdapter(ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        """The transformer's compute dtype (diffusers' own answer, which skips the modules it
+        keeps in fp32, such as Wan's first parameter, ``scale_shift_table``)."""
+        return self.transformer.dtype
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """Modules that never train (VAE, text encoders)."""
-        names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+        return self._pipe_modules(("vae", *TEXT_ENCODERS))
+
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """The pipeline's text encoders, in ``TEXT_ENCODERS`` order."""
+        return self._pipe_modules(TEXT_ENCODERS)
+
+    def _pipe_modules(self, names: Sequence[str]) -> list[torch.nn.Module]:
         return [m for n in names if isinstance(m := getattr(self.pipe, n, None), torch.nn.Module)]
 
     @property
@@ -313,9 +423,29 @@ class DiffusionAdapter(ABC):
         rows = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
         return torch.stack(rows).to(self.device)
 
-    @abstractmethod
+    @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
-        """Text conditioning for ``prompts`` (an empty string is the unconditional prompt)."""
+        """Text conditioning for ``prompts`` (an empty string is the unconditional prompt), on
+        the model's device.
+
+        With ``offload_text_encoders`` the text encoders come to the model's device for this
+        call only and go back to the CPU after it: the same embeddings, and no accelerator
+        memory held by the encoders between calls (at the cost of two copies per call).
+        """
+        if not self.offload_text_encoders:
+            return self._encode_prompts(prompts)
+        encoders = self.text_encoders()
+        for encoder in encoders:
+            encoder.to(self.device)
+        try:
+            return self._encode_prompts(prompts)
+        finally:
+            for encoder in encoders:
+                encoder.to("cpu")
+
+    @abstractmethod
+    def _encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+        """The backbone's text conditioning, its text encoders already on the model's device."""
 
     @abstractmethod
     def forward_velocity(

@@ -28,6 +28,7 @@ from digen.models.base import (
     make_byte_tokenizer,
 )
 from digen.models.tiny import (
+    medium_autoencoder_kl,
     tiny_autoencoder_kl,
     tiny_clip_text,
     tiny_clip_tokenizer,
@@ -57,6 +58,32 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     x = tokens.view(b, height // 2, width // 2, c, 2, 2)  # [B, H/2, W/2, C, 2, 2]
     x = x.permute(0, 3, 1, 4, 2, 5)  # [B, C, H/2, 2, W/2, 2]
     return x.reshape(b, c, height, width)
+
+
+def _text_components(*, width: int, clip_length: int, t5_length: int) -> dict[str, Any]:
+    """CLIP (pooled) and T5 stand-ins ``width`` wide, taking ``clip_length`` and ``t5_length``
+    tokens."""
+    tokenizer = tiny_clip_tokenizer(clip_length)
+    tokenizer_2 = make_byte_tokenizer(model_max_length=t5_length, eos_token="</s>")
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": tiny_clip_text(tokenizer, width),
+        "tokenizer_2": tokenizer_2,
+        "text_encoder_2": tiny_t5_encoder(tokenizer_2, width),
+    }
+
+
+def _scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """FLUX.1-dev's scheduler: the shift depends on the image token count."""
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
 
 
 class FluxAdapter(DiffusionAdapter):
@@ -93,15 +120,12 @@ class FluxAdapter(DiffusionAdapter):
                 f"FLUX needs height and width divisible by {f}, got {self.height}x{self.width}."
             )
 
-    # --- tiny flavour -------------------------------------------------------------------
+    # --- random-init flavours -----------------------------------------------------------
 
     @classmethod
     def build_tiny_components(cls, *, guidance_embeds: bool = True) -> dict[str, Any]:
         """Random-init FLUX.1 at toy size: 8x VAE with 4 latent channels, 32-wide text."""
-        tokenizer = tiny_clip_tokenizer()
-        tokenizer_2 = make_byte_tokenizer(model_max_length=32, eos_token="</s>")
-        text_encoder = tiny_clip_text(tokenizer, 32)
-        text_encoder_2 = tiny_t5_encoder(tokenizer_2, 32)
+        text = _text_components(width=32, clip_length=32, t5_length=32)
         vae = tiny_autoencoder_kl(scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's VAE
         transformer = FluxTransformer2DModel(
             patch_size=1,
@@ -115,25 +139,33 @@ class FluxAdapter(DiffusionAdapter):
             guidance_embeds=guidance_embeds,
             axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
         )
-        # FLUX.1-dev's scheduler: shift depends on the image token count
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000,
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
+
+    @classmethod
+    def build_medium_components(cls) -> dict[str, Any]:
+        """Random-init FLUX.1-dev at 0.95B transformer parameters, for measuring on one GPU.
+
+        The transformer keeps FLUX.1's blocks, head dim (128) and RoPE axes with 12 heads
+        (1536 wide; FLUX.1: 24) and 6 double + 12 single blocks (FLUX.1: 19 + 38); the VAE is
+        FLUX.1's own architecture (16 latent channels, 84M parameters). The text encoders are
+        2-layer stand-ins 256 wide, since they are not what is measured, but keep the real
+        token counts (77 CLIP, 512 T5). About 4.1 GB on disk (fp32).
+        """
+        text = _text_components(width=256, clip_length=77, t5_length=_PIPELINE_MAX_SEQUENCE_LENGTH)
+        vae = medium_autoencoder_kl(scaling_factor=0.3611, shift_factor=0.1159)
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16 * 4,  # 2x2-packed latent channels
+            num_layers=6,
+            num_single_layers=12,
+            attention_head_dim=128,
+            num_attention_heads=12,
+            joint_attention_dim=256,  # T5 d_model
+            pooled_projection_dim=256,  # CLIP hidden size
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),  # FLUX.1's, sums to attention_head_dim
         )
-        return {
-            "scheduler": scheduler,
-            "vae": vae,
-            "text_encoder": text_encoder,
-            "tokenizer": tokenizer,
-            "text_encoder_2": text_encoder_2,
-            "tokenizer_2": tokenizer_2,
-            "transformer": transformer,
-        }
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
 
     # --- the protocol -------------------------------------------------------------------
 
@@ -151,8 +183,7 @@ class FluxAdapter(DiffusionAdapter):
             return int(self.max_sequence_length)
         return min(_PIPELINE_MAX_SEQUENCE_LENGTH, int(self.pipe.tokenizer_2.model_max_length))
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+    def _encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         """``prompt_embeds [B, L, D_t5]`` (T5) and ``pooled_prompt_embeds [B, D_clip]`` (CLIP)."""
         prompt_embeds, pooled, _ = self.pipe.encode_prompt(
             prompt=list(prompts),

@@ -63,6 +63,62 @@ def template_crop_start(tokenizer: Any, template: str) -> int:
     return lead + len(body)
 
 
+def _llama_tokenizer(model_max_length: int) -> Any:
+    """A byte tokenizer with Llama-3's begin-of-text token and chat-template specials."""
+    return make_byte_tokenizer(
+        model_max_length=model_max_length,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        extra_special_tokens=_LLAMA_SPECIALS,
+        add_bos=True,
+        add_eos=False,
+    )
+
+
+def _text_components(
+    *, llama_width: int, clip_width: int, clip_layers: int, prompt_tokens: int
+) -> dict[str, Any]:
+    """A 3-layer Llama ``llama_width`` wide with room for ``prompt_tokens`` after the chat
+    template, and a CLIP ``clip_width`` wide taking 77 tokens."""
+    from transformers import LlamaConfig, LlamaModel
+
+    # The Llama tokenizer sees template + prompt: leave room for the prompt's tokens.
+    crop = template_crop_start(_llama_tokenizer(4096), DEFAULT_PROMPT_TEMPLATE["template"])
+    tokenizer = _llama_tokenizer(crop + prompt_tokens)
+    tokenizer_2 = make_byte_tokenizer(
+        model_max_length=77,  # the pipeline always pads CLIP input to 77
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        add_bos=True,
+    )
+    text_encoder = LlamaModel(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=llama_width,
+            intermediate_size=2 * llama_width,
+            num_hidden_layers=3,  # the pipeline reads the third-to-last hidden state
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    text_encoder_2 = tiny_clip_text(tokenizer_2, clip_width, layers=clip_layers, max_positions=77)
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "tokenizer_2": tokenizer_2,
+        "text_encoder_2": text_encoder_2,
+    }
+
+
+def _scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Flow-matching Euler with HunyuanVideo's shift."""
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=_SHIFT)
+
+
 class HunyuanVideoAdapter(DiffusionAdapter):
     """HunyuanVideo: dual/single-stream video DiT, Llama (per-token) + CLIP (pooled) text."""
 
@@ -76,6 +132,9 @@ class HunyuanVideoAdapter(DiffusionAdapter):
     tiny_height: ClassVar[int] = 32
     tiny_width: ClassVar[int] = 32
     tiny_num_frames: ClassVar[int] = 5  # 4k + 1 frames -> k + 1 latent frames
+    medium_height: ClassVar[int] = 320
+    medium_width: ClassVar[int] = 512
+    medium_num_frames: ClassVar[int] = 33
 
     def __init__(
         self,
@@ -103,47 +162,14 @@ class HunyuanVideoAdapter(DiffusionAdapter):
         if (self.num_frames - 1) % f_t:
             raise DigenError(f"HunyuanVideo needs num_frames = {f_t}k + 1, got {self.num_frames}.")
 
-    # --- tiny flavour -------------------------------------------------------------------
+    # --- random-init flavours -----------------------------------------------------------
 
     @classmethod
     def build_tiny_components(cls) -> dict[str, Any]:
         """Random-init HunyuanVideo at toy size: 8x/4x VAE with 16 latent channels, 16-wide text."""
-        from transformers import LlamaConfig, LlamaModel
-
-        def llama_tokenizer(model_max_length: int):
-            return make_byte_tokenizer(
-                model_max_length=model_max_length,
-                bos_token="<|begin_of_text|>",
-                eos_token="<|end_of_text|>",
-                extra_special_tokens=_LLAMA_SPECIALS,
-                add_bos=True,
-                add_eos=False,
-            )
-
-        # The Llama tokenizer sees template + prompt: leave room for 32 prompt tokens.
-        crop = template_crop_start(llama_tokenizer(4096), DEFAULT_PROMPT_TEMPLATE["template"])
-        tokenizer = llama_tokenizer(crop + _TINY_MAX_SEQUENCE_LENGTH)
-        tokenizer_2 = make_byte_tokenizer(
-            model_max_length=77,  # the pipeline always pads CLIP input to 77
-            bos_token="<|startoftext|>",
-            eos_token="<|endoftext|>",
-            add_bos=True,
+        text = _text_components(
+            llama_width=16, clip_width=8, clip_layers=1, prompt_tokens=_TINY_MAX_SEQUENCE_LENGTH
         )
-        text_encoder = LlamaModel(
-            LlamaConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=3,  # the pipeline reads the third-to-last hidden state
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=1024,
-                bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        )
-        text_encoder_2 = tiny_clip_text(tokenizer_2, 8, layers=1, max_positions=77)
         vae = AutoencoderKLHunyuanVideo(
             in_channels=3,
             out_channels=3,
@@ -173,16 +199,42 @@ class HunyuanVideoAdapter(DiffusionAdapter):
             pooled_projection_dim=8,  # CLIP hidden size
             rope_axes_dim=(2, 2, 4),  # (t, h, w), sums to attention_head_dim
         )
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=_SHIFT)
-        return {
-            "text_encoder": text_encoder,
-            "tokenizer": tokenizer,
-            "transformer": transformer,
-            "vae": vae,
-            "scheduler": scheduler,
-            "text_encoder_2": text_encoder_2,
-            "tokenizer_2": tokenizer_2,
-        }
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
+
+    @classmethod
+    def build_medium_components(cls) -> dict[str, Any]:
+        """Random-init HunyuanVideo at 1.02B transformer parameters, for measuring on one GPU.
+
+        The transformer keeps HunyuanVideo's blocks, head dim (128) and RoPE axes with 12 heads
+        (1536 wide; released: 24) and 6 dual- + 12 single-stream blocks (released: 20 + 40);
+        the VAE is the released architecture (8x / 4x down-sampling to 16 channels, 246M
+        parameters). The text encoders are small stand-ins (a 3-layer Llama and a 2-layer
+        CLIP, 256 wide), since they are not what is measured, but keep the pipeline's 256
+        prompt tokens. About 5.1 GB on disk (fp32).
+        """
+        text = _text_components(
+            llama_width=256,
+            clip_width=256,
+            clip_layers=2,
+            prompt_tokens=_PIPELINE_MAX_SEQUENCE_LENGTH,
+        )
+        vae = AutoencoderKLHunyuanVideo()  # the defaults are the released VAE
+        transformer = HunyuanVideoTransformer3DModel(
+            in_channels=16,
+            out_channels=16,
+            num_attention_heads=12,
+            attention_head_dim=128,
+            num_layers=6,
+            num_single_layers=12,
+            num_refiner_layers=2,
+            patch_size=2,
+            patch_size_t=1,
+            guidance_embeds=True,
+            text_embed_dim=256,  # Llama hidden size
+            pooled_projection_dim=256,  # CLIP hidden size
+            rope_axes_dim=(16, 56, 56),  # the released model's, sums to attention_head_dim
+        )
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
 
     # --- the protocol -------------------------------------------------------------------
 
@@ -198,8 +250,7 @@ class HunyuanVideoAdapter(DiffusionAdapter):
         room = int(self.pipe.tokenizer.model_max_length) - self.prompt_template["crop_start"]
         return max(1, min(_PIPELINE_MAX_SEQUENCE_LENGTH, room))
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+    def _encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         """``prompt_embeds [B, L, D_llama]``, ``prompt_attention_mask [B, L]`` (Llama, template
         cropped) and ``pooled_prompt_embeds [B, D_clip]`` (CLIP)."""
         embeds, pooled, mask = self.pipe.encode_prompt(

@@ -57,6 +57,54 @@ _SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 
+def _text_components(*, width: int, mrope_section: list[int]) -> dict[str, Any]:
+    """A 2-layer Qwen2.5-VL ``width`` wide with two query heads (a one-block vision tower it
+    never uses), and a byte tokenizer with the chat-template tokens."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = make_byte_tokenizer(
+        model_max_length=2048,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=_CHAT_TOKENS,
+        add_eos=False,  # the Qwen tokenizer appends nothing; the template closes the turn
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _CHAT_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": width,
+            "intermediate_size": 2 * width,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": mrope_section,
+                "rope_theta": 1e6,
+            },
+            "bos_token_id": None,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": width,
+            "fullatt_block_indexes": [0],
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder}
+
+
 class QwenImageAdapter(DiffusionAdapter):
     """Qwen-Image over ``diffusers.QwenImagePipeline``."""
 
@@ -91,56 +139,13 @@ class QwenImageAdapter(DiffusionAdapter):
             )
         pipe.prompt_template_encode_start_idx = _template_start_index(pipe)
 
-    # --- tiny flavour -------------------------------------------------------------------
+    # --- random-init flavours -----------------------------------------------------------
 
     @classmethod
     def build_tiny_components(cls) -> dict[str, Any]:
         """Real classes at toy size: 2-block MMDiT (width 32), 2-layer Qwen2.5-VL, 3-level VAE."""
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-        tokenizer = make_byte_tokenizer(
-            model_max_length=2048,
-            eos_token="<|im_end|>",
-            pad_token="<|endoftext|>",
-            extra_special_tokens=_CHAT_TOKENS,
-            add_eos=False,  # the Qwen tokenizer appends nothing; the template closes the turn
-        )
-        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _CHAT_TOKENS}
-        text_dim = 32
-        config = Qwen2_5_VLConfig(
-            text_config={
-                "vocab_size": len(tokenizer),
-                "hidden_size": text_dim,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "max_position_embeddings": 2048,
-                # head_dim 16: the M-RoPE sections split its 8 frequencies over (t, h, w)
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "mrope_section": [2, 3, 3],
-                    "rope_theta": 1e6,
-                },
-                "bos_token_id": None,
-                "eos_token_id": tokenizer.eos_token_id,
-                "pad_token_id": tokenizer.pad_token_id,
-            },
-            vision_config={
-                "depth": 1,
-                "hidden_size": 16,
-                "intermediate_size": 32,
-                "num_heads": 2,
-                "out_hidden_size": text_dim,
-                "fullatt_block_indexes": [0],
-            },
-            image_token_id=ids["<|image_pad|>"],
-            video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"],
-        )
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-
+        # head_dim 16: the M-RoPE sections split its 8 frequencies over (t, h, w)
+        text = _text_components(width=32, mrope_section=[2, 3, 3])
         z_dim = 4
         vae = AutoencoderKLQwenImage(
             base_dim=16,
@@ -159,16 +164,38 @@ class QwenImageAdapter(DiffusionAdapter):
             num_layers=2,
             attention_head_dim=16,
             num_attention_heads=2,
-            joint_attention_dim=text_dim,
+            joint_attention_dim=32,  # Qwen2.5-VL hidden size
             axes_dims_rope=(8, 4, 4),  # sums to attention_head_dim
         )
-        return {
-            "transformer": transformer,
-            "vae": vae,
-            "text_encoder": text_encoder,
-            "tokenizer": tokenizer,
-            "scheduler": FlowMatchEulerDiscreteScheduler(**_SCHEDULER_CONFIG),
-        }
+        scheduler = FlowMatchEulerDiscreteScheduler(**_SCHEDULER_CONFIG)
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": scheduler}
+
+    @classmethod
+    def build_medium_components(cls) -> dict[str, Any]:
+        """Random-init Qwen-Image at 1.03B transformer parameters, for measuring on one GPU.
+
+        The transformer keeps Qwen-Image's blocks, head dim (128) and RoPE axes with 12 heads
+        (1536 wide; released: 24) and 12 blocks (released: 60); the VAE is the released
+        architecture (8x down-sampling to 16 channels, 127M parameters). The text encoder is a
+        2-layer Qwen2.5-VL stand-in 256 wide (released: 7B, 3584 wide), since it is not what is
+        measured. About 4.6 GB on disk (fp32).
+        """
+        # head_dim 128: Qwen2.5-VL's M-RoPE sections split its 64 frequencies over (t, h, w)
+        text = _text_components(width=256, mrope_section=[16, 24, 24])
+        z_dim = 16
+        vae = AutoencoderKLQwenImage(z_dim=z_dim)  # the defaults are the released VAE
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=4 * z_dim,
+            out_channels=z_dim,
+            num_layers=12,
+            attention_head_dim=128,
+            num_attention_heads=12,
+            joint_attention_dim=256,  # Qwen2.5-VL hidden size
+            axes_dims_rope=(16, 56, 56),  # the released model's, sums to attention_head_dim
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(**_SCHEDULER_CONFIG)
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": scheduler}
 
     # --- geometry -----------------------------------------------------------------------
 
@@ -185,8 +212,7 @@ class QwenImageAdapter(DiffusionAdapter):
 
     # --- conditioning -------------------------------------------------------------------
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+    def _encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         """``prompt_embeds [B, L, D]`` and ``prompt_embeds_mask [B, L]`` (0 marks padding).
 
         ``L`` is the longest templated prompt of the batch after the template prefix is cropped,

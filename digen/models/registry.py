@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BACKBONES", "MODEL_NAMES", "Backbone"]
+__all__ = ["BACKBONES", "FLAVOURS", "MODEL_NAMES", "Backbone"]
+
+FLAVOURS: tuple[str, ...] = ("tiny", "medium")
+"""Random-init sizes every backbone builds from config (``model.flavour``): ``tiny`` (toy
+width, tests and CPUs) and ``medium`` (about 1B transformer parameters, for a GPU)."""
 
 
 @dataclass(frozen=True, slots=True)

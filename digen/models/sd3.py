@@ -26,6 +26,7 @@ from digen.models.base import (
     make_byte_tokenizer,
 )
 from digen.models.tiny import (
+    medium_autoencoder_kl,
     tiny_autoencoder_kl,
     tiny_clip_text,
     tiny_clip_tokenizer,
@@ -36,6 +37,29 @@ __all__ = ["SD3Adapter"]
 
 #: T5 sequence length the SD3 pipeline uses when nothing else is set
 _PIPELINE_MAX_SEQUENCE_LENGTH = 256
+
+
+def _text_components(
+    *, clip_widths: tuple[int, int], t5_width: int, clip_length: int, t5_length: int
+) -> dict[str, Any]:
+    """CLIP-L, CLIP-G (both with projections) and T5 stand-ins of the given widths, taking
+    ``clip_length`` and ``t5_length`` tokens."""
+    tokenizer, tokenizer_2 = tiny_clip_tokenizer(clip_length), tiny_clip_tokenizer(clip_length)
+    tokenizer_3 = make_byte_tokenizer(model_max_length=t5_length, eos_token="</s>")
+    clip_l, clip_g = clip_widths
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": tiny_clip_text(tokenizer, clip_l, with_projection=True, act="gelu"),
+        "tokenizer_2": tokenizer_2,
+        "text_encoder_2": tiny_clip_text(tokenizer_2, clip_g, with_projection=True, act="gelu"),
+        "tokenizer_3": tokenizer_3,
+        "text_encoder_3": tiny_t5_encoder(tokenizer_3, t5_width),
+    }
+
+
+def _scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """SD3's and SD3.5's scheduler: a static shift of 3."""
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 
 
 class SD3Adapter(DiffusionAdapter):
@@ -58,18 +82,14 @@ class SD3Adapter(DiffusionAdapter):
                 f"SD3 needs height and width divisible by {f}, got {self.height}x{self.width}."
             )
 
-    # --- tiny flavour -------------------------------------------------------------------
+    # --- random-init flavours -----------------------------------------------------------
 
     @classmethod
     def build_tiny_components(cls) -> dict[str, Any]:
         """Random-init SD3.5 at toy size: 8x VAE with 4 latent channels, 2 small CLIPs + T5."""
-        tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_clip_tokenizer()
-        tokenizer_3 = make_byte_tokenizer(model_max_length=32, eos_token="</s>")
         # CLIP-L / CLIP-G stand-ins: hidden 16 + 24 = 40 <= T5 width 48 (the pipeline pads
         # the concatenated CLIP states up to the T5 width), pooled 16 + 24 = 40
-        text_encoder = tiny_clip_text(tokenizer, 16, with_projection=True, act="gelu")
-        text_encoder_2 = tiny_clip_text(tokenizer_2, 24, with_projection=True, act="gelu")
-        text_encoder_3 = tiny_t5_encoder(tokenizer_3, 48)
+        text = _text_components(clip_widths=(16, 24), t5_width=48, clip_length=32, t5_length=32)
         vae = tiny_autoencoder_kl(scaling_factor=1.5305, shift_factor=0.0609)  # SD3's VAE
         transformer = SD3Transformer2DModel(
             sample_size=4,  # latent side at the tiny geometry
@@ -86,18 +106,38 @@ class SD3Adapter(DiffusionAdapter):
             dual_attention_layers=(0,),  # SD3.5-medium style self-attention branch
             qk_norm="rms_norm",
         )
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-        return {
-            "scheduler": scheduler,
-            "vae": vae,
-            "text_encoder": text_encoder,
-            "tokenizer": tokenizer,
-            "text_encoder_2": text_encoder_2,
-            "tokenizer_2": tokenizer_2,
-            "text_encoder_3": text_encoder_3,
-            "tokenizer_3": tokenizer_3,
-            "transformer": transformer,
-        }
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
+
+    @classmethod
+    def build_medium_components(cls) -> dict[str, Any]:
+        """Random-init SD3.5-medium at half depth, 1.10B transformer parameters, for measuring
+        on one GPU.
+
+        The transformer is SD3.5-medium's width (24 heads of 64, 1536) with 12 of its 24 blocks,
+        the first 6 with the dual attention branch (SD3.5-medium: the first 13), and SD3's
+        position table (192 patches a side, up to 3072 px); the VAE is SD3's own architecture
+        (16 latent channels, 84M parameters). The text encoders are 2-layer stand-ins (CLIPs
+        64 and 128 wide, T5 256 wide), since they are not what is measured, but keep the real
+        token counts (77 CLIP, 256 T5). About 5.0 GB on disk (fp32).
+        """
+        text = _text_components(clip_widths=(64, 128), t5_width=256, clip_length=77, t5_length=512)
+        vae = medium_autoencoder_kl(scaling_factor=1.5305, shift_factor=0.0609)
+        transformer = SD3Transformer2DModel(
+            sample_size=64,  # latent side at the medium geometry
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=12,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=256,  # T5 d_model
+            caption_projection_dim=1536,  # = heads * head_dim
+            pooled_projection_dim=64 + 128,  # CLIP-L + CLIP-G projections
+            pos_embed_max_size=192,
+            dual_attention_layers=tuple(range(6)),
+            qk_norm="rms_norm",
+        )
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
 
     # --- the protocol -------------------------------------------------------------------
 
@@ -132,8 +172,7 @@ class SD3Adapter(DiffusionAdapter):
         limit = int(tok.model_max_length) if tok is not None else _PIPELINE_MAX_SEQUENCE_LENGTH
         return min(_PIPELINE_MAX_SEQUENCE_LENGTH, limit)
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+    def _encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         """``prompt_embeds [B, L_clip + L_t5, D_t5]`` and ``pooled_prompt_embeds [B, D_pool]``."""
         prompt_embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompt=list(prompts),

@@ -1,7 +1,9 @@
-"""Building blocks of the tiny flavours: small text encoders and a small image VAE.
+"""Building blocks of the random-init flavours: small text encoders and the image VAEs.
 
-The real architectures at toy width, shared by the backbones whose pipelines use them, so a
-tiny FLUX and a tiny SD3 build their T5 (or a tiny Wan its UMT5) the same way.
+The real architectures, shared by the backbones whose pipelines use them, so a tiny FLUX and a
+tiny SD3 build their T5 (or a tiny Wan its UMT5) the same way. The text encoders are toy-sized
+in both flavours (the medium flavour measures the transformer and VAE, not the text encoders);
+the image VAE comes at toy size and at the real FLUX.1 / SD3 size.
 """
 
 from __future__ import annotations
@@ -10,7 +12,13 @@ from typing import Any
 
 from digen.models.base import make_byte_tokenizer
 
-__all__ = ["tiny_autoencoder_kl", "tiny_clip_text", "tiny_clip_tokenizer", "tiny_t5_encoder"]
+__all__ = [
+    "medium_autoencoder_kl",
+    "tiny_autoencoder_kl",
+    "tiny_clip_text",
+    "tiny_clip_tokenizer",
+    "tiny_t5_encoder",
+]
 
 
 def tiny_clip_tokenizer(max_length: int = 32) -> Any:
@@ -95,6 +103,28 @@ def tiny_autoencoder_kl(*, scaling_factor: float, shift_factor: float) -> Any:
         latent_channels=4,
         norm_num_groups=4,
         sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+    )
+
+
+def medium_autoencoder_kl(*, scaling_factor: float, shift_factor: float) -> Any:
+    """FLUX.1's and SD3's ``AutoencoderKL``: 8x down-sampling to 16 latent channels, 84M
+    parameters, tiles of 1024 px when tiling is on."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        latent_channels=16,
+        norm_num_groups=32,
+        sample_size=1024,
         use_quant_conv=False,
         use_post_quant_conv=False,
         scaling_factor=scaling_factor,

@@ -6,7 +6,7 @@ through ``predict_velocity``'s ``neg_cond``. Latents stay in the VAE layout
 ``[B, C, F, H, W]``, normalised per channel by the VAE's ``latents_mean`` / ``latents_std``.
 
 Sampling uses flow-matching Euler sigmas with Wan2.1's ``flow_shift``: 3.0 (the 480p value,
-used by the tiny flavour); 720p checkpoints use 5.0. Released Wan checkpoints ship a UniPC
+used by the random-init flavours); 720p checkpoints use 5.0. Released Wan checkpoints ship a UniPC
 scheduler; its ``flow_shift`` carries over to the Euler scheduler put in its place.
 Single-expert checkpoints only (Wan2.1, Wan2.2 TI2V-5B): the two-expert Wan2.2 A14B
 (``transformer_2``) is refused.
@@ -50,6 +50,17 @@ def _euler_scheduler(scheduler: Any) -> FlowMatchEulerDiscreteScheduler:
     )
 
 
+def _text_components(*, width: int, length: int) -> dict[str, Any]:
+    """A UMT5 stand-in ``width`` wide whose tokenizer takes ``length`` tokens."""
+    tokenizer = make_byte_tokenizer(model_max_length=length)
+    return {"tokenizer": tokenizer, "text_encoder": tiny_t5_encoder(tokenizer, width, umt5=True)}
+
+
+def _scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Flow-matching Euler with Wan2.1's 480p flow shift."""
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=DEFAULT_FLOW_SHIFT)
+
+
 class WanAdapter(DiffusionAdapter):
     """Wan2.1-style video DiT with UMT5 text cross-attention."""
 
@@ -62,6 +73,9 @@ class WanAdapter(DiffusionAdapter):
     tiny_height: ClassVar[int] = 32
     tiny_width: ClassVar[int] = 32
     tiny_num_frames: ClassVar[int] = 5  # 4k + 1 frames -> k + 1 latent frames
+    medium_height: ClassVar[int] = 320
+    medium_width: ClassVar[int] = 512
+    medium_num_frames: ClassVar[int] = 33
 
     def __init__(self, pipe: WanPipeline, **geometry: Any) -> None:
         if getattr(pipe, "transformer_2", None) is not None:
@@ -82,13 +96,12 @@ class WanAdapter(DiffusionAdapter):
         if (self.num_frames - 1) % f_t:
             raise DigenError(f"Wan needs num_frames = {f_t}k + 1, got {self.num_frames}.")
 
-    # --- tiny flavour -------------------------------------------------------------------
+    # --- random-init flavours -----------------------------------------------------------
 
     @classmethod
     def build_tiny_components(cls) -> dict[str, Any]:
         """Random-init Wan2.1 at toy size: 8x/4x VAE with 16 latent channels, 16-wide UMT5."""
-        tokenizer = make_byte_tokenizer(model_max_length=_TINY_MAX_SEQUENCE_LENGTH)
-        text_encoder = tiny_t5_encoder(tokenizer, 16, umt5=True)
+        text = _text_components(width=16, length=_TINY_MAX_SEQUENCE_LENGTH)
         vae = AutoencoderKLWan(
             base_dim=4,
             z_dim=16,  # matches the 16 default latents_mean / latents_std of Wan2.1's VAE
@@ -110,16 +123,35 @@ class WanAdapter(DiffusionAdapter):
             qk_norm="rms_norm_across_heads",
             rope_max_seq_len=32,
         )
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000, shift=DEFAULT_FLOW_SHIFT
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
+
+    @classmethod
+    def build_medium_components(cls) -> dict[str, Any]:
+        """Random-init Wan2.1-T2V-1.3B, 1.41B transformer parameters, for measuring on one GPU.
+
+        The transformer is Wan2.1-1.3B's (1536 wide, 12 heads of 128, 30 layers, FFN 8960)
+        and the VAE Wan2.1's (8x / 4x down-sampling to 16 channels, 127M parameters). The text
+        encoder is a 2-layer UMT5 stand-in 256 wide (Wan2.1: UMT5-XXL, 4096), since it is not
+        what is measured, but keeps the pipeline's 226 text tokens. About 6.2 GB on disk (fp32).
+        """
+        text = _text_components(width=256, length=512)  # UMT5's tokenizer limit
+        vae = AutoencoderKLWan()  # the defaults are Wan2.1's VAE
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=12,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=256,  # UMT5 d_model
+            freq_dim=256,
+            ffn_dim=8960,
+            num_layers=30,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            rope_max_seq_len=1024,
         )
-        return {
-            "tokenizer": tokenizer,
-            "text_encoder": text_encoder,
-            "vae": vae,
-            "scheduler": scheduler,
-            "transformer": transformer,
-        }
+        return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
 
     # --- the protocol -------------------------------------------------------------------
 
@@ -134,8 +166,7 @@ class WanAdapter(DiffusionAdapter):
             return int(self.max_sequence_length)
         return min(_PIPELINE_MAX_SEQUENCE_LENGTH, int(self.pipe.tokenizer.model_max_length))
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+    def _encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         """``prompt_embeds [B, L, D_umt5]``, zero past each prompt's last token (as the
         pipeline does; the transformer takes no text mask)."""
         embeds, _ = self.pipe.encode_prompt(

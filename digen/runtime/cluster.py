@@ -21,11 +21,13 @@ import torch
 
 from digen.config import DigenConfig, config_to_dict
 from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec, active_launch
+from digen.runtime.fsdp import is_sharded
 from digen.runtime.placement import all_devices, device_maps
+from digen.runtime.policy import LossStats
 from digen.runtime.workers import Timed
 from digen.sched.schedule import Pool, worker_names
 
-__all__ = ["Cluster"]
+__all__ = ["Cluster", "TrainerGang"]
 
 _WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
@@ -93,6 +95,8 @@ class Cluster:
             )
             for i, name in enumerate(self.trainer_names)
         ]
+        if rt.trainers > 1 and is_sharded(rt.trainer_parallel):
+            self.trainers = [TrainerGang(self.trainers)]
         await asyncio.gather(*(a.call("ping") for a in self.gens + self.trainers))
         if rt.weight_sync == "broadcast":
             size = 1 + len(self.gens)
@@ -136,15 +140,53 @@ class Cluster:
         return await self.trainers[0].call("trainable_state")
 
     async def release(self, holder: str, keys: list[tuple[int, int]]) -> None:
-        """Drop micro-batches nothing will train from ``holder``'s store."""
+        """Drop micro-batches nothing will train from ``holder``'s store (from every
+        sharded trainer's, when the trainers as one made them)."""
         from digen.runtime.store import release
 
-        await self.system.run(holder, release, keys)
+        gang = self.trainers[0] if self.trainers else None
+        holders = gang.members if isinstance(gang, TrainerGang) and holder == gang.worker else []
+        await asyncio.gather(*(self.system.run(h, release, keys) for h in holders or [holder]))
 
     @property
     def payload(self) -> Any:
         """Bytes the driver's calls moved so far (:attr:`ActorSystem.payload`)."""
         return self.system.payload
+
+
+class TrainerGang:
+    """Sharded trainers (FSDP / HSDP) called as one trainer named ``trainer-0``.
+
+    Their collectives need every member, so the calls that run the model (generate, update,
+    step) go to all of them at once, with the same arguments (each trainer takes its own
+    share of an update's rows); the rest go to trainer 0, which holds the full weights.
+    A gang call's span runs from the first member's start to the last one's end.
+    """
+
+    _EVERY_MEMBER = ("generate", "update", "step", "ping", "statistics")
+
+    def __init__(self, trainers: Sequence[ActorHandle]) -> None:
+        self.handles = list(trainers)
+        self.worker = self.handles[0].worker
+        self.members = [h.worker for h in self.handles]
+
+    async def call(self, method: str, /, *args: Any) -> Any:
+        if method not in self._EVERY_MEMBER:
+            return await self.handles[0].call(method, *args)
+        results = await asyncio.gather(*(h.call(method, *args) for h in self.handles))
+        if not isinstance(results[0], Timed):
+            return results[0]
+        value = results[0].value
+        if method == "update":  # every member's loss terms, added in member order
+            value = LossStats()
+            for r in results:
+                value.add(r.value)
+        return Timed(
+            value,
+            min(r.t0 for r in results),
+            max(r.t1 for r in results),
+            max(r.memory_gb for r in results),
+        )
 
 
 def _reachable_host(peer: str) -> str:

@@ -34,6 +34,7 @@ from digen.algos.rewards import CompositeReward
 from digen.algos.rollout import Rollout
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
+from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.metrics import step_metrics
 from digen.runtime.placement import is_cuda, peak_memory_gb
@@ -74,10 +75,21 @@ class ColocatedTrainer:
         self.rank, self.world = rank, world
         if is_cuda(cfg.model.device):
             torch.cuda.set_device(torch.device(cfg.model.device))
-        self.policy = policy or Policy(cfg, trainable=True)
+        rt = cfg.runtime
+        self.sharded = world > 1 and is_sharded(rt.trainer_parallel)
+        mesh = None
+        if self.sharded and policy is None:
+            kind = "cuda" if is_cuda(cfg.model.device) else "cpu"
+            shard = rt.shard_size
+            if rt.trainer_parallel == "hsdp" and shard is None:
+                shard = min(world, torch.cuda.device_count()) if kind == "cuda" else world
+            mesh = make_mesh(rt.trainer_parallel, world, kind, shard)
+        self.policy = policy or Policy(cfg, trainable=True, mesh=mesh)
         self.trace = trace
         self.worker = f"worker-{rank}"
         self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
+        self._full: dict[str, torch.Tensor] | None = None
+        """Sharded: the trained weights in full, gathered by every worker after the run."""
 
     async def __aenter__(self) -> ColocatedTrainer:
         return self
@@ -86,9 +98,11 @@ class ColocatedTrainer:
         return None
 
     async def save_weights(self, out_dir: str | os.PathLike) -> Path:
-        return self.policy.save_weights(out_dir)
+        return self.policy.save_weights(out_dir, self._full)
 
     async def final_state(self) -> dict[str, torch.Tensor]:
+        if self._full is not None:
+            return dict(self._full)
         return self.policy.trainable_state()
 
     # --- the run ------------------------------------------------------------------------
@@ -113,6 +127,8 @@ class ColocatedTrainer:
                 res.pixels, res.captions = None, []
             results.append(res)
             go = on_step is None or on_step(res) is not False
+        if self.sharded:  # every worker takes part in gathering the full weights
+            self._full = full_tensors(self.policy.synced_parameters(), keep=True)
         return results
 
     def _all_agree(self, go: bool) -> bool:
@@ -128,11 +144,19 @@ class ColocatedTrainer:
     def step_prompts(self, step: int) -> tuple[list[str], list[dict[str, Any]]]:
         return self.prompts.for_step(self.cfg.seed, step, self.cfg.data.train_batch_size)
 
-    def my_keys(self, step: int) -> list[SampleKey]:
-        """This worker's share: every ``world``-th sample of the step, in (prompt, sample) order."""
+    def my_keys(self, step: int, everyone: bool = False) -> list[SampleKey]:
+        """This worker's share: every ``world``-th sample of the step, in (prompt, sample)
+        order; with ``everyone``, every sample of the step."""
         b, n = self.cfg.data.train_batch_size, self.cfg.rollout.n
         keys = [SampleKey(step, p, j) for p in range(b) for j in range(n)]
-        return keys[self.rank :: self.world]
+        return keys if everyone else keys[self.rank :: self.world]
+
+    def _chunks(self, rows: int, size: int) -> list[list[int] | None]:
+        """This worker's chunks of ``rows`` shared out row by row (every ``world``-th), at
+        most ``size`` each; sharded workers pad to one count (None: a chunk run only to keep
+        in step, :func:`~digen.runtime.fsdp.lockstep_chunks`)."""
+        chunks = lockstep_chunks(rows, self.world, self.rank, size)
+        return chunks if self.sharded else [c for c in chunks if c is not None]
 
     async def train_step(
         self, step: int, on_phase: Callable[[str], None] | None = None
@@ -141,16 +165,19 @@ class ColocatedTrainer:
         t_start = time.perf_counter()
         texts, meta = self.step_prompts(step)
         keys = self.my_keys(step)
+        every = self.my_keys(step, everyone=True)
 
         # 1. sample, micro-batch by micro-batch
         _phase(on_phase, "generate")
         t0 = time.perf_counter()
         parts: list[Generated] = []
         mb = cfg.train.micro_batch_size
-        for i in range(0, len(keys), mb):
-            chunk = keys[i : i + mb]
-            with self._span("generate", step, i // mb):
-                parts.append(self.policy.generate(chunk, [texts[k.prompt] for k in chunk]))
+        for c, rows in enumerate(self._chunks(len(every), mb)):
+            chunk = [every[i] for i in rows or [0]]
+            with self._span("generate", step, c):
+                out = self.policy.generate(chunk, [texts[k.prompt] for k in chunk])
+            if rows is not None:  # else made only to keep sharded workers in step
+                parts.append(out)
         rollout = Rollout.cat([p.rollout for p in parts])
         pixels = torch.cat([p.pixels for p in parts])
         t_generate = time.perf_counter() - t0
@@ -181,24 +208,39 @@ class ColocatedTrainer:
         for m0 in range(0, b, mini):
             prompts_m = range(m0, m0 + mini)
             total_terms = int(keep[m0 : m0 + mini].sum()) * terms_per_sample(cfg, step)
-            mine_m = [k for k in keys if k.prompt in prompts_m and keep[k.prompt, k.sample]]
-            for i in range(0, len(mine_m), mb):
-                chunk = mine_m[i : i + mb]
-                rows = torch.tensor([row_of[k] for k in chunk])
+            chosen = {k for k in every if k.prompt in prompts_m and keep[k.prompt, k.sample]}
+            mine_m = [k for k in keys if k in chosen]
+            chunks: list[list[SampleKey] | None] = [
+                mine_m[i : i + mb] for i in range(0, len(mine_m), mb)
+            ]
+            # every worker counts the most chunks any worker has: sharded workers pad to it
+            # (a padding chunk, None, keeps them in step and adds nothing: scale 0)
+            most = max(
+                -(-sum(k in chosen for k in every[r :: self.world]) // mb)
+                for r in range(self.world)
+            )
+            if self.sharded:
+                chunks += [None] * (most - len(chunks))
+            for c, rows in enumerate(chunks):
+                chunk = rows if rows is not None else keys[:1]
                 item = TrainItem(
                     keys=chunk,
                     prompts=[texts[k.prompt] for k in chunk],
-                    rollout=rollout.select(rows),
+                    rollout=rollout.select(torch.tensor([row_of[k] for k in chunk])),
                     advantages=torch.stack([adv[k.prompt, k.sample] for k in chunk]),
                 )
                 # micro-batch ids interleave the workers: one order for every worker
-                index = (i // mb) * self.world + self.rank
-                with self._span("update", step, i // mb), self.grads.micro_batch(index):
-                    stats.add(self.policy.accumulate(item, 1.0 / total_terms))
+                index = c * self.world + self.rank
+                scale = 1.0 / total_terms if rows is not None else 0.0
+                with self._span("update", step, c), self.grads.micro_batch(index):
+                    got = self.policy.accumulate(item, scale)
+                if rows is not None:
+                    stats.add(got)
             t_opt = time.perf_counter()
             with self._span("step", step, -1):
-                count = -(-len(mine_m) // mb) * self.world
-                self.grads.reduce(count, dist.group.WORLD if self.world > 1 else None)
+                count = most * self.world
+                group = dist.group.WORLD if self.world > 1 and not self.sharded else None
+                self.grads.reduce(count, group)
                 grad_norms.append(self.policy.optimizer_step())
             optimizer_s += time.perf_counter() - t_opt
         t_train = time.perf_counter() - t0 - optimizer_s

@@ -37,7 +37,13 @@ from typing import Any
 import torch
 
 from digen.algos.grpo import score_groups, step_terms
-from digen.config import DigenConfig, max_inflight, microbatches_per_group, step_microbatches
+from digen.config import (
+    DigenConfig,
+    max_inflight,
+    microbatches_per_group,
+    step_microbatches,
+    trainer_slots,
+)
 from digen.prompts import PromptSet
 from digen.runtime.accounting import Accounts
 from digen.runtime.actors import WorkerDied
@@ -106,11 +112,12 @@ class Driver:
         self.book = Book(
             lambda step: step_microbatches(cfg, step),
             generators=rt.generators,
-            trainers=rt.trainers,
+            trainers=trainer_slots(cfg),
             admission=admission,
         )
         workers = worker_names(Pool.GENERATOR, rt.generators)
-        self.accounts = Accounts(cfg, trace, workers + worker_names(Pool.TRAINER, rt.trainers))
+        workers += worker_names(Pool.TRAINER, trainer_slots(cfg))
+        self.accounts = Accounts(cfg, trace, workers)
         self.tag_policy = make_tag_policy(rt.tag, rt.tag_k)
         self.sq: asyncio.Queue[Made] = asyncio.Queue(admission.max_inflight)
         """Micro-batches made on trainers (TAG), waiting for a generator to score them."""

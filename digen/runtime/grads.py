@@ -19,7 +19,10 @@ in a disaggregated run, so :class:`GradAccumulator` offers two ways to sum:
   passes add into ``.grad`` in place as they come, and trainers all-reduce one flat
   buffer. One gradient buffer, no copies; the last bits depend on the order.
 
-The colocated trainer uses the same class (its order is fixed by construction).
+The colocated trainer uses the same class (its order is fixed by construction). With sharded
+trainers (FSDP, :mod:`digen.runtime.fsdp`) each works on its own shards of the gradients,
+already summed over the members by FSDP's reduce-scatter: ``reduce`` is called without a
+group, and the ordered sum adds the shards' micro-batches in order.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+
+from digen.runtime.fsdp import local
 
 __all__ = ["CHUNK_BYTES", "GradAccumulator", "all_reduce_"]
 
@@ -47,7 +52,7 @@ class GradAccumulator:
     def __init__(self, params: Sequence[torch.nn.Parameter], *, ordered: bool) -> None:
         self.params = list(params)
         self.ordered = ordered
-        self.numel = sum(p.numel() for p in self.params)
+        self.numel = sum(local(p).numel() for p in self.params)
         self._slots: dict[int, torch.Tensor] = {}
 
     @property
@@ -112,16 +117,23 @@ class GradAccumulator:
 
     @staticmethod
     def _flat(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+        """This worker's gradients as one fp32 vector (its shards, with sharded trainers)."""
         return torch.cat(
             [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                (local(p.grad) if p.grad is not None else torch.zeros_like(local(p)))
+                .reshape(-1)
+                .float()
                 for p in params
             ]
         )
 
     def _unflatten(self, flat: torch.Tensor) -> None:
         offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
-            offset += n
+        with torch.no_grad():
+            for p in self.params:
+                grad = torch.zeros_like(p)  # sharded like ``p`` where it is
+                mine = local(grad)
+                n = mine.numel()
+                mine.copy_(flat[offset : offset + n].view_as(mine))
+                p.grad = grad
+                offset += n

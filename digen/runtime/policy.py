@@ -126,7 +126,10 @@ class Policy:
         *,
         trainable: bool = True,
         adapter: DiffusionAdapter | None = None,
+        mesh: Any = None,
     ) -> None:
+        """``mesh``: a ``DeviceMesh`` to shard the transformer over (FSDP2, every member of
+        the mesh building its policy at once: :mod:`digen.runtime.fsdp`); None keeps it whole."""
         self.cfg = cfg
         m = cfg.model
         self.adapter = adapter or load_adapter(
@@ -138,6 +141,9 @@ class Policy:
             width=m.width,
             num_frames=m.num_frames,
             max_sequence_length=m.max_sequence_length,
+            flavour=m.flavour,
+            vae_tiling=m.vae_tiling,
+            offload_text_encoders=m.offload_text_encoders,
         )
         self.version = 0
         self.algorithm = get_algorithm(cfg.algo.name)
@@ -161,11 +167,23 @@ class Policy:
                     init=t.lora_init,
                     dtype=t.lora_dtype,
                 )
+        self.sharded = mesh is not None
         if trainable:
+            transformer = self.adapter.transformer
             if t.lora_rank == 0:
                 if cfg.algo.kl_coef > 0:
-                    self.reference = copy.deepcopy(self.adapter.transformer).requires_grad_(False)
-                self.params = enable_full_finetune(self.adapter.transformer)
+                    self.reference = copy.deepcopy(transformer).requires_grad_(False)
+                self.params = enable_full_finetune(transformer)
+            if t.gradient_checkpointing:
+                transformer.enable_gradient_checkpointing()
+            if mesh is not None:
+                from digen.runtime.fsdp import map_params, shard_transformer
+
+                names = [n for n, p in transformer.named_parameters() if p.requires_grad]
+                shard_transformer(transformer, mesh, self.adapter.dtype)
+                if self.reference is not None:
+                    shard_transformer(self.reference, mesh, self.adapter.dtype)
+                self.params = map_params(transformer, names)()
             self.optimizer = torch.optim.AdamW(
                 self.params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8
             )
@@ -335,17 +353,23 @@ class Policy:
         norm = torch.nn.utils.clip_grad_norm_(
             self.params, max_norm if max_norm > 0 else float("inf")
         )
+        if hasattr(norm, "full_tensor"):  # sharded gradients: the norm over every member
+            norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return float(norm)
 
-    def save_weights(self, out_dir: str | os.PathLike) -> Path:
+    def save_weights(
+        self, out_dir: str | os.PathLike, state: dict[str, torch.Tensor] | None = None
+    ) -> Path:
         """Save the trained weights; returns the directory.
 
         LoRA: ``out_dir/lora`` via the pipeline's ``save_lora_weights`` (load it back with
-        ``pipe.load_lora_weights``). Full fine-tuning: ``out_dir/transformer`` via
-        ``save_pretrained`` (load with the transformer class's ``from_pretrained``).
+        ``pipe.load_lora_weights``). Full fine-tuning: ``out_dir/transformer`` in the layout
+        of ``save_pretrained`` (load with the transformer class's ``from_pretrained``).
+        ``state``: the full trained tensors by parameter name, where the transformer holds
+        only shards of them (sharded trainers); None reads the transformer.
         """
         transformer = self.adapter.transformer
         if self.cfg.train.lora_rank > 0:
@@ -355,13 +379,26 @@ class Policy:
             tmp = _atomic_dir(final)
             self.adapter.pipeline_class.save_lora_weights(
                 str(tmp),
-                transformer_lora_layers=get_peft_model_state_dict(transformer),
+                transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state),
                 transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
             )
-        else:
+        elif state is None:
             final = Path(out_dir) / "transformer"
             tmp = _atomic_dir(final)
             transformer.save_pretrained(str(tmp), safe_serialization=True)
+        else:
+            from huggingface_hub import save_torch_state_dict
+
+            final = Path(out_dir) / "transformer"
+            tmp = _atomic_dir(final)
+            transformer.save_config(str(tmp))
+            buffers = {n: b.cpu() for n, b in transformer.state_dict().items() if n not in state}
+            save_torch_state_dict(
+                {**state, **buffers},
+                str(tmp),
+                filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
+                max_shard_size="10GB",
+            )
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return final

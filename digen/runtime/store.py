@@ -38,6 +38,8 @@ class _Held:
     pixels: torch.Tensor | None
     conditioning: Any = None
     """The prompt's embedding (a reference to the maker's cache), for the trainer."""
+    taken: int = 0
+    """Trainers that took their rows of the rollout so far (sharded trainers each take some)."""
 
 
 class Store:
@@ -50,8 +52,10 @@ class Store:
         self._lock = threading.Lock()
 
     def put(
-        self, key: Key, rollout: Rollout, pixels: torch.Tensor, conditioning: Any = None
+        self, key: Key, rollout: Rollout, pixels: torch.Tensor | None, conditioning: Any = None
     ) -> None:
+        """Hold a micro-batch; ``pixels`` None when someone else scores it (a sharded
+        trainer other than the first keeps only its copy of the rollout)."""
         with self._lock:
             if key in self._items:
                 raise KeyError(f"micro-batch {key} is already held here")
@@ -76,12 +80,18 @@ class Store:
         """The trajectories of ``key`` (only ``rows`` when given); they are dropped here."""
         return self.take_training(key, rows)[0]
 
-    def take_training(self, key: Key, rows: list[int] | None = None) -> tuple[Rollout, Any]:
+    def take_training(
+        self, key: Key, rows: list[int] | None = None, takers: int = 1
+    ) -> tuple[Rollout, Any]:
         """What a trainer needs of ``key``: its trajectories (``rows``) and its prompt's
-        embedding; dropped here."""
+        embedding; dropped here once ``takers`` trainers (sharded ones: each its rows) took
+        theirs."""
         with self._lock:
             held = self._get(key)
-            rollout, held.rollout = held.rollout, None
+            rollout = held.rollout
+            held.taken += 1
+            if held.taken >= takers:
+                held.rollout = None
             conditioning = held.conditioning
             self._forget_if_empty(key, held)
         if rollout is None:
@@ -148,11 +158,16 @@ def fetch_pixels(key: Key, wire: str | None = None) -> torch.Tensor:
 
 
 def fetch_rollout(
-    key: Key, rows: list[int] | None = None, conditioning: bool = False, wire: str | None = None
+    key: Key,
+    rows: list[int] | None = None,
+    conditioning: bool = False,
+    wire: str | None = None,
+    takers: int = 1,
 ):
     """Run in the holder (actor to actor): take the trajectories of ``key``; with
-    ``conditioning``, also its prompt's embedding: ``(rollout, embedding or None)``."""
-    rollout, embeds = STORE.take_training(key, rows)
+    ``conditioning``, also its prompt's embedding: ``(rollout, embedding or None)``.
+    ``takers``: how many trainers take rows of it (:meth:`Store.take_training`)."""
+    rollout, embeds = STORE.take_training(key, rows, takers)
     if not conditioning:
         embeds = None
     elif embeds is not None and wire is not None:

@@ -46,12 +46,13 @@ import torch.distributed as dist
 from digen.algos.rewards import build_reward
 from digen.config import DigenConfig, load_config, max_inflight
 from digen.runtime.actors import run_sync
+from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.outputs import thumbnails
 from digen.runtime.placement import group_backend, is_cuda, peak_memory_gb, worker_device
 from digen.runtime.policy import LossStats, Policy, SampleKey, TrainItem
 from digen.runtime.store import STORE, fetch_pixels, fetch_rollout, fetch_weights
-from digen.sched.schedule import index_of
+from digen.sched.schedule import Pool, index_of, worker_name
 
 __all__ = [
     "GeneratorActor",
@@ -159,6 +160,7 @@ class _PolicyActor:
         trainable: bool,
         devices: dict[str, str] | None = None,
         direct: bool = False,
+        mesh: Any = None,
     ) -> None:
         _set_threads(cfg.runtime.threads_per_worker)
         self.cfg = cfg
@@ -168,7 +170,7 @@ class _PolicyActor:
             torch.cuda.set_device(torch.device(self.device))
         self.devices = devices or {}
         self.direct = direct
-        self.policy = Policy(cfg, trainable=trainable)
+        self.policy = Policy(cfg, trainable=trainable, mesh=mesh)
         self.sync_group = None
         self._jitter = _Jitter()
         STORE.capacity = max_inflight(cfg)  # what the driver lets be generated, untrained
@@ -205,8 +207,15 @@ class _PolicyActor:
         self._jitter()
         t0 = time.time()
         out = self.policy.generate(keys, [prompt] * len(keys))
-        STORE.put((step, mb), out.rollout, out.pixels, self.policy.cached_conditioning(prompt))
+        pixels = out.pixels if self._scored_here else None
+        STORE.put((step, mb), out.rollout, pixels, self.policy.cached_conditioning(prompt))
         return self._timed(out.version, t0)
+
+    @property
+    def _scored_here(self) -> bool:
+        """Whether a generator fetches this worker's pixels (not so on sharded trainers
+        other than the first: they make the same samples, and keep only their rollout)."""
+        return True
 
     def version(self) -> int:
         return self.policy.version
@@ -349,26 +358,68 @@ class TrainerActor(_PolicyActor):
         direct: bool = False,
     ) -> None:
         """``dp_host``: where trainer 0 serves the data-parallel group's store
-        (``runtime.address`` when None)."""
+        (``runtime.address`` when None).
+
+        With ``runtime.trainer_parallel`` fsdp or hsdp (and ``world > 1``) the trainers shard
+        the transformer over a device mesh and act as one (:mod:`digen.runtime.fsdp`): each
+        takes its share of every update's rows, and trainer 0 keeps a full copy of the
+        trained weights, gathered after each step, to serve, save and return.
+        """
         cfg = _pool_config(cfg, "trainer", rank)
-        super().__init__(
-            cfg, name or f"trainer-{rank}", trainable=True, devices=devices, direct=direct
-        )
+        rt = cfg.runtime
         self.rank, self.world = rank, world
+        self.sharded = world > 1 and is_sharded(rt.trainer_parallel)
+        trainers = [d for w, d in (devices or {}).items() if w.startswith("trainer")]
+        backend = group_backend(trainers or [cfg.model.device])
+        host = dp_host or rt.address
+        mesh = None
+        if self.sharded:
+            if is_cuda(cfg.model.device):
+                torch.cuda.set_device(torch.device(cfg.model.device))
+            mesh = _trainer_mesh(cfg, host, dp_port, rank, world, backend, trainers)
+        super().__init__(
+            cfg,
+            name or f"trainer-{rank}",
+            trainable=True,
+            devices=devices,
+            direct=direct,
+            mesh=mesh,
+        )
         self.dp_group = None
-        if world > 1:
-            trainers = [d for w, d in self.devices.items() if w.startswith("trainer")]
-            self.dp_group = make_group(
-                dp_host or cfg.runtime.address,
-                dp_port,
-                rank,
-                world,
-                group_backend(trainers or [self.device]),
-                cfg.runtime.rpc_timeout_s,
-            )
+        if world > 1 and not self.sharded:
+            self.dp_group = make_group(host, dp_port, rank, world, backend, rt.rpc_timeout_s)
         self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
+        self._full: dict[str, torch.Tensor] = {}
+        """Sharded: trainer 0's full copy of the trained weights (the others hold none)."""
+        if self.sharded:
+            self._gather_full()
         if rank == 0:
             STORE.serve_weights(self._weights_bucket)
+
+    @property
+    def _scored_here(self) -> bool:
+        return not self.sharded or self.rank == 0
+
+    def _holds(self, holder: str) -> bool:
+        """Whether ``holder``'s micro-batch is in this process (sharded trainers all made
+        their own copy of what "trainer-0", the pool as one, generated)."""
+        return holder == self.name or (self.sharded and holder == worker_name(Pool.TRAINER, 0))
+
+    def _gather_full(self) -> None:
+        """Sharded: every trainer gathers the trained weights in full, one tensor at a time;
+        trainer 0 keeps them (on the CPU: a full copy need not fit next to the shards)."""
+        named = self.policy.synced_parameters()
+        self._full = full_tensors(named, keep=self.rank == 0)
+
+    def _synced(self) -> list[tuple[str, torch.Tensor]]:
+        if self.sharded:
+            return list(self._full.items())
+        return super()._synced()
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        if self.sharded:
+            return {k: v.clone() for k, v in self._full.items()}
+        return super().trainable_state()
 
     def _weights_bucket(self, version: int, bucket: int, wire: str | None) -> dict[str, Any]:
         """Bucket ``bucket`` of the weights of ``version``, read live (served on an RPC
@@ -402,33 +453,43 @@ class TrainerActor(_PolicyActor):
         """
         self._jitter()
         t0 = time.time()
-        key, rows = (step, mb), list(rows)
-        if holder == self.name:
-            rollout = STORE.take_rollout(key, rows)
+        key, keys, rows = (step, mb), list(keys), list(rows)
+        size = self.cfg.train.micro_batch_size
+        members, me = (self.world, self.rank) if self.sharded else (1, 0)
+        chunks = lockstep_chunks(len(keys), members, me, size)
+        mine = [i for c in chunks if c is not None for i in c] or [0]  # call's row indices
+        takers = members if not self._holds(holder) else 1
+        if self._holds(holder):
+            rollout = STORE.take_rollout(key, [rows[i] for i in mine])
         else:  # the prompt's embedding comes along the first time (cheaper than encoding)
             need = self.policy.cached_conditioning(prompt) is None
             wire = self._wire_from(holder)
-            rollout, embeds = run_sync(holder, fetch_rollout, key, rows, need, wire)
+            picked = [rows[i] for i in mine]
+            rollout, embeds = run_sync(holder, fetch_rollout, key, picked, need, wire, takers)
             if embeds is not None:
                 self.policy.add_conditioning(prompt, embeds)
         rollout = rollout.to(self.device)
-        keys = list(keys)
+        at = {i: j for j, i in enumerate(mine)}  # call's row -> row of ``rollout``
         adv = torch.tensor(list(advantages), dtype=torch.float32, device=self.device)
-        size = self.cfg.train.micro_batch_size
         stats = LossStats()
         with self.grads.micro_batch(mb):
-            for i in range(0, len(keys), size):
+            for chunk in chunks:
+                # a chunk this member runs only to keep in step adds nothing (scale 0)
+                idx, scale = (chunk, loss_scale) if chunk is not None else (mine[:1], 0.0)
                 part = TrainItem(
-                    keys=keys[i : i + size],
-                    prompts=[prompt] * len(keys[i : i + size]),
-                    rollout=rollout.select(slice(i, i + size)),
-                    advantages=adv[i : i + size],
+                    keys=[keys[i] for i in idx],
+                    prompts=[prompt] * len(idx),
+                    rollout=rollout.select(torch.tensor([at[i] for i in idx])),
+                    advantages=adv[idx],
                 )
-                stats.add(self.policy.accumulate(part, loss_scale, self.cfg.runtime.tsp_degree))
+                got = self.policy.accumulate(part, scale, self.cfg.runtime.tsp_degree)
+                if chunk is not None:
+                    stats.add(got)
         return self._timed(stats, t0)
 
     def save_weights(self, out_dir: str) -> str:
-        return str(self.policy.save_weights(out_dir))
+        state = self._full if self.sharded else None
+        return str(self.policy.save_weights(out_dir, state))
 
     def step(self, microbatches: int) -> Timed:
         """Sum the step's gradients over the trainers, clip, step. Returns ``(version, grad
@@ -437,4 +498,32 @@ class TrainerActor(_PolicyActor):
         t0 = time.time()
         self.grads.reduce(microbatches, self.dp_group)
         norm = self.policy.optimizer_step()
+        if self.sharded:
+            self._gather_full()
         return self._timed((self.policy.version, norm), t0)
+
+
+def _trainer_mesh(
+    cfg: DigenConfig,
+    host: str,
+    port: int,
+    rank: int,
+    world: int,
+    backend: str,
+    devices: Sequence[str],
+) -> Any:
+    """The sharded trainers' device mesh, over a default process group of the trainers
+    (they are the only members of this process's default group)."""
+    kinds = {"cuda" if is_cuda(d) else "cpu" for d in devices or [cfg.model.device]}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"runtime.trainer_parallel={cfg.runtime.trainer_parallel} needs every trainer on "
+            f"the same kind of device, not {sorted(kinds)}"
+        )
+    timeout = timedelta(seconds=cfg.runtime.rpc_timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    shard = cfg.runtime.shard_size
+    if cfg.runtime.trainer_parallel == "hsdp" and shard is None:
+        shard = min(world, max(torch.cuda.device_count(), 1)) if kinds == {"cuda"} else world
+    return make_mesh(cfg.runtime.trainer_parallel, world, kinds.pop(), shard)

@@ -157,6 +157,19 @@ def test_store_hands_out_each_part_once_and_is_bounded() -> None:
     assert asked == [(3, 1, "cpu")]
 
 
+def test_sharded_trainers_each_take_their_rows_of_one_rollout() -> None:
+    """Two sharded trainers take rows 0 and 1 of one micro-batch: the rollout stays until
+    both have taken theirs, then it is gone."""
+    store = Store()
+    store.put((0, 0), _rollout(), None)  # a sharded trainer's own copy keeps no pixels
+    first = store.take_training((0, 0), [0], takers=2)[0]
+    assert store.statistics()["held"] == 1
+    second = store.take_training((0, 0), [1], takers=2)[0]
+    assert torch.equal(first.latents, _rollout().latents[:1])
+    assert torch.equal(second.latents, _rollout().latents[1:])
+    assert store.statistics() == {"held": 0, "bytes": 0}
+
+
 def test_weights_travel_in_bounded_buckets() -> None:
     from digen.runtime.workers import weight_buckets
 

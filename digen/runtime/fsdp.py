@@ -1,0 +1,151 @@
+"""Sharded trainers: FSDP2 (``fully_shard``) over a ``DeviceMesh``.
+
+With ``runtime.trainer_parallel: fsdp`` every transformer block (the classes diffusers lists
+in the model's ``_no_split_modules``), then the whole transformer, is sharded over all the
+trainers: each holds ``1 / T`` of the weights, of the gradients and of the optimizer state, and
+a block's full weights exist only while it runs (one all-gather in the forward pass, one in
+the backward pass, then a reduce-scatter of its gradients). ``hsdp`` shards inside groups of
+``runtime.shard_size`` trainers (the GPUs of a node) and replicates across them, all-reducing
+gradients between groups.
+
+Every collective needs every member, so sharded trainers move in lockstep: they act as one
+trainer that is ``T`` devices wide. Each update call is split by rows over the members, and
+each member runs the same number of forward/backward passes (a member short of rows runs a
+pass on a copy of a row, with its loss scaled by zero). The pieces that follow from that:
+
+- :func:`shard_transformer` wraps a policy's transformer (before its optimizer is built, so
+  the optimizer holds the sharded parameters: sharded optimizer state);
+- :func:`lockstep_chunks` splits a call's rows over the members into equal numbers of chunks;
+- :func:`full_tensors` gathers the trained weights in full (one parameter at a time) for
+  the generators, for saving and for the final state.
+
+Precision: the weights keep their own dtype in the shards (a bf16 base, fp32 LoRA); with a
+base in bf16 or fp16 each block computes in that dtype (``MixedPrecisionPolicy``:
+``param_dtype`` = the model's dtype) and gradients are reduced in fp32. The log-prob and loss
+math is fp32 as everywhere else.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+# diffusers' blocks return views of their inputs; FSDP2 warns that an in-place op on such a
+# view would skip its backward hook. The models only use these outputs out of place (the
+# sharded == whole-model tests check the gradients).
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+__all__ = [
+    "block_modules",
+    "full_tensors",
+    "is_sharded",
+    "local",
+    "lockstep_chunks",
+    "make_mesh",
+    "shard_transformer",
+]
+
+SHARDED = ("fsdp", "hsdp")
+"""Values of ``runtime.trainer_parallel`` that shard the model."""
+
+
+def is_sharded(trainer_parallel: str) -> bool:
+    return trainer_parallel in SHARDED
+
+
+def make_mesh(kind: str, world: int, device_type: str, shard_size: int | None = None) -> Any:
+    """The trainers' ``DeviceMesh`` over the default process group: 1-D for ``fsdp``; for
+    ``hsdp`` 2-D ``(replicate, shard)`` with ``shard_size`` trainers per sharding group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if kind == "fsdp":
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    size = shard_size or world
+    if world % size:
+        raise ValueError(f"runtime.shard_size={size} does not divide the {world} trainers")
+    return init_device_mesh(
+        device_type, (world // size, size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def block_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer's blocks: instances of the classes in its ``_no_split_modules`` (the
+    units diffusers itself never splits across devices)."""
+    names = set(getattr(transformer, "_no_split_modules", None) or ())
+    blocks = [m for m in transformer.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"{type(transformer).__name__} names no transformer blocks (_no_split_modules), "
+            "so it cannot be sharded block by block"
+        )
+    return blocks
+
+
+def shard_transformer(transformer: torch.nn.Module, mesh: Any, compute_dtype: torch.dtype) -> int:
+    """``fully_shard`` each block, then the root, over ``mesh``; returns the block count.
+
+    Parameters are replaced by sharded ones (``DTensor``) in place: build optimizers after.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    low = compute_dtype in (torch.bfloat16, torch.float16)
+    mp = MixedPrecisionPolicy(
+        param_dtype=compute_dtype if low else None,
+        reduce_dtype=torch.float32 if low else None,
+    )
+    blocks = block_modules(transformer)
+    for module in [*blocks, transformer]:
+        fully_shard(module, mesh=mesh, mp_policy=mp)
+        # Each backward is already scaled by 1 / (the step's terms): members' gradients add
+        # up, they are not averaged (FSDP's default divides by the member count).
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled op)
+    return len(blocks)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This member's shard of ``t`` (``t`` itself when it is not sharded)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full_tensors(
+    named: Sequence[tuple[str, torch.Tensor]], keep: bool, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """``name -> full tensor`` of ``named``, gathered one at a time (every member must call,
+    in the same order); only a member with ``keep`` holds the result (on ``device``)."""
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in named:
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            if keep:
+                out[name] = full.detach().to(device, copy=True)
+            del full
+    return out
+
+
+def lockstep_chunks(rows: int, members: int, rank: int, size: int) -> list[list[int] | None]:
+    """Member ``rank``'s chunks of a call's ``rows`` (indices ``0 .. rows-1``): it takes every
+    ``members``-th row from ``rank`` and cuts them into chunks of at most ``size``. Every
+    member gets the same number of chunks; None marks a chunk this member runs only to keep
+    in step (on a copy of a row, contributing nothing)."""
+    mine = list(range(rank, rows, members))
+    most = -(-rows // members)  # the largest member's rows
+    count = -(-most // size)
+    chunks: list[list[int] | None] = [mine[i : i + size] for i in range(0, len(mine), size)]
+    return chunks + [None] * (count - len(chunks))
+
+
+def map_params(
+    module: torch.nn.Module, names: Sequence[str]
+) -> Callable[[], list[torch.nn.Parameter]]:
+    """A function returning ``module``'s parameters called ``names`` (after sharding the
+    parameter objects are new ones, the names are the same)."""
+
+    def find() -> list[torch.nn.Parameter]:
+        by_name = dict(module.named_parameters())
+        return [by_name[n] for n in names]
+
+    return find

@@ -1,0 +1,148 @@
+"""Sharded trainers (FSDP2 over gloo) against whole-model training, and TSP's all-gathers.
+
+Sharded trainers split each update's rows between them and FSDP sums their gradients with a
+reduce-scatter: a different order of float additions than one trainer's, so parameters are
+compared to a tolerance well below what one step moves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from digen import DigenRunner, load_config
+from digen.models import load_adapter
+from digen.presets import preset
+from digen.runtime.fsdp import lockstep_chunks
+
+COMMON = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
+COMMON += ["train.mini_batch_size=null", "train.lr=1e-3"]
+
+
+def _run(mode: str, extra: list[str], out: Path):
+    cfg = load_config(base=preset("flux", "flowgrpo", mode=mode), overrides=[*COMMON, *extra])
+    return asyncio.run(DigenRunner(cfg, out_dir=out, progress=False).run())
+
+
+def _moved(state: dict[str, torch.Tensor]) -> float:
+    """How far one step moved the weights: LoRA B starts at zero; full weights start as
+    the saved tiny model's."""
+    if any("lora_B" in n for n in state):
+        return max(float(v.abs().max()) for n, v in state.items() if "lora_B" in n)
+    start = dict(load_adapter("flux").transformer.named_parameters())
+    return max(float((v - start[n]).abs().max()) for n, v in state.items())
+
+
+def test_lockstep_chunks_give_every_member_the_same_count() -> None:
+    # 5 rows over 2 members, chunks of 2: member 0 has 3 rows (2 chunks), member 1 has 2
+    # rows (1 chunk) and a padding chunk; every row is trained exactly once
+    assert lockstep_chunks(5, 2, 0, 2) == [[0, 2], [4]]
+    assert lockstep_chunks(5, 2, 1, 2) == [[1, 3], None]
+    assert lockstep_chunks(1, 2, 1, 4) == [None]
+    assert lockstep_chunks(3, 1, 0, 2) == [[0, 1], [2]]
+
+
+@pytest.mark.slow
+def test_sharded_lora_trainers_equal_one_trainer_and_colocated(tmp_path: Path) -> None:
+    """LoRA: 2 FSDP trainers (with a TAG micro-batch made by both at once, weights broadcast
+    from trainer 0's gathered copy), 1 trainer, the colocated trainer, and 2 colocated HSDP workers end the step with the same weights."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        colocated = _run("colocated", [], tmp_path / "colocated")
+    finally:
+        torch.set_num_threads(threads)
+    one = _run("disaggregated", ["runtime.tag=none"], tmp_path / "one")
+    fsdp_extra = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp"]
+    fsdp_extra += ["runtime.tag=static", "runtime.tag_k=1", "runtime.weight_sync=broadcast"]
+    sharded = _run("disaggregated", fsdp_extra, tmp_path / "fsdp")
+    # HSDP with one trainer per sharding group: replicas whose gradients FSDP all-reduces
+    hsdp = ["train.num_devices=2", "runtime.trainer_parallel=hsdp", "runtime.shard_size=1"]
+    coloc_fsdp = _run("colocated", hsdp, tmp_path / "c2")
+    assert colocated.final_state.keys() == sharded.final_state.keys()
+    assert _moved(colocated.final_state) > 1e-4  # equality below says something
+    for other in (one, sharded, coloc_fsdp):
+        for name, value in colocated.final_state.items():
+            torch.testing.assert_close(other.final_state[name], value, rtol=1e-5, atol=1e-6)
+    for key in ("reward_mean", "loss", "clip_fraction"):
+        assert sharded.metrics[0][key] == pytest.approx(colocated.metrics[0][key], abs=1e-6)
+    # the sharded pool is scheduled as one trainer, and it made the TAG micro-batch
+    assert sharded.metrics[0]["tag_microbatches"] == 1
+    lora = tmp_path / "fsdp" / "lora" / "pytorch_lora_weights.safetensors"
+    assert lora.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_sharded_full_finetune_equals_colocated_and_saves_full_weights(tmp_path: Path) -> None:
+    """Full fine-tuning (every weight trained and sharded, the KL reference sharded too):
+    2 FSDP trainers == the colocated trainer; trainer 0 saves the gathered weights in the
+    layout ``from_pretrained`` loads."""
+    full = ["train.lora_rank=0", "algo.kl_coef=0.01"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        colocated = _run("colocated", full, tmp_path / "colocated")
+    finally:
+        torch.set_num_threads(threads)
+    extra = [*full, "runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
+    sharded = _run("disaggregated", extra, tmp_path / "fsdp")
+    assert _moved(colocated.final_state) > 1e-4
+    for name, value in colocated.final_state.items():
+        torch.testing.assert_close(sharded.final_state[name], value, rtol=1e-5, atol=1e-6)
+    from diffusers import FluxTransformer2DModel
+
+    saved = FluxTransformer2DModel.from_pretrained(str(tmp_path / "fsdp" / "transformer"))
+    for name, value in saved.named_parameters():
+        assert torch.equal(value, sharded.final_state[name]), name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_all_gathers_per_update_fall_with_the_tsp_degree(tmp_path: Path) -> None:
+    """FSDP all-gathers a block's weights once per forward (and once more for its backward),
+    so TSP, which runs k timesteps in one pass, needs the all-gathers of ceil(K / k) passes
+    instead of K: counted on 2 gloo members for degree 1, 2 and 4."""
+    script = Path(__file__).with_name("fsdp_ranks.py")
+    out, port = tmp_path / "report.json", _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), "2", str(port), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    report = json.loads(out.read_text())
+    counts = {int(d): n for d, n in report["all_gathers"].items()}
+    k = report["timesteps"]
+    assert k == 4
+    passes = {d: math.ceil(k / d) for d in counts}  # 4, 2, 1
+    assert counts[1] > counts[2] > counts[4] > 0
+    # a pass all-gathers each block twice (forward, then again for its backward) and the
+    # root once (its weights stay gathered from its forward to the end of its backward)
+    per_pass = 2 * (report["fsdp_modules"] - 1) + 1
+    assert {d: n // per_pass for d, n in counts.items()} == passes
+    assert all(n % per_pass == 0 for n in counts.values()), counts
