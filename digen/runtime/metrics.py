@@ -80,6 +80,8 @@ def step_metrics(
     memory_gb: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The metrics row of one step (module docstring). ``rewards``: ``[B, n]``."""
+    # one reduction order whatever the caller's layout (a strided view sums differently)
+    rewards = rewards.to(torch.float64).contiguous()
     row: dict[str, Any] = {
         "step": step,
         "reward_mean": float(rewards.mean()),

@@ -62,11 +62,12 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
             ["runtime.generators=3", "runtime.tag=static", "runtime.tag_k=2"],
             True,
         ),
-        # two data-parallel trainers, weights by broadcast, whole groups, no pipelining
+        # two data-parallel trainers, weights by broadcast, whole groups, no pipelining;
+        # the colocated reference samples whole groups too (one batch shape, the same bits)
         (
             "wan",
             "dancegrpo",
-            [],
+            ["train.micro_batch_size=4"],
             [
                 "runtime.trainers=2",
                 "runtime.weight_sync=broadcast",
