@@ -99,6 +99,14 @@ def main() -> None:
     show_default=True,
     help="Save a sample grid every K steps.",
 )
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Continue the run in this directory from its newest checkpoint (--steps is the "
+    "total; its config is used, with any overrides).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace a previous run in --out.")
 @click.option("--quiet", is_flag=True, help="No progress bar; print only the final summary.")
 @click.option(
     "--launcher",
@@ -121,13 +129,21 @@ def run(
     prompts: Path | None,
     out_dir: Path,
     sample_every: int,
+    resume_dir: Path | None,
+    overwrite: bool,
     quiet: bool,
     launcher: str,
     debug: bool,
     overrides: tuple[str, ...],
 ) -> None:
-    """Train a policy with RL. OVERRIDES are dotted key=value settings, e.g. rollout.n=8."""
+    """Train a policy with RL. OVERRIDES are dotted key=value settings, e.g. rollout.n=8.
+
+    Exit codes: 0 done, 1 a failure (a worker died, ...), 2 bad input, 130 / 143 stopped by
+    SIGINT / SIGTERM at a step boundary (with a checkpoint to --resume from).
+    """
     _quiet_imports()
+    if resume_dir is not None:
+        out_dir = resume_dir
     try:
         result = _run(
             model,
@@ -143,6 +159,8 @@ def run(
             quiet,
             overrides,
             launcher,
+            resume=resume_dir is not None,
+            overwrite=overwrite,
         )
     except KeyboardInterrupt:
         click.echo("interrupted; outputs written so far are in place.", err=True)
@@ -159,7 +177,9 @@ def run(
         if not isinstance(exc, DigenError):
             raise
         click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        from digen.errors import NonFiniteError
+
+        sys.exit(1 if isinstance(exc, NonFiniteError) else 2)  # a failure, not bad input
     if result is None:  # a torchrun worker rank: it served until the driver stopped it
         sys.stdout.flush()
         sys.stderr.flush()
@@ -167,13 +187,18 @@ def run(
     last = result.metrics[-1] if result.metrics else {}
     summary = {
         "out_dir": str(result.out_dir),
-        "steps": len(result.metrics),
+        "steps": result.first_step + len(result.metrics),
         "interrupted": result.interrupted,
         "reward_mean_first": result.metrics[0]["reward_mean"] if result.metrics else None,
         "reward_mean_last": last.get("reward_mean"),
         "weights": str(result.weights) if result.weights else None,
+        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
     }
     click.echo(json.dumps(summary) if quiet else _pretty(summary))
+    if result.interrupted:
+        click.echo(f"stopped early; continue with: digen run --resume {out_dir}", err=True)
+        sys.stdout.flush()
+        sys.exit(143 if result.stop_signal == "SIGTERM" else 130)
 
 
 def _run(
@@ -190,16 +215,21 @@ def _run(
     quiet,
     overrides,
     launcher="local",
+    resume=False,
+    overwrite=False,
 ):
     from digen.config import load_config
     from digen.errors import DigenError
 
+    if resume and not (out_dir / "config.yaml").is_file():
+        raise DigenError(f"'{out_dir}' holds no run to resume (it has no config.yaml).")
+    if resume and (config_path is not None or model or algo or mode):
+        raise DigenError(
+            "--resume continues a run with its own config; give only --steps and overrides."
+        )
+
     if model_path is not None and not model_path.exists():
         raise DigenError(f"--model-path '{model_path}' does not exist.")
-    if model_path is not None and not (model_path / "model_index.json").is_file():
-        raise DigenError(
-            f"--model-path '{model_path}' is not a diffusers model directory (no model_index.json)."
-        )
     cli: dict[str, Any] = {}
     if model_path is not None:
         cli.setdefault("model", {})["path"] = str(model_path)
@@ -209,15 +239,32 @@ def _run(
         cli["seed"] = seed
     if prompts is not None:
         cli.setdefault("data", {})["prompts"] = str(prompts)
-    cfg = load_config(
-        config_path, overrides, base=cli, model=model, algo=algo, mode=mode, preset=True
-    )
+    if resume:
+        cfg = load_config(out_dir / "config.yaml", overrides, base=cli, preset=False)
+    else:
+        cfg = load_config(
+            config_path, overrides, base=cli, model=model, algo=algo, mode=mode, preset=True
+        )
+    from digen.prompts import PromptSet
+
+    PromptSet.load(cfg.data.prompts)  # a bad prompt file is reported before torch loads
+    if cfg.model.path is not None:
+        from digen.models.checks import check_model_dir
+
+        check_model_dir(cfg.model.path, cfg.model.name)
     if launcher == "torchrun" or (launcher == "auto" and _under_torchrun(os.environ)):
         return _run_torchrun(cfg, out_dir, quiet, sample_every)
     _quiet_progress_bars()  # imports diffusers: only once the config is good
     from digen.runner import DigenRunner
 
-    runner = DigenRunner(cfg, out_dir=out_dir, progress=not quiet, sample_every=sample_every)
+    runner = DigenRunner(
+        cfg,
+        out_dir=out_dir,
+        progress=not quiet,
+        sample_every=sample_every,
+        resume=resume,
+        overwrite=overwrite,
+    )
     return _run_async(runner.run())
 
 

@@ -430,6 +430,14 @@ class TrainConfig:
     """Samples per forward/backward on one device (gradient accumulation unit)."""
     num_devices: int = 1
     """Data-parallel training devices the mini-batch is split over."""
+    lr_schedule: str = "constant"
+    """Learning rate over the train steps: constant or cosine (down to lr_min_ratio x lr at the last step); either after a linear warm-up."""
+    warmup_steps: int = 0
+    """Train steps of linear warm-up from lr / (warmup_steps + 1) to lr."""
+    lr_min_ratio: float = 0.0
+    """cosine: the last step's learning rate as a fraction of lr."""
+    on_nonfinite: str = "fail"
+    """A NaN or infinite reward (or a reward hook returning the wrong count), loss or gradient: fail stops the run naming it; drop leaves it out of the update and counts it (dropped_groups, dropped_microbatches, skipped_steps in metrics)."""
     gradient_checkpointing: bool = False
     """Recompute the transformer's activations in the backward pass (less memory, about a third more compute)."""
     grad_order: str = "auto"
@@ -453,6 +461,24 @@ class TrainConfig:
         _at_least(p, "micro_batch_size", self.micro_batch_size, 1)
         _at_least(p, "num_devices", self.num_devices, 1)
         _choice(_key(p, "grad_order"), self.grad_order, GRAD_ORDERS)
+        _choice(_key(p, "lr_schedule"), self.lr_schedule, LR_SCHEDULES)
+        _choice(_key(p, "on_nonfinite"), self.on_nonfinite, NONFINITE_POLICIES)
+        _at_least(p, "warmup_steps", self.warmup_steps, 0)
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise _bad(_key(p, "lr_min_ratio"), self.lr_min_ratio, "it must be in [0, 1]")
+
+    def lr_at(self, step: int, steps: int) -> float:
+        """The learning rate of train step ``step`` of ``steps`` (a function of the step
+        alone, so a resumed run picks it up from the step number)."""
+        lr = self.lr
+        if step < self.warmup_steps:
+            return lr * (step + 1) / (self.warmup_steps + 1)
+        if self.lr_schedule == "cosine":
+            span = max(steps - 1 - self.warmup_steps, 1)
+            done = min(step - self.warmup_steps, span) / span
+            low = self.lr_min_ratio
+            return lr * (low + (1 - low) * 0.5 * (1 + math.cos(math.pi * done)))
+        return lr
 
     @property
     def ordered_grads(self) -> bool:
@@ -503,6 +529,8 @@ class RewardSpec:
 
 MODES = ("colocated", "disaggregated")
 TRAINER_PARALLEL = ("replicate", "fsdp", "hsdp")
+LR_SCHEDULES = ("constant", "cosine")
+NONFINITE_POLICIES = ("fail", "drop")
 MICROBATCH_AXES = ("generation", "prompt")
 WEIGHT_SYNCS = ("rpc", "broadcast")
 TAG_POLICIES: tuple[str, ...] = tuple(TAG_POLICY_FACTORIES)
@@ -625,6 +653,10 @@ class DigenConfig:
     """Run seed: prompt order, initial noise, SDE noise and window choices all derive from it."""
     steps: int = 10
     """Training steps (each: sample, score, update)."""
+    save_every: int | None = None
+    """Write a checkpoint every this many steps (and at every clean stop); None: about ten per run, at least every 100 steps; 0: only at the end."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept (the newest); older ones are deleted once a newer one is complete."""
 
     def __post_init__(self) -> None:
         # Sections may be given as plain mappings (the loader does): build them here, so
@@ -689,6 +721,11 @@ def validate(cfg: DigenConfig) -> None:
     if cfg.seed < 0:
         raise _bad("seed", cfg.seed, "it must be at least 0")
     _at_least("", "steps", cfg.steps, 1)
+    if cfg.save_every is not None:
+        cfg.save_every = _as_int(cfg.save_every, "save_every")
+        _at_least("", "save_every", cfg.save_every, 0, " (0 saves only at the end)")
+    cfg.keep_checkpoints = _as_int(cfg.keep_checkpoints, "keep_checkpoints")
+    _at_least("", "keep_checkpoints", cfg.keep_checkpoints, 1)
     _check_cross(cfg)
 
 

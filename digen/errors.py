@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DigenError", "RewardError"]
+__all__ = ["ConfigError", "DigenError", "NonFiniteError", "RewardError"]
 
 
 class DigenError(Exception):
@@ -15,3 +15,7 @@ class ConfigError(DigenError, ValueError):
 
 class RewardError(DigenError):
     """A reward function failed, or returned something other than one finite float per sample."""
+
+
+class NonFiniteError(DigenError):
+    """A loss or gradient became NaN or infinite (``train.on_nonfinite = fail``)."""

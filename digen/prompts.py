@@ -2,28 +2,40 @@
 
 The order is a seeded permutation per epoch, so step ``s`` of a run with seed ``k`` always
 gets the same prompts, whatever process asks and however often.
+
+A prompt file must be UTF-8 text: a binary file (NUL bytes) or one that does not decode is
+refused in one sentence. Lines that cannot be prompts (control characters in a ``.txt``
+line; invalid JSON or no string ``"prompt"`` in a ``.jsonl`` line) are skipped and counted
+(:attr:`PromptSet.skipped`, with the first such line in :attr:`PromptSet.skip_note`); a file
+with no valid line is refused. Loading imports no torch, so the CLI checks a prompt file
+before anything heavy loads.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from digen.errors import DigenError
-from digen.seeding import derive_seed
 
 __all__ = ["PromptSet"]
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+"""Characters no prompt holds (tab is allowed)."""
 
 
 @dataclass(frozen=True)
 class PromptSet:
     prompts: list[str]
     metadata: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    """Lines of the file that could not be prompts and were left out."""
+    skip_note: str = ""
+    """Which line was the first one skipped, and why (empty when none was)."""
 
     def __post_init__(self) -> None:
         if not self.metadata:
@@ -46,35 +58,70 @@ class PromptSet:
         path = Path(path)
         if not path.is_file():
             raise DigenError(f"prompt file '{path}' does not exist.")
-        text = path.read_text(encoding="utf-8")
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise DigenError(f"prompt file '{path}' cannot be read ({exc.strerror}).") from None
+        if b"\0" in data:
+            raise DigenError(
+                f"prompt file '{path}' is a binary file; give UTF-8 text, one prompt a line "
+                '(.txt) or one JSON object with a "prompt" a line (.jsonl).'
+            )
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data[: exc.start].count(b"\n") + 1
+            raise DigenError(
+                f"prompt file '{path}' is not UTF-8 text (byte 0x{data[exc.start]:02x} on line "
+                f"{line}); save it as UTF-8."
+            ) from None
         if path.suffix == ".jsonl":
             return cls._from_jsonl(text, path)
         return cls._from_lines(text.splitlines(), f"prompt file '{path}'")
 
     @classmethod
     def _from_lines(cls, lines: list[str], where: str) -> PromptSet:
-        prompts = [line.strip() for line in lines if line.strip()]
-        if not prompts:
-            raise DigenError(f"{where} has no prompts.")
-        return cls(prompts)
+        prompts, bad = [], []
+        for no, line in enumerate(lines, start=1):
+            line = line.strip()
+            if not line:
+                continue
+            if _CONTROL.search(line):
+                bad.append(f"line {no} holds control characters")
+                continue
+            prompts.append(line)
+        return cls._checked(prompts, [], bad, where)
 
     @classmethod
     def _from_jsonl(cls, text: str, path: Path) -> PromptSet:
-        prompts, metadata = [], []
+        prompts, metadata, bad = [], [], []
         for no, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DigenError(f"line {no} of '{path}' is not valid JSON ({exc.msg}).") from None
+                bad.append(f"line {no} is not valid JSON ({exc.msg})")
+                continue
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise DigenError(f"line {no} of '{path}' has no string field \"prompt\".")
+                bad.append(f'line {no} has no string field "prompt"')
+                continue
+            if not row["prompt"].strip():
+                bad.append(f"line {no} has an empty prompt")
+                continue
             prompts.append(row["prompt"])
             metadata.append({k: v for k, v in row.items() if k != "prompt"})
+        return cls._checked(prompts, metadata, bad, f"prompt file '{path}'")
+
+    @classmethod
+    def _checked(
+        cls, prompts: list[str], metadata: list[dict], bad: list[str], where: str
+    ) -> PromptSet:
         if not prompts:
-            raise DigenError(f"prompt file '{path}' has no prompts.")
-        return cls(prompts, metadata)
+            why = f" ({len(bad)} unusable lines; {bad[0]})" if bad else ""
+            raise DigenError(f"{where} has no usable prompts{why}.")
+        note = f"{where}: skipped {len(bad)} unusable lines (first: {bad[0]})" if bad else ""
+        return cls(prompts, metadata, skipped=len(bad), skip_note=note)
 
     def indices_for_step(self, seed: int, step: int, batch_size: int) -> list[int]:
         """Dataset indices of the ``batch_size`` prompts of train step ``step``.
@@ -95,5 +142,9 @@ class PromptSet:
         return [self.prompts[i] for i in idx], [self.metadata[i] for i in idx]
 
     def _permutation(self, seed: int, epoch: int) -> list[int]:
+        import torch
+
+        from digen.seeding import derive_seed
+
         g = torch.Generator().manual_seed(derive_seed("prompts", seed, epoch))
         return torch.randperm(len(self.prompts), generator=g).tolist()

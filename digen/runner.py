@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -27,7 +28,15 @@ import torch
 
 from digen.algos.rewards import CompositeReward, RewardFn, build_reward
 from digen.config import DigenConfig, config_to_dict, load_config
+from digen.errors import DigenError
 from digen.prompts import PromptSet
+from digen.runtime.checkpoint import (
+    Checkpoint,
+    CheckpointWriter,
+    check_identity,
+    checkpoint_identity,
+    latest_checkpoint,
+)
 from digen.runtime.outputs import RunOutputs
 from digen.sched.trace import Trace
 
@@ -35,6 +44,20 @@ if TYPE_CHECKING:
     from digen.runtime.policy import StepResult
 
 __all__ = ["DigenRunner", "RunResult"]
+
+_RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "checkpoints",
+    "samples",
+    "lora",
+    "transformer",
+    "trace.json",
+    "trace.jsonl",
+    "profile.json",
+    "timeline.png",
+    "trainer.log",
+)
+"""What a run leaves in its directory (``--overwrite`` removes exactly these)."""
 
 
 @dataclass(slots=True)
@@ -49,6 +72,13 @@ class RunResult:
     """The saved LoRA adapter (``lora/``) or full transformer (``transformer/``)."""
     final_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """The trained parameters at the end (name -> tensor), for checks and chaining."""
+    first_step: int = 0
+    """The step this run started at (a resumed run's checkpoint step); ``metrics`` holds
+    the steps from there on, ``metrics.jsonl`` every step of the run."""
+    stop_signal: str | None = None
+    """``SIGINT`` or ``SIGTERM`` when a signal stopped the run early."""
+    checkpoint: Path | None = None
+    """The newest checkpoint written (``--resume`` continues from it)."""
 
 
 class DigenRunner:
@@ -63,12 +93,18 @@ class DigenRunner:
         progress: bool = True,
         sample_every: int = 5,
         save_weights: bool = True,
+        resume: bool = False,
+        overwrite: bool = False,
     ) -> None:
         """
         cfg: a :class:`DigenConfig`, a nested dict, a YAML path, or None for the defaults.
         rewards: reward hooks as objects (callables, ``(callable, weight)`` pairs or
             :class:`RewardFn`); they replace ``cfg.rewards`` when given.
         out_dir: where outputs go (a temporary directory when None).
+        resume: continue the run in ``out_dir`` from its newest intact checkpoint, up to
+            ``cfg.steps`` steps in all.
+        overwrite: replace a previous run's outputs in ``out_dir`` (without it, and without
+            ``resume``, a directory holding a run is refused).
         """
         if isinstance(cfg, DigenConfig):
             self.cfg = cfg
@@ -77,27 +113,64 @@ class DigenRunner:
         else:
             self.cfg = load_config(cfg)
         self.reward: CompositeReward = build_reward(
-            list(rewards) if rewards is not None else self.cfg.rewards
+            list(rewards) if rewards is not None else self.cfg.rewards,
+            self.cfg.train.on_nonfinite,
         )
         # hooks given as objects travel to the generator processes as they are; hooks named
         # in the config are loaded again there by name
         self._reward_objects = list(self.reward.fns) if rewards is not None else None
         self.prompts = PromptSet.load(self.cfg.data.prompts)
+        if self.prompts.skipped:
+            print(f"note: {self.prompts.skip_note}", file=sys.stderr)
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
         self.progress = progress
         self.sample_every = max(1, int(sample_every))
         self.save_weights = save_weights
-        self._stop = False
+        self.resume = resume
+        self.overwrite = overwrite
+        self._checkpoint: Checkpoint | None = None
+        self._stop: str | None = None
 
-    def request_stop(self) -> None:
-        """Finish the current step, write its outputs, then stop."""
-        self._stop = True
+    def request_stop(self, reason: str = "stop") -> None:
+        """Finish the current step, write its outputs and a checkpoint, then stop."""
+        self._stop = reason
 
     async def run(self) -> RunResult:
+        self._claim_out_dir()
         world = self.cfg.train.num_devices
         if world > 1:
             return await asyncio.to_thread(self._run_data_parallel, world)
         return await self._run_worker(rank=0, world=1)
+
+    def _claim_out_dir(self) -> None:
+        """Find the checkpoint to resume from, or make sure no earlier run is overwritten."""
+        out, cfg = self.out_dir, self.cfg
+        if self.resume:
+            ckpt = latest_checkpoint(out, warn=lambda text: print(f"note: {text}", file=sys.stderr))
+            if ckpt is None:
+                raise DigenError(f"there is no complete checkpoint in '{out}' to resume from.")
+            check_identity(ckpt, cfg)
+            if ckpt.step >= cfg.steps:
+                raise DigenError(
+                    f"the run in '{out}' has already trained {ckpt.step} steps; give a larger "
+                    "--steps (the total) to train more."
+                )
+            self._checkpoint = ckpt
+            return
+        previous = [n for n in _RUN_OUTPUTS if (out / n).exists()]
+        if not previous:
+            return
+        if not self.overwrite:
+            raise DigenError(
+                f"'{out}' holds a previous run ({', '.join(previous)}); continue it with "
+                f"--resume {out}, replace it with --overwrite, or choose another --out."
+            )
+        for name in previous:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -129,14 +202,38 @@ class DigenRunner:
         metrics: list[dict[str, Any]] = []
         interrupted = False
         weights = None
+        ckpt = self._checkpoint
+        start = ckpt.step if ckpt is not None else 0
+        saved: Path | None = ckpt.path if ckpt is not None else None
         t0 = time.perf_counter()
         try:
-            async with self._backend(rank, world, trace) as backend:
+            async with self._backend(rank, world, trace, ckpt) as backend:
                 log.info("workers_ready", seconds=round(time.perf_counter() - t0, 3))
-                bar = _progress(cfg.steps, enabled=self.progress and lead)
-                restore = _catch_sigint(self) if lead else None
+                if ckpt is not None:
+                    if cfg.runtime.mode != "disaggregated":  # the driver's trainers load it
+                        await backend.restore(ckpt)
+                    log.info("resumed", checkpoint=str(ckpt.path), step=start)
+                writer = CheckpointWriter(self.out_dir, cfg.keep_checkpoints) if lead else None
+                # sharded colocated workers gather the weights together: all take part
+                helps = not lead and getattr(backend, "sharded", False)
+                every = save_interval(cfg)
+                bar = _progress(cfg.steps, enabled=self.progress and lead, initial=start)
+                restore = _catch_signals(self) if lead else None
 
-                def on_step(res: StepResult) -> bool:
+                async def checkpoint(done: int) -> None:
+                    nonlocal saved
+                    if writer is None:
+                        if helps:
+                            await backend.write_checkpoint(None)
+                        return
+                    tmp = writer.begin(done)
+                    await backend.write_checkpoint(tmp)
+                    saved = writer.finish(
+                        tmp, done, backend.version, checkpoint_identity(cfg), _config_yaml(cfg)
+                    )
+                    log.info("checkpoint", path=str(saved), step=done)
+
+                async def on_step(res: StepResult) -> bool:
                     metrics.append(res.metrics)
                     if outputs:
                         outputs.append_metrics(res.metrics)
@@ -149,15 +246,23 @@ class DigenRunner:
                         loss=f"{res.metrics['loss']:.2e}",
                         s=f"{res.metrics['step_time_s']:.1f}",
                     )
+                    done = res.metrics["step"] + 1
+                    if every and done % every == 0 and done < cfg.steps:
+                        await checkpoint(done)
                     return not self._stop
 
                 try:
-                    await backend.run(range(cfg.steps), on_step, samples_at=self._samples_at)
-                    interrupted = len(metrics) < cfg.steps
+                    steps = range(start, cfg.steps)
+                    await backend.run(steps, on_step, samples_at=self._samples_at)
+                    interrupted = len(metrics) < len(steps)
                 finally:
                     bar.close()
                     if restore:
                         restore()
+                done = start + len(metrics)
+                last = every and done % every == 0 and done < cfg.steps  # saved in on_step
+                if metrics and not last:
+                    await checkpoint(done)  # every clean stop leaves one
                 if outputs and self.save_weights and metrics:
                     weights = await backend.save_weights(self.out_dir)
                     log.info("weights_saved", path=str(weights))
@@ -182,15 +287,18 @@ class DigenRunner:
             interrupted=interrupted,
             weights=weights,
             final_state=final_state,
+            first_step=start,
+            stop_signal=self._stop if self._stop in ("SIGINT", "SIGTERM") else None,
+            checkpoint=saved,
         )
 
-    def _backend(self, rank: int, world: int, trace: Trace):
+    def _backend(self, rank: int, world: int, trace: Trace, ckpt: Checkpoint | None = None):
         """The colocated trainer, or the disaggregated driver with its worker processes."""
         if self.cfg.runtime.mode == "disaggregated":
             from digen.runtime.driver import Driver
 
             rewards = self._reward_objects if self._reward_objects is not None else None
-            return Driver(self.cfg, rewards, self.prompts, trace)
+            return Driver(self.cfg, rewards, self.prompts, trace, resume=ckpt)
         from digen.runtime.colocated import ColocatedTrainer, worker_config
 
         return ColocatedTrainer(
@@ -241,6 +349,7 @@ class DigenRunner:
             "cfg": config_to_dict(self.cfg),
             "rewards": [RewardFn(f.name, f.fn, f.weight) for f in self.reward.fns],
             "out_dir": str(self.out_dir),
+            "checkpoint": self._checkpoint,
         }
 
 
@@ -263,6 +372,7 @@ def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
         progress=False,
         save_weights=False,
     )
+    runner._checkpoint = state["checkpoint"]  # rank 0 found it; every worker loads it
     _init_group(rank, world, port, runner.cfg)
     try:
         asyncio.run(runner._run_worker(rank, world))
@@ -297,21 +407,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _catch_sigint(runner: DigenRunner):
-    """First Ctrl-C: stop at the next step boundary. Second: the usual KeyboardInterrupt."""
+def _catch_signals(runner: DigenRunner):
+    """First SIGINT (Ctrl-C) or SIGTERM (what schedulers send before preemption): stop at
+    the next step boundary, with a checkpoint. A second one: the usual way out at once."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return None
-    previous = signal.getsignal(signal.SIGINT)
+    caught = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in caught}
 
     def handler(signum, frame):
-        runner.request_stop()
-        print("\nstopping after this step (Ctrl-C again to abort)", file=sys.stderr)
-        signal.signal(signal.SIGINT, previous)
+        runner.request_stop(signal.Signals(signum).name)
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
+            "(again to abort)",
+            file=sys.stderr,
+        )
+        for sig in caught:
+            signal.signal(sig, previous[sig])
 
-    signal.signal(signal.SIGINT, handler)
-    return lambda: signal.signal(signal.SIGINT, previous)
+    for sig in caught:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig in caught:
+            signal.signal(sig, previous[sig])
+
+    return restore
+
+
+def save_interval(cfg: DigenConfig) -> int:
+    """Steps between checkpoints: ``save_every``, or about ten a run (at least every 100
+    steps); 0 means only at the end."""
+    if cfg.save_every is not None:
+        return cfg.save_every
+    return max(1, min(100, cfg.steps // 10))
+
+
+def _config_yaml(cfg: DigenConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 
 class _NoBar:
@@ -320,12 +457,12 @@ class _NoBar:
     def close(self) -> None: ...
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, initial: int = 0):
     if not enabled:
         return _NoBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
 
 def _open_log(path: Path | None):

@@ -30,18 +30,36 @@ def test_txt_and_jsonl(tmp_path) -> None:
     ("name", "content", "message"),
     [
         ("missing.txt", None, "does not exist"),
-        ("empty.txt", "\n  \n", "has no prompts"),
-        ("bad.jsonl", '{"prompt": "ok"}\nnot json\n', "line 2"),
+        ("empty.txt", "\n  \n", "has no usable prompts"),
+        ("bad.jsonl", '\nnot json\n{"prompt": 3}\n', "2 unusable lines; line 2 is not valid"),
         ("nofield.jsonl", '{"text": "x"}\n', 'no string field "prompt"'),
+        ("binary.txt", b"a cat\n\x00\x01\x02", "is a binary file"),
+        ("latin1.txt", "a caf\u00e9\nun ch\u00e2teau\n".encode("latin-1"), "not UTF-8"),
+        ("control.txt", "\x1b[31m\n\x07\n", "2 unusable lines; line 1 holds control"),
     ],
 )
 def test_bad_files(tmp_path, name, content, message) -> None:
     path = tmp_path / name
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     with pytest.raises(DigenError, match=message) as err:
         PromptSet.load(path)
     assert str(err.value).endswith(".") and "\n" not in str(err.value)
+
+
+def test_unusable_lines_are_skipped_and_counted(tmp_path) -> None:
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"prompt": "a cube"}\n{"prompt": \n["x"]\n{"prompt": "a ball"}\n')
+    ps = PromptSet.load(jl)
+    assert ps.prompts == ["a cube", "a ball"] and ps.skipped == 2
+    assert "skipped 2 unusable lines (first: line 2 is not valid JSON" in ps.skip_note
+    txt = tmp_path / "p.txt"
+    txt.write_text("a cat\nbad\x07bell\n\ta dog\n")
+    ps = PromptSet.load(txt)
+    assert ps.prompts == ["a cat", "a dog"] and ps.skipped == 1
+    assert PromptSet.load(tmp_path / "p.txt").skip_note.endswith("line 2 holds control characters)")
 
 
 def test_order_is_seeded_and_covers_each_epoch() -> None:

@@ -179,7 +179,7 @@ def test_empty_prompt_file(tmp_path: Path) -> None:
     f = tmp_path / "empty.txt"
     f.write_text("\n")
     res = CliRunner().invoke(main, ["run", "--prompts", str(f)])
-    assert res.exit_code == 2 and "has no prompts" in res.output
+    assert res.exit_code == 2 and "has no usable prompts" in res.output
 
 
 def test_ctrl_c_stops_at_a_step_boundary(tmp_path: Path) -> None:
@@ -204,9 +204,11 @@ def test_ctrl_c_stops_at_a_step_boundary(tmp_path: Path) -> None:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=240)
-    assert proc.returncode == 0, stderr
+    assert proc.returncode == 130, stderr  # 128 + SIGINT: scripts can tell it from done
+    assert f"digen run --resume {out}" in stderr
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["interrupted"] is True and 1 <= summary["steps"] < 50
+    assert summary["checkpoint"] == str(out / "checkpoints" / f"step-{summary['steps']:06d}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(summary["steps"]))
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -18,15 +18,36 @@ from digen.algos.base import StepPlan
 from digen.algos.registry import get_algorithm
 from digen.config import AlgoConfig, DigenConfig
 
-__all__ = ["score_groups", "step_plan", "step_terms", "terms_per_sample"]
+__all__ = ["dropped_groups", "score_groups", "step_plan", "step_terms", "terms_per_sample"]
 
 
 def score_groups(rewards: torch.Tensor, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and the trained-sample mask of whole groups.
 
     rewards: ``[G, n]`` (one row per prompt) -> ``(advantages [G, n] fp32, keep [G, n] bool)``.
+    A group with a non-finite reward (``train.on_nonfinite = drop`` lets them through) is
+    dropped whole: advantage 0, nothing kept. The other groups keep the advantages they have
+    with any finite value in its place (the same tensor shape, so the same bits); a
+    batch-wide std spans only the finite groups.
     """
-    return get_algorithm(algo.name).advantages(rewards, algo)
+    algorithm = get_algorithm(algo.name)
+    rewards = rewards.contiguous()  # one reduction order whatever the caller's layout
+    bad = dropped_groups(rewards)  # [G]
+    if not bad.any():
+        return algorithm.advantages(rewards, algo)
+    if algo.adv_std == "global":
+        adv = torch.zeros(rewards.shape, dtype=torch.float32)
+        keep = torch.zeros(rewards.shape, dtype=torch.bool)
+        if not bad.all():
+            adv[~bad], keep[~bad] = algorithm.advantages(rewards[~bad], algo)
+        return adv, keep
+    adv, keep = algorithm.advantages(rewards.masked_fill(bad[:, None], 0.0), algo)
+    return adv.masked_fill(bad[:, None], 0.0), keep.masked_fill(bad[:, None], False)
+
+
+def dropped_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """``[G]`` bool: the groups of ``rewards [G, n]`` holding a non-finite reward."""
+    return ~torch.isfinite(rewards).all(dim=1)
 
 
 def step_plan(cfg: DigenConfig, step: int) -> StepPlan:

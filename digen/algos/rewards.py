@@ -204,8 +204,12 @@ def _describe(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- scoring
 
 
-def _to_scores(name: str, result: Any, batch: int) -> torch.Tensor:
-    """A hook's return value as ``[B]`` float32, or a RewardError saying what is wrong."""
+def _to_scores(name: str, result: Any, batch: int, drop: bool = False) -> torch.Tensor:
+    """A hook's return value as ``[B]`` float32, or a RewardError saying what is wrong.
+
+    ``drop`` (``train.on_nonfinite = drop``): a non-finite value stays NaN, and a wrong count
+    makes every score NaN, so the groups they belong to are dropped, not trained on.
+    """
     if isinstance(result, torch.Tensor | np.ndarray):
         if result.ndim != 1:
             raise RewardError(
@@ -241,15 +245,23 @@ def _to_scores(name: str, result: Any, batch: int) -> torch.Tensor:
             "(a list, tuple, 1-D tensor or array)."
         )
     if len(values) != batch:
+        if drop:
+            return torch.full((batch,), math.nan)
         raise RewardError(
             f"reward hook {name!r} returned {len(values)} values for {batch} samples."
         )
     for i, v in enumerate(values):
         if not math.isfinite(v):
+            if drop:
+                values[i] = math.nan
+                continue
             raise RewardError(
-                f"reward hook {name!r} returned a non-finite value ({v}) for sample {i}."
+                f"reward hook {name!r} returned a non-finite value ({v}) for sample {i} (set "
+                "train.on_nonfinite=drop to leave such groups out instead)."
             )
     scores = torch.tensor(values, dtype=torch.float32)
+    if drop:
+        return torch.where(torch.isfinite(scores), scores, math.nan)
     if not torch.isfinite(scores).all():
         i = int((~torch.isfinite(scores)).nonzero()[0])
         raise RewardError(
@@ -275,8 +287,10 @@ class RewardFn:
         samples: torch.Tensor,
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]],
+        drop: bool = False,
     ) -> torch.Tensor:
-        """Run the hook and check its output: ``[B]`` float32 raw (unweighted) scores."""
+        """Run the hook and check its output: ``[B]`` float32 raw (unweighted) scores
+        (``drop``: NaN where a score is non-finite or the count is wrong)."""
         try:
             if _is_async(self.fn):
                 result = await self.fn(samples, prompts, metadata)
@@ -287,7 +301,7 @@ class RewardFn:
                     result = await result
         except Exception as exc:
             raise RewardError(f"reward hook {self.name!r} raised {_describe(exc)}.") from exc
-        return _to_scores(self.name, result, samples.shape[0])
+        return _to_scores(self.name, result, samples.shape[0], drop)
 
 
 def _is_async(fn: Any) -> bool:
@@ -310,7 +324,10 @@ class RewardResult:
 class CompositeReward:
     """Several reward hooks combined by weight; call it (``await``) to score a batch."""
 
-    def __init__(self, fns: Sequence[RewardFn]) -> None:
+    def __init__(self, fns: Sequence[RewardFn], nonfinite: str = "fail") -> None:
+        """``nonfinite``: ``fail`` (a non-finite score or wrong count raises) or ``drop``
+        (it scores NaN; the trainer leaves its group out)."""
+        self.nonfinite = nonfinite
         if not fns:
             raise RewardError("no reward was given; name at least one reward.")
         names = [fn.name for fn in fns]
@@ -341,7 +358,10 @@ class CompositeReward:
             )
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(fn.score(samples, prompts, metadata)) for fn in self.fns]
+                drop = self.nonfinite == "drop"
+                tasks = [
+                    group.create_task(fn.score(samples, prompts, metadata, drop)) for fn in self.fns
+                ]
         except ExceptionGroup as failed:
             # The other hooks were cancelled; surface the first failure's single sentence.
             raise failed.exceptions[0]  # noqa: B904 -- its cause is the hook's own exception
@@ -363,6 +383,7 @@ class CompositeReward:
 
 def build_reward(
     specs: Sequence[RewardSpec | RewardFn | tuple[str | RewardHook, float] | str | RewardHook],
+    nonfinite: str = "fail",
 ) -> CompositeReward:
     """Load every reward into one scorer.
 
@@ -393,4 +414,4 @@ def build_reward(
         if not math.isfinite(fn.weight):
             raise RewardError(f"reward {fn.name!r} has weight {fn.weight}, not a finite number.")
         fns.append(fn)
-    return CompositeReward(fns)
+    return CompositeReward(fns, nonfinite)

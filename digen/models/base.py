@@ -34,6 +34,7 @@ import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
 from digen.errors import DigenError
+from digen.models.checks import check_model_dir
 
 #: LoRA targets of joint (MMDiT-style) attention: the image stream's and the text stream's
 #: projections, as diffusers names them in FLUX, SD3 and HunyuanVideo
@@ -228,13 +229,12 @@ class DiffusionAdapter(ABC):
         :meth:`encode_prompts`).
         """
         path = Path(path)
-        if not path.is_dir():
-            raise DigenError(f"model path '{path}' does not exist or is not a directory.")
-        if not (path / "model_index.json").is_file():
-            raise DigenError(
-                f"model path '{path}' is not a diffusers model directory (no model_index.json)."
-            )
-        pipe = cls.pipeline_class.from_pretrained(str(path), dtype=dtype)
+        check_model_dir(path, cls.name)
+        try:
+            pipe = cls.pipeline_class.from_pretrained(str(path), dtype=dtype)
+        except (OSError, ValueError) as exc:  # a damaged weight file, a missing piece
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DigenError(f"model path '{path}' cannot be loaded: {first}") from None
         pipe.set_progress_bar_config(disable=True)
         stay = TEXT_ENCODERS if offload_text_encoders else ()
         for key, part in pipe.components.items():

@@ -12,6 +12,13 @@ import torch
 
 __all__ = ["adapters_disabled", "apply_lora", "enable_full_finetune", "trainable_parameters"]
 
+_LORA_LAYERS = (
+    torch.nn.Linear,
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.Embedding,
+)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,6 +39,7 @@ def apply_lora(
     """
     from peft import LoraConfig
 
+    _check_targets(transformer, targets)
     transformer.requires_grad_(False)
     init_value: str | bool = {"true": True, "false": False}.get(str(init).lower(), init)
     config = LoraConfig(
@@ -46,6 +54,25 @@ def apply_lora(
         if dtype is not None:
             p.data = p.data.to(_DTYPES[dtype])
     return params
+
+
+def _check_targets(transformer: torch.nn.Module, targets: Sequence[str]) -> None:
+    """Refuse LoRA targets that name no layer of ``transformer``, naming what is there.
+
+    A target matches as peft matches a plain name: a layer whose dotted name is it or ends
+    with ``.<target>``; the layer must be one LoRA can wrap (linear, convolution, embedding).
+    """
+    from digen.errors import DigenError
+
+    layers = [n for n, m in transformer.named_modules() if isinstance(m, _LORA_LAYERS)]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in layers)]
+    if not missing:
+        return
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in layers} - {str(i) for i in range(100)})
+    raise DigenError(
+        f"train.lora_targets {missing} name no layer of the {type(transformer).__name__}; "
+        f"its layers are called: {', '.join(leaves[:24])}."
+    )
 
 
 def enable_full_finetune(transformer: torch.nn.Module) -> list[torch.nn.Parameter]:

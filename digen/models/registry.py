@@ -27,6 +27,9 @@ class Backbone:
     """``"module:Class"`` of its :class:`~digen.models.base.DiffusionAdapter`."""
     video: bool
     """Generates videos (frames) rather than images."""
+    pipeline: str = ""
+    """The diffusers pipeline class a model directory of this backbone names in its
+    ``model_index.json`` (``_class_name``)."""
     recipe: dict[str, Any] = field(default_factory=dict)
     """Sampling settings of the published recipes with real weights: ``height``, ``width``,
     ``num_frames`` (videos), ``guidance_scale``."""
@@ -39,30 +42,35 @@ BACKBONES: dict[str, Backbone] = {
             "hunyuanvideo",
             "digen.models.hunyuanvideo:HunyuanVideoAdapter",
             video=True,
+            pipeline="HunyuanVideoPipeline",
             recipe={"height": 320, "width": 512, "num_frames": 33, "guidance_scale": 1.0},
         ),
         Backbone(
             "wan",
             "digen.models.wan:WanAdapter",
             video=True,
+            pipeline="WanPipeline",
             recipe={"height": 480, "width": 832, "num_frames": 33, "guidance_scale": 5.0},
         ),
         Backbone(
             "flux",
             "digen.models.flux:FluxAdapter",
             video=False,
+            pipeline="FluxPipeline",
             recipe={"height": 512, "width": 512, "guidance_scale": 1.0},
         ),
         Backbone(
             "qwenimage",
             "digen.models.qwenimage:QwenImageAdapter",
             video=False,
+            pipeline="QwenImagePipeline",
             recipe={"height": 512, "width": 512, "guidance_scale": 4.0},
         ),
         Backbone(
             "sd3",
             "digen.models.sd3:SD3Adapter",
             video=False,
+            pipeline="StableDiffusion3Pipeline",
             recipe={"height": 512, "width": 512, "guidance_scale": 4.5},
         ),
     )

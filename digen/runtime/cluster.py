@@ -21,6 +21,7 @@ import torch
 
 from digen.config import DigenConfig, config_to_dict
 from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec, active_launch
+from digen.runtime.checkpoint import Checkpoint
 from digen.runtime.fsdp import is_sharded
 from digen.runtime.placement import all_devices, device_maps
 from digen.runtime.policy import LossStats
@@ -40,10 +41,17 @@ _WORKER_ENV = {
 class Cluster:
     """``runtime.generators`` generator actors and ``runtime.trainers`` trainer actors."""
 
-    def __init__(self, cfg: DigenConfig, rewards: Sequence[Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DigenConfig,
+        rewards: Sequence[Any] | None = None,
+        resume: Checkpoint | None = None,
+    ) -> None:
         """rewards: reward hooks as objects, sent to the generators as they are; None loads
-        ``cfg.rewards`` by name in each generator."""
+        ``cfg.rewards`` by name in each generator. resume: a checkpoint every trainer loads
+        before the generators get its weights."""
         self.cfg = cfg
+        self.resume = resume
         self.rewards = None if rewards is None else list(rewards)
         rt = cfg.runtime
         self.gen_names = worker_names(Pool.GENERATOR, rt.generators)
@@ -95,9 +103,13 @@ class Cluster:
             )
             for i, name in enumerate(self.trainer_names)
         ]
+        await asyncio.gather(*(a.call("ping") for a in self.gens + self.trainers))
+        version = 0
+        if self.resume is not None:
+            path, version = str(self.resume.path), self.resume.version
+            await asyncio.gather(*(t.call("restore", path, version) for t in self.trainers))
         if rt.trainers > 1 and is_sharded(rt.trainer_parallel):
             self.trainers = [TrainerGang(self.trainers)]
-        await asyncio.gather(*(a.call("ping") for a in self.gens + self.trainers))
         if rt.weight_sync == "broadcast":
             size = 1 + len(self.gens)
             await asyncio.gather(
@@ -107,10 +119,10 @@ class Cluster:
                     for i, g in enumerate(self.gens)
                 ),
             )
-        served = self.serve_weights(0)
+        served = self.serve_weights(version)
         await asyncio.gather(
             *([served] if served is not None else []),
-            *(self.send_weights(i, 0) for i in range(len(self.gens))),
+            *(self.send_weights(i, version) for i in range(len(self.gens))),
         )
 
     async def stop(self) -> None:
@@ -163,7 +175,7 @@ class TrainerGang:
     A gang call's span runs from the first member's start to the last one's end.
     """
 
-    _EVERY_MEMBER = ("generate", "update", "step", "ping", "statistics")
+    _EVERY_MEMBER = ("generate", "update", "step", "write_checkpoint", "ping", "statistics")
 
     def __init__(self, trainers: Sequence[ActorHandle]) -> None:
         self.handles = list(trainers)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -29,11 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from digen.algos.grpo import score_groups, terms_per_sample
+from digen.algos.grpo import score_groups, step_terms
 from digen.algos.rewards import CompositeReward
 from digen.algos.rollout import Rollout
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
+from digen.runtime.checkpoint import Checkpoint, load_trainer_state, write_trainer_state
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.metrics import step_metrics
@@ -97,6 +99,26 @@ class ColocatedTrainer:
     async def __aexit__(self, *exc: object) -> None:
         return None
 
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    async def write_checkpoint(self, directory: str | os.PathLike | None) -> None:
+        """This worker's weights and optimizer state into a checkpoint directory. Sharded
+        workers all call (``directory`` None but on the first): they gather, it writes."""
+        if self.sharded:
+            weights = full_tensors(self.policy.synced_parameters(), keep=self.rank == 0)
+        else:
+            weights = self.policy.trainable_state()
+        optimizer = self.policy.optimizer_state()
+        if directory is not None:
+            write_trainer_state(directory, weights, optimizer)
+
+    async def restore(self, ckpt: Checkpoint) -> None:
+        """Continue from ``ckpt`` (every worker loads the same files)."""
+        weights, optimizer = load_trainer_state(ckpt.path)
+        self.policy.restore(weights, optimizer, ckpt.version)
+
     async def save_weights(self, out_dir: str | os.PathLike) -> Path:
         return self.policy.save_weights(out_dir, self._full)
 
@@ -110,12 +132,12 @@ class ColocatedTrainer:
     async def run(
         self,
         steps: range | int,
-        on_step: Callable[[StepResult], bool | None] | None = None,
+        on_step: Callable[[StepResult], Any] | None = None,
         *,
         samples_at: Callable[[int], bool] | None = None,
     ) -> list[StepResult]:
-        """Train ``steps``; ``on_step(result)`` returning False stops the run after that step
-        (on every worker: they agree before each step)."""
+        """Train ``steps``; ``on_step(result)`` (sync or async) returning False stops the
+        run after that step (on every worker: they agree before each step)."""
         steps = range(steps) if isinstance(steps, int) else steps
         results: list[StepResult] = []
         go = True
@@ -126,7 +148,7 @@ class ColocatedTrainer:
             if samples_at is not None and not samples_at(step):
                 res.pixels, res.captions = None, []
             results.append(res)
-            go = on_step is None or on_step(res) is not False
+            go = on_step is None or await _maybe_await(on_step(res)) is not False
         if self.sharded:  # every worker takes part in gathering the full weights
             self._full = full_tensors(self.policy.synced_parameters(), keep=True)
         return results
@@ -163,6 +185,7 @@ class ColocatedTrainer:
     ) -> StepResult:
         cfg = self.cfg
         t_start = time.perf_counter()
+        self.policy.set_step_lr(step)
         texts, meta = self.step_prompts(step)
         keys = self.my_keys(step)
         every = self.my_keys(step, everyone=True)
@@ -207,7 +230,8 @@ class ColocatedTrainer:
         row_of = {k: i for i, k in enumerate(keys)}
         for m0 in range(0, b, mini):
             prompts_m = range(m0, m0 + mini)
-            total_terms = int(keep[m0 : m0 + mini].sum()) * terms_per_sample(cfg, step)
+            # the planned count, as the driver scales: a dropped group adds nothing
+            total_terms = step_terms(cfg, step, prompts=mini)
             chosen = {k for k in every if k.prompt in prompts_m and keep[k.prompt, k.sample]}
             mine_m = [k for k in keys if k in chosen]
             chunks: list[list[SampleKey] | None] = [
@@ -295,6 +319,11 @@ class ColocatedTrainer:
         t = stats.as_tensor()
         dist.all_reduce(t)
         return LossStats.from_tensor(t)
+
+
+async def _maybe_await(value: Any) -> Any:
+    """``value``, awaited when it is awaitable (``on_step`` may be sync or async)."""
+    return await value if inspect.isawaitable(value) else value
 
 
 def _phase(cb: Callable[[str], None] | None, name: str) -> None:

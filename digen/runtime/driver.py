@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
@@ -47,6 +48,7 @@ from digen.config import (
 from digen.prompts import PromptSet
 from digen.runtime.accounting import Accounts
 from digen.runtime.actors import WorkerDied
+from digen.runtime.checkpoint import Checkpoint
 from digen.runtime.cluster import Cluster
 from digen.runtime.policy import SampleKey, StepResult
 from digen.sched.book import Book
@@ -91,11 +93,13 @@ class Driver:
         *,
         cluster: Any = None,
         clock: Callable[[], float] = time.time,
+        resume: Checkpoint | None = None,
     ) -> None:
         """``cluster``: the actors (default: a :class:`Cluster` of worker processes; tests
-        pass fakes with its methods); ``clock``: the clock task spans are read on."""
+        pass fakes with its methods); ``clock``: the clock task spans are read on;
+        ``resume``: a checkpoint the trainers start from (the run continues at its step)."""
         self.cfg, self.clock = cfg, clock
-        self.cluster = cluster if cluster is not None else Cluster(cfg, rewards)
+        self.cluster = cluster if cluster is not None else Cluster(cfg, rewards, resume=resume)
         self.prompts = lru_cache(maxsize=8)(
             lambda step: prompts.for_step(cfg.seed, step, cfg.data.train_batch_size)
         )
@@ -108,12 +112,14 @@ class Driver:
             stale_cap=cap,
             schedule=rt.staleness_schedule,
             max_inflight=max_inflight(cfg),
+            first_step=resume.step if resume is not None else 0,
         )
         self.book = Book(
             lambda step: step_microbatches(cfg, step),
             generators=rt.generators,
             trainers=trainer_slots(cfg),
             admission=admission,
+            first_step=resume.step if resume is not None else 0,
         )
         workers = worker_names(Pool.GENERATOR, rt.generators)
         workers += worker_names(Pool.TRAINER, trainer_slots(cfg))
@@ -158,6 +164,12 @@ class Driver:
     async def save_weights(self, out_dir: Any) -> Any:
         return await self.cluster.save_weights(out_dir)
 
+    async def write_checkpoint(self, directory: Any) -> None:
+        """Trainer 0 writes its weights and optimizer state into a checkpoint directory
+        (behind whatever it is running: only ``step`` changes them, and the next step waits
+        for this; sharded trainers all take part)."""
+        await self.cluster.trainers[0].call("write_checkpoint", str(directory))
+
     async def final_state(self) -> dict[str, torch.Tensor]:
         return await self.cluster.final_state()
 
@@ -166,13 +178,14 @@ class Driver:
     async def run(
         self,
         steps: range | int,
-        on_step: Callable[[StepResult], bool | None] | None = None,
+        on_step: Callable[[StepResult], Any] | None = None,
         *,
         samples_at: Callable[[int], bool] | None = None,
     ) -> list[StepResult]:
         """Train ``steps`` (a count, or a range from the current version); once per driver.
 
-        ``on_step(result)`` sees each finished step; returning False stops the run there.
+        ``on_step(result)`` (sync or async) sees each finished step; returning False stops
+        the run there.
         ``samples_at(step)``: whether that step brings back thumbnails for a sample grid.
         """
         steps = range(steps) if isinstance(steps, int) else steps
@@ -193,8 +206,12 @@ class Driver:
                 ]
                 for s in steps:
                     results.append(await self._finish_step(s))
-                    if on_step is not None and on_step(results[-1]) is False:
-                        break
+                    if on_step is not None:
+                        go = on_step(results[-1])
+                        if inspect.isawaitable(go):
+                            go = await go
+                        if go is False:
+                            break
                 for task in loops:
                     task.cancel()
         except BaseExceptionGroup as group:

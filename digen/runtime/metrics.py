@@ -6,9 +6,12 @@ match). Per-reward means appear as ``reward/<name>``, one column per configured 
 
 Columns:
 
-- ``reward_mean / _std / _min / _max``: over the step's ``B x n`` samples;
+- ``reward_mean / _std / _min / _max``: over the step's ``B x n`` samples (those of the
+  groups kept: ``dropped_groups`` counts groups left out for a non-finite reward);
 - ``loss``, ``kl``, ``clip_fraction``, ``approx_kl``: means over trained (sample, timestep)
   terms; ``grad_norm`` before clipping; ``policy_version`` after the step;
+- ``dropped_microbatches``, ``skipped_steps``: loss chunks left out and optimizer updates
+  skipped for a non-finite loss or gradient (``train.on_nonfinite = drop``);
 - ``samples``, ``trained_samples`` (best-of-N trains fewer);
 - ``step_time_s``: wall time since the previous step ended; ``time/<kind>_s``: seconds of
   work of each kind in the step (summed over workers); ``time/optimizer_s``, ``time/sync_s``;
@@ -25,6 +28,7 @@ Columns:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,12 +86,16 @@ def step_metrics(
     """The metrics row of one step (module docstring). ``rewards``: ``[B, n]``."""
     # one reduction order whatever the caller's layout (a strided view sums differently)
     rewards = rewards.to(torch.float64).contiguous()
+    dropped = ~torch.isfinite(rewards).all(dim=1)  # [B]: groups left out (train.on_nonfinite)
+    finite = rewards[~dropped] if dropped.any() else rewards
+    nan = float("nan")
     row: dict[str, Any] = {
         "step": step,
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std(unbiased=False)),
-        "reward_min": float(rewards.min()),
-        "reward_max": float(rewards.max()),
+        "reward_mean": float(finite.mean()) if finite.numel() else nan,
+        "reward_std": float(finite.std(unbiased=False)) if finite.numel() else nan,
+        "reward_min": float(finite.min()) if finite.numel() else nan,
+        "reward_max": float(finite.max()) if finite.numel() else nan,
+        "dropped_groups": int(dropped.sum()),
     }
     for name, value in components.items():
         row[f"reward/{name}"] = float(value)
@@ -97,6 +105,7 @@ def step_metrics(
     row.update(
         {
             "grad_norm": float(grad_norm),
+            "skipped_steps": int(not math.isfinite(grad_norm)),
             "policy_version": version,
             "samples": rewards.numel(),
             "trained_samples": trained_samples,

@@ -23,6 +23,7 @@ import torch
 from digen.algos.registry import get_algorithm
 from digen.algos.rollout import Rollout, SamplerSpec, sample_rollout, score_step
 from digen.config import DigenConfig
+from digen.errors import NonFiniteError
 from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
 from digen.seeding import group_generator, sample_generator
@@ -87,9 +88,12 @@ class LossStats:
     kl: float = 0.0
     clip_fraction: float = 0.0
     approx_kl: float = 0.0
+    dropped: int = 0
+    """Loss chunks left out for a non-finite loss (``train.on_nonfinite = drop``)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: LossStats) -> None:
+        self.dropped += other.dropped
         self.terms += other.terms
         self.loss += other.loss
         self.kl += other.kl
@@ -98,14 +102,14 @@ class LossStats:
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor(
-            [self.terms, self.loss, self.kl, self.clip_fraction, self.approx_kl],
+            [self.terms, self.loss, self.kl, self.clip_fraction, self.approx_kl, self.dropped],
             dtype=torch.float64,
         )
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> LossStats:
-        terms, loss, kl, clip, akl = t.tolist()
-        return cls(int(terms), loss, kl, clip, akl)
+        terms, loss, kl, clip, akl, dropped = t.tolist()
+        return cls(int(terms), loss, kl, clip, akl, int(dropped))
 
     def means(self) -> dict[str, float]:
         n = max(self.terms, 1)
@@ -114,6 +118,7 @@ class LossStats:
             "kl": self.kl / n,
             "clip_fraction": self.clip_fraction / n,
             "approx_kl": self.approx_kl / n,
+            "dropped_microbatches": self.dropped,
         }
 
 
@@ -314,6 +319,18 @@ class Policy:
                 loss = loss + cfg.algo.kl_coef * kl
                 kl_val = float(kl.detach())
             terms = d * b
+            if not torch.isfinite(loss.detach()):
+                if cfg.train.on_nonfinite == "fail":
+                    bad = int((~torch.isfinite(out.log_prob.detach())).sum())
+                    raise NonFiniteError(
+                        f"the loss of train step {step} (prompt {item.keys[0].prompt}, samples "
+                        f"{[k.sample for k in item.keys]}) is {float(loss.detach())} with "
+                        f"{bad} of {out.log_prob.numel()} log-probs non-finite; lower train.lr, "
+                        "or set train.on_nonfinite=drop to leave such micro-batches out."
+                    )
+                if not self.sharded:  # sharded members must all run the backward, and the
+                    stats.add(LossStats(dropped=1))  # step's non-finite gradient skips it
+                    continue
             (loss * (terms * loss_scale)).backward()
             stats.add(
                 LossStats(
@@ -343,6 +360,71 @@ class Policy:
         """The accumulated gradients of the trainable parameters (zeros where none)."""
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
+    def set_step_lr(self, step: int) -> float:
+        """Use train step ``step``'s learning rate (``train.lr_schedule``); returns it."""
+        assert self.optimizer is not None
+        lr = self.cfg.train.lr_at(step, self.cfg.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, whole (gathered from every member
+        when sharded: all of them must call; the first one gets it): one format whatever
+        the trainer count or sharding, so any of them can load it."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        assert self.optimizer is not None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.sharded)
+        return get_optimizer_state_dict(self.adapter.transformer, self.optimizer, options=options)
+
+    def restore(
+        self, weights: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, version: int
+    ) -> None:
+        """Continue from a checkpoint: its trained tensors (by name, as
+        :meth:`trainable_state` gives them), optimizer state (:meth:`optimizer_state`) and
+        version. Sharded members each load the whole of both and keep their shards."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        self._check_fits(weights)
+        transformer = self.adapter.transformer
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        if self.sharded:
+            set_model_state_dict(transformer, weights, options=options)
+        else:
+            named = dict(self.synced_parameters())
+            with torch.no_grad():
+                for name, value in weights.items():
+                    named[name].copy_(value.to(named[name].device, named[name].dtype))
+        if optimizer is not None and self.optimizer is not None:
+            set_optimizer_state_dict(transformer, self.optimizer, optimizer, options=options)
+        self.version = version
+
+    def _check_fits(self, weights: dict[str, torch.Tensor]) -> None:
+        """Refuse checkpoint weights of another shape or set of parameters, naming one."""
+        named = dict(self.synced_parameters())
+        if weights.keys() != named.keys():
+            missing = sorted(set(named) - set(weights))[:3]
+            extra = sorted(set(weights) - set(named))[:3]
+            raise ValueError(
+                f"the checkpoint's weights do not fit this model (missing {missing}, "
+                f"unknown {extra})"
+            )
+        for name, value in weights.items():
+            p = named[name]
+            if tuple(p.shape) != tuple(value.shape):
+                raise ValueError(
+                    f"the checkpoint's {name} has shape {tuple(value.shape)}, the model's "
+                    f"{tuple(p.shape)}"
+                )
+
     def optimizer_step(self) -> float:
         """Clip, step, zero the gradients; bump the policy version. Returns the grad norm."""
         assert self.optimizer is not None
@@ -355,7 +437,14 @@ class Policy:
         )
         if hasattr(norm, "full_tensor"):  # sharded gradients: the norm over every member
             norm = norm.full_tensor()
-        self.optimizer.step()
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        elif self.cfg.train.on_nonfinite == "fail":
+            raise NonFiniteError(
+                f"the gradient of the update to version {self.version + 1} is {float(norm)}; "
+                "lower train.lr, or set train.on_nonfinite=drop to skip such updates."
+            )
+        # else: the update is skipped (the weights stay; grad_norm reports the NaN)
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return float(norm)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from digen.algos.rewards import build_reward
 from digen.config import DigenConfig, load_config, max_inflight
 from digen.runtime.actors import run_sync
+from digen.runtime.checkpoint import load_trainer_state, write_trainer_state
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.outputs import thumbnails
@@ -314,7 +315,9 @@ class GeneratorActor(_PolicyActor):
     ) -> None:
         cfg = _pool_config(cfg, "generator", max(index_of(name), 0))
         super().__init__(cfg, name, trainable=False, devices=devices, direct=direct)
-        self.reward = build_reward(list(rewards) if rewards is not None else cfg.rewards)
+        self.reward = build_reward(
+            list(rewards) if rewards is not None else cfg.rewards, cfg.train.on_nonfinite
+        )
 
     def score(
         self,
@@ -487,6 +490,22 @@ class TrainerActor(_PolicyActor):
                     stats.add(got)
         return self._timed(stats, t0)
 
+    def write_checkpoint(self, directory: str) -> None:
+        """Write the weights and optimizer state into a checkpoint directory: trainer 0
+        (replicated trainers hold the same); sharded ones all gather, trainer 0 writes."""
+        optimizer = self.policy.optimizer_state()
+        if self.rank == 0:
+            weights = self._full if self.sharded else self.policy.trainable_state()
+            write_trainer_state(directory, weights, optimizer)
+
+    def restore(self, directory: str, version: int) -> None:
+        """Continue from the checkpoint in ``directory`` (every trainer loads it; sharded
+        ones keep their shards, whatever the trainer count that wrote it)."""
+        weights, optimizer = load_trainer_state(directory)
+        self.policy.restore(weights, optimizer, version)
+        if self.sharded:
+            self._gather_full()
+
     def save_weights(self, out_dir: str) -> str:
         state = self._full if self.sharded else None
         return str(self.policy.save_weights(out_dir, state))
@@ -496,6 +515,7 @@ class TrainerActor(_PolicyActor):
         norm)``; trainer 0 then serves the new weights."""
         self._jitter()
         t0 = time.time()
+        self.policy.set_step_lr(self.policy.version)  # version == the train step here
         self.grads.reduce(microbatches, self.dp_group)
         norm = self.policy.optimizer_step()
         if self.sharded:

@@ -122,6 +122,9 @@ class Admission:
     """``C_gen``: micro-batches handed out and not yet trained, at most; None = no bound."""
     last_step: int | None = None
     """Last train step of the run (nothing later starts); None = no end."""
+    first_step: int = 0
+    """First train step of the run (a resumed run's checkpoint step): it is on-policy, as
+    no older weights exist to make its early micro-batches with."""
 
     def __post_init__(self) -> None:
         if self.schedule not in STALENESS_SCHEDULES:
@@ -131,7 +134,7 @@ class Admission:
 
     def quota(self, step: int) -> int:
         """Fixed schedule: how many of ``step``'s micro-batches are made one version early."""
-        if self.schedule != "fixed" or self.max_staleness < 1 or step < 1:
+        if self.schedule != "fixed" or self.max_staleness < 1 or step <= self.first_step:
             return 0
         return self.stale_cap
 

@@ -25,6 +25,7 @@ NUMBERS += ("clip_fraction", "approx_kl", "grad_norm", "reward/jpeg_incompressib
 
 def _run(out: Path, extra: list[str]):
     over = ["steps=3", "runtime.generators=2", "rollout.n=4", "rollout.num_inference_steps=4"]
+    over.append("save_every=0")  # a checkpoint call carries the run's path, of any length
     cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over + extra)
     result = asyncio.run(DigenRunner(cfg, out_dir=out, progress=False, save_weights=False).run())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,234 @@
+"""Checkpoints: what a run needs to continue exactly where it stopped.
+
+A checkpoint is a directory ``<out>/checkpoints/step-NNNNNN`` (``NNNNNN``: the train steps
+completed) holding
+
+- ``weights.safetensors``: the trained tensors (the LoRA weights, or every weight);
+- ``optimizer.pt``: the AdamW state (tensors and numbers only: it loads with
+  ``weights_only=True``);
+- ``state.json``: the step and policy version to continue from, and what the weights belong
+  to (model, algorithm, LoRA shape), so a checkpoint of another run is refused;
+- ``config.yaml``: the resolved config of the run that wrote it;
+- ``manifest.json``: every other file's size and SHA-256, written last.
+
+Nothing else is state: prompts, initial noise, SDE noise and window choices are functions of
+``(seed, step, ...)``, and the learning rate is a function of the step
+(``train.lr_schedule``), so the step number restores them.
+
+A checkpoint is written under a temporary name, each file flushed to disk (``fsync``), then
+renamed into place: a crash leaves either the whole checkpoint or none of it. Only the newest
+``keep_checkpoints`` stay. :func:`latest_checkpoint` takes the newest one whose manifest
+checks out, and says why it skipped any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from digen.errors import DigenError
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointWriter",
+    "check_identity",
+    "checkpoint_identity",
+    "latest_checkpoint",
+    "load_trainer_state",
+    "write_trainer_state",
+]
+
+WEIGHTS = "weights.safetensors"
+OPTIMIZER = "optimizer.pt"
+STATE = "state.json"
+MANIFEST = "manifest.json"
+_PREFIX = "step-"
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A complete checkpoint on disk."""
+
+    path: Path
+    step: int
+    """Train steps completed: the run continues with step ``step``."""
+    version: int
+    """The policy version of its weights."""
+    identity: dict[str, Any]
+
+
+def checkpoint_identity(cfg: Any) -> dict[str, Any]:
+    """What a checkpoint's weights belong to; a resume must match it."""
+    t = cfg.train
+    return {
+        "model": cfg.model.name,
+        "algo": cfg.algo.name,
+        "lora_rank": t.lora_rank,
+        "lora_targets": list(t.lora_targets) if t.lora_targets else None,
+    }
+
+
+def write_trainer_state(
+    directory: str | os.PathLike,
+    weights: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+) -> None:
+    """Write the trainer's part (weights and optimizer state) into ``directory``, flushed."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    save_file(tensors, str(directory / WEIGHTS))
+    torch.save(optimizer, directory / OPTIMIZER)
+    for name in (WEIGHTS, OPTIMIZER):
+        _fsync(directory / name)
+
+
+def load_trainer_state(
+    directory: str | os.PathLike,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(weights, optimizer state)`` of a checkpoint (safe loaders only)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    weights = load_file(str(directory / WEIGHTS))
+    optimizer = torch.load(directory / OPTIMIZER, map_location="cpu", weights_only=True)
+    return weights, optimizer
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints into ``<out>/checkpoints`` and keeps the newest ``keep``."""
+
+    def __init__(self, out_dir: str | os.PathLike, keep: int) -> None:
+        self.root = Path(out_dir) / "checkpoints"
+        self.keep = keep
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory for the checkpoint after ``step`` completed steps;
+        the trainer writes its part there (:func:`write_trainer_state`), then
+        :meth:`finish`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{_PREFIX}{step:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        return tmp
+
+    def finish(
+        self, tmp: Path, step: int, version: int, identity: dict[str, Any], config_yaml: str
+    ) -> Path:
+        """Add the run's state, config and manifest to ``tmp`` and move it into place."""
+        final = self.root / f"{_PREFIX}{step:06d}"
+        state = {"step": step, "version": version, "identity": identity}
+        _write_synced(tmp / STATE, json.dumps(state, indent=1) + "\n")
+        _write_synced(tmp / "config.yaml", config_yaml)
+        files = sorted(p.name for p in tmp.iterdir())
+        manifest = {
+            "step": step,
+            "files": {
+                n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files
+            },
+        }
+        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        for old in _step_dirs(self.root)[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(
+    out_dir: str | os.PathLike, warn: Callable[[str], None] | None = None
+) -> Checkpoint | None:
+    """The newest complete, intact checkpoint of the run in ``out_dir``, or None.
+
+    A checkpoint whose files do not match its manifest (a truncated or altered file) is
+    skipped, and ``warn`` is told which and why.
+    """
+    for path in _step_dirs(Path(out_dir) / "checkpoints"):
+        problem = _verify(path)
+        if problem is None:
+            state = json.loads((path / STATE).read_text())
+            return Checkpoint(path, int(state["step"]), int(state["version"]), state["identity"])
+        if warn is not None:
+            warn(f"checkpoint {path.name} is unusable ({problem}); trying an older one")
+    return None
+
+
+def check_identity(ckpt: Checkpoint, cfg: Any) -> None:
+    """Refuse to resume ``cfg`` from a checkpoint of other weights, in one sentence."""
+    want = checkpoint_identity(cfg)
+    for key, value in ckpt.identity.items():
+        if want.get(key) != value:
+            raise DigenError(
+                f"checkpoint {ckpt.path} was written with {key} = {value!r}, but this run "
+                f"has {key} = {want.get(key)!r}; resume it with the settings it was made with."
+            )
+
+
+def _verify(path: Path) -> str | None:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "no readable manifest"
+    for name, entry in manifest.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != entry["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['bytes']}"
+        if _sha256(f) != entry["sha256"]:
+            return f"{name} does not match its checksum"
+    for name in (WEIGHTS, OPTIMIZER, STATE):
+        if name not in manifest.get("files", {}):
+            return f"the manifest lists no {name}"
+    return None
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Checkpoint directories, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync(path: Path) -> None:
+    with path.open("rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

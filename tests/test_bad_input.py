@@ -1,0 +1,111 @@
+"""Bad input is one sentence and exit 2, found before torch or diffusers are imported where
+the input can be checked without them: damaged or mismatched model directories, prompt
+files that are not text, LoRA targets the backbone does not have."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from digen.errors import DigenError
+from digen.models import get_adapter_class
+
+# the CLI with torch and diffusers made unimportable: a check that needs them fails loudly
+_NO_TORCH = (
+    "import sys; sys.modules['torch'] = None; sys.modules['diffusers'] = None; "
+    "sys.argv[0] = 'digen'; from cli.main import main; main()"
+)
+
+
+def _cli_without_torch(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", _NO_TORCH, "run", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return get_adapter_class("sd3").tiny_path()
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _damage(path: Path) -> None:
+    path.write_text(path.read_text()[:-20])  # cut off mid-object
+
+
+@pytest.mark.parametrize(
+    ("case", "model", "message"),
+    [
+        ("index", "sd3", "model_index.json' is not valid JSON"),
+        ("transformer", "sd3", "transformer/config.json' is not valid JSON"),
+        ("scheduler", "sd3", "scheduler/scheduler_config.json' is not valid JSON"),
+        ("folder", "sd3", "names a vae component in model_index.json but has no vae/ folder"),
+        (
+            "other",
+            "flux",
+            "holds a StableDiffusion3Pipeline pipeline (a sd3 model: use --model sd3), but "
+            "--model flux needs a FluxPipeline directory",
+        ),
+    ],
+)
+def test_a_damaged_or_mismatched_model_dir(
+    tmp_path: Path, sd3_dir: Path, case: str, model: str, message: str
+) -> None:
+    d = _copy(sd3_dir, tmp_path / "model")
+    if case == "index":
+        _damage(d / "model_index.json")
+    elif case == "transformer":
+        _damage(d / "transformer" / "config.json")
+    elif case == "scheduler":
+        _damage(d / "scheduler" / "scheduler_config.json")
+    elif case == "folder":
+        shutil.rmtree(d / "vae")
+    res = _cli_without_torch("--model", model, "--model-path", str(d), "--out", str(tmp_path / "o"))
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
+def test_damaged_weights_are_one_sentence_from_the_loader(tmp_path: Path, sd3_dir: Path) -> None:
+    d = _copy(sd3_dir, tmp_path / "model")
+    weights = next((d / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(DigenError, match=r"model path '.*' cannot be loaded: ") as err:
+        get_adapter_class("sd3").from_pretrained(d)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "is a binary file"),
+        ("un caf\u00e9\n".encode("latin-1"), "is not UTF-8 text (byte 0xe9 on line 1)"),
+        (b'{"text": 1}\nnot json\n', "has no usable prompts (2 unusable lines; line 1 has no"),
+    ],
+)
+def test_a_prompt_file_that_is_not_prompts(tmp_path: Path, content: bytes, message: str) -> None:
+    f = tmp_path / "prompts.jsonl"
+    f.write_bytes(content)
+    res = _cli_without_torch("--prompts", str(f), "--out", str(tmp_path / "o"))
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_lora_targets_the_backbone_lacks(sd3_dir: Path) -> None:
+    from digen.models.lora import apply_lora
+
+    adapter = get_adapter_class("sd3").from_pretrained(sd3_dir)
+    with pytest.raises(DigenError, match=r"\['to_qq'\] name no layer of the SD3Transformer2DModel"):
+        apply_lora(adapter.transformer, rank=2, alpha=2, targets=["to_q", "to_qq"])
+    assert not any("lora_" in n for n, _ in adapter.transformer.named_parameters())
+    with pytest.raises(DigenError, match="its layers are called: .*to_k, to_q, to_v"):
+        apply_lora(adapter.transformer, rank=2, alpha=2, targets=["attn"])

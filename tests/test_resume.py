@@ -1,0 +1,190 @@
+"""Checkpoints and resume: a stopped run continued ends exactly where an uninterrupted one
+does; damaged checkpoints are skipped; a run is never silently overwritten."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from digen import DigenRunner, load_config
+from digen.errors import DigenError
+from digen.presets import preset
+from digen.runtime.checkpoint import CheckpointWriter, latest_checkpoint, write_trainer_state
+
+# a schedule that changes every step, so a resume that lost the step would show
+COMMON = ["train.lr=1e-3", "train.lr_schedule=cosine", "train.warmup_steps=1"]
+COMMON += ["rollout.num_inference_steps=4", "save_every=1"]
+
+
+def _cfg(mode: str, steps: int, extra: list[str] = ()):
+    over = [*COMMON, f"steps={steps}", *extra]
+    return load_config(base=preset("sd3", "flowgrpo", mode=mode), overrides=over)
+
+
+def _run(cfg, out: Path, **kw):
+    return asyncio.run(DigenRunner(cfg, out_dir=out, progress=False, **kw).run())
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+_SAME = ("step", "reward_mean", "reward_std", "loss", "clip_fraction", "approx_kl", "grad_norm")
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_stopped_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path: Path, mode: str) -> None:
+    extra = ["runtime.tag=none"] if mode == "disaggregated" else []
+    whole = _run(_cfg(mode, 3, extra), tmp_path / "whole")
+    first = _run(_cfg(mode, 2, extra), tmp_path / "split")
+    assert first.checkpoint == tmp_path / "split" / "checkpoints" / "step-000002"
+    resumed = _run(_cfg(mode, 3, extra), tmp_path / "split", resume=True)
+    assert resumed.first_step == 2 and len(resumed.metrics) == 1
+    assert whole.final_state.keys() == resumed.final_state.keys()
+    for name, value in whole.final_state.items():
+        assert torch.equal(resumed.final_state[name], value), name
+    moved = max(float(v.abs().max()) for n, v in whole.final_state.items() if "lora_B" in n)
+    assert moved > 1e-4
+    want, got = _rows(tmp_path / "whole"), _rows(tmp_path / "split")
+    assert len(got) == 3  # appended, never rewritten
+    assert [{k: r[k] for k in _SAME} for r in got] == [{k: r[k] for k in _SAME} for r in want]
+    # the newest two checkpoints are kept
+    names = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir())
+    assert names == ["step-000002", "step-000003"]
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path, keep=3)
+    for step in (1, 2, 3):
+        tmp = writer.begin(step)
+        weights = {"w": torch.full((64,), float(step))}
+        write_trainer_state(tmp, weights, {"state": {}, "param_groups": []})
+        writer.finish(tmp, step, step, {"model": "sd3"}, "steps: 3\n")
+    newest = tmp_path / "checkpoints" / "step-000003" / "weights.safetensors"
+    data = newest.read_bytes()
+    newest.write_bytes(data[:-10])  # truncated
+    notes: list[str] = []
+    ckpt = latest_checkpoint(tmp_path, warn=notes.append)
+    assert ckpt is not None and ckpt.step == 2
+    assert "step-000003" in notes[0] and "bytes" in notes[0]
+    older = tmp_path / "checkpoints" / "step-000002" / "weights.safetensors"
+    flipped = bytearray(older.read_bytes())
+    flipped[-1] ^= 0xFF  # same size, other contents
+    older.write_bytes(bytes(flipped))
+    notes.clear()
+    ckpt = latest_checkpoint(tmp_path, warn=notes.append)
+    assert ckpt is not None and ckpt.step == 1 and "checksum" in notes[-1]
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_run_is_never_silently_overwritten_and_resume_checks_the_model(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _run(_cfg("colocated", 1), out)
+    with pytest.raises(DigenError, match="holds a previous run.*--resume"):
+        _run(_cfg("colocated", 1), out)
+    with pytest.raises(DigenError, match="lora_rank = 16, but this run has lora_rank = 4"):
+        _run(_cfg("colocated", 2, ["train.lora_rank=4"]), out, resume=True)
+    with pytest.raises(DigenError, match="already trained 1 steps"):
+        _run(_cfg("colocated", 1), out, resume=True)
+    with pytest.raises(DigenError, match="no complete checkpoint"):
+        _run(_cfg("colocated", 2), tmp_path / "empty", resume=True)
+    again = _run(_cfg("colocated", 1), out, overwrite=True)
+    assert len(_rows(out)) == 1 and again.metrics[0]["step"] == 0
+
+
+def test_the_learning_rate_schedule() -> None:
+    t = _cfg("colocated", 11, ["train.warmup_steps=2", "train.lr_min_ratio=0.1"]).train
+    lrs = [t.lr_at(s, 11) for s in range(11)]
+    assert lrs[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])  # warm-up, then the peak
+    assert lrs[-1] == pytest.approx(1e-4)  # cosine down to lr_min_ratio x lr
+    assert lrs[3:] == sorted(lrs[3:], reverse=True)
+    flat = _cfg("colocated", 11, ["train.lr_schedule=constant", "train.warmup_steps=0"]).train
+    assert {flat.lr_at(s, 11) for s in range(11)} == {1e-3}
+
+
+def _cli(out: Path, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "cli.main", "run", "--model", "sd3", "--out", str(out)]
+    cmd += ["--quiet", *args, *COMMON]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ}
+    )
+
+
+@pytest.mark.slow
+def test_sigterm_stops_with_a_checkpoint_and_resume_finishes_the_run(tmp_path: Path) -> None:
+    """SIGTERM (a scheduler's preemption) mid-run: exit 143 with a checkpoint; --resume
+    finishes the run, whose weights equal an uninterrupted run's, wherever it stopped."""
+    whole = _cli(tmp_path / "whole", "--steps", "6")
+    out, err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, err[-2000:]
+    stopped = _cli(tmp_path / "split", "--steps", "6")
+    metrics = tmp_path / "split" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert stopped.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    stopped.send_signal(signal.SIGTERM)
+    out, err = stopped.communicate(timeout=120)
+    assert stopped.returncode == 143, err[-2000:]
+    assert "--resume" in err
+    done = len(_rows(tmp_path / "split"))
+    assert 1 <= done < 6
+    assert (tmp_path / "split" / "checkpoints" / f"step-{done:06d}").is_dir()
+    resumed = subprocess.run(
+        [sys.executable, "-m", "cli.main", "run", "--resume", str(tmp_path / "split")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert len(_rows(tmp_path / "split")) == 6
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "whole" / "checkpoints" / "step-000006" / "weights.safetensors"))
+    b = load_file(str(tmp_path / "split" / "checkpoints" / "step-000006" / "weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> None:
+    """Under fixed TCSS a step's early micro-batches come from the previous version, which a
+    resumed run does not have: its first step is on-policy, the next ones stale again."""
+    extra = ["runtime.max_staleness=1", "runtime.staleness_ratio=0.5", "runtime.tag=none"]
+    _run(_cfg("disaggregated", 2, extra), tmp_path)
+    resumed = _run(_cfg("disaggregated", 4, extra), tmp_path, resume=True)
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    stale = [r["stale_microbatches"] for r in rows]
+    assert stale[0] == 0 and stale[1] > 0  # the first step of a run has no older version
+    assert stale[2] == 0 and stale[3] == stale[1]  # resumed at 2: on-policy, then as before
+    assert resumed.first_step == 2
+
+
+@pytest.mark.slow
+def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
+    tmp_path: Path,
+) -> None:
+    """Two FSDP trainers write a checkpoint (gathered whole: weights and AdamW state by
+    parameter name); two FSDP trainers resume it bit for bit, and one unsharded trainer
+    loads the same files (to float precision: a different summation order)."""
+    import shutil
+
+    fsdp = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
+    whole = _run(_cfg("disaggregated", 3, fsdp), tmp_path / "whole")
+    _run(_cfg("disaggregated", 2, fsdp), tmp_path / "split")
+    shutil.copytree(tmp_path / "split", tmp_path / "moved")
+    resumed = _run(_cfg("disaggregated", 3, fsdp), tmp_path / "split", resume=True)
+    one = ["runtime.tag=none"]
+    moved = _run(_cfg("disaggregated", 3, one), tmp_path / "moved", resume=True)
+    for name, value in whole.final_state.items():
+        assert torch.equal(resumed.final_state[name], value), name
+        torch.testing.assert_close(moved.final_state[name], value, rtol=1e-5, atol=1e-6)
+    assert _rows(tmp_path / "split")[-1]["loss"] == _rows(tmp_path / "whole")[-1]["loss"]
