@@ -172,10 +172,19 @@ def run(
             raise
         actors = sys.modules.get("digen.runtime.actors")  # a worker can only die once imported
         if actors is not None and isinstance(exc, actors.WorkerDied):  # nothing to debug here
-            click.echo(f"error: {exc} Outputs so far are in {out_dir}.", err=True)
+            click.echo(f"error: {exc} {_after_failure(out_dir)}", err=True)
             sys.exit(1)
         if not isinstance(exc, DigenError):
-            raise
+            # one line here; the whole traceback (a worker's too) is in trainer.log
+            log = out_dir / "trainer.log"
+            where = f"; the traceback is in {log}" if log.is_file() else ""
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            click.echo(
+                f"error: {type(exc).__name__}: {first}{where}. {_after_failure(out_dir)} "
+                "(--debug shows the traceback here)",
+                err=True,
+            )
+            sys.exit(1)
         click.echo(f"error: {exc}", err=True)
         from digen.errors import NonFiniteError
 
@@ -199,6 +208,19 @@ def run(
         click.echo(f"stopped early; continue with: digen run --resume {out_dir}", err=True)
         sys.stdout.flush()
         sys.exit(143 if result.stop_signal == "SIGTERM" else 130)
+
+
+def _after_failure(out_dir: Path) -> str:
+    """What a failed run left, and the command that continues it."""
+    from digen.runtime.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is None:
+        return f"No checkpoint was written yet; outputs so far are in {out_dir}."
+    return (
+        f"The last checkpoint is {ckpt.path.name} ({ckpt.step} steps); continue with: "
+        f"digen run --resume {out_dir}"
+    )
 
 
 def _run(

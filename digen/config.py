@@ -587,6 +587,8 @@ class RuntimeConfig:
     """Address the RPC and process groups listen on; loopback keeps everything on this machine."""
     rpc_timeout_s: float = 600.0
     """Longest a single remote call may take before the run stops with an error."""
+    heartbeat_s: float = 60.0
+    """A worker that answers no ping for this long (hung, or its machine gone) stops the run, naming it; a worker process that exits is noticed within 0.1 s."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "runtime")
@@ -628,6 +630,7 @@ class RuntimeConfig:
         if not self.address:
             raise _bad(_key(p, "address"), self.address, "give an IP address such as 127.0.0.1")
         _positive(p, "rpc_timeout_s", self.rpc_timeout_s)
+        _positive(p, "heartbeat_s", self.heartbeat_s)
 
 
 _SECTIONS: dict[str, type] = {

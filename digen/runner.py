@@ -11,6 +11,7 @@ written so far intact.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,8 @@ _RUN_OUTPUTS = (
     "trainer.log",
 )
 """What a run leaves in its directory (``--overwrite`` removes exactly these)."""
+_WORKERS_FILE = "workers.json"
+"""Role -> host and pid of the run's processes, present while the run lives."""
 
 
 @dataclass(slots=True)
@@ -209,6 +213,8 @@ class DigenRunner:
         try:
             async with self._backend(rank, world, trace, ckpt) as backend:
                 log.info("workers_ready", seconds=round(time.perf_counter() - t0, 3))
+                if outputs:
+                    await self._write_workers(backend)
                 if ckpt is not None:
                     if cfg.runtime.mode != "disaggregated":  # the driver's trainers load it
                         await backend.restore(ckpt)
@@ -268,7 +274,13 @@ class DigenRunner:
                     log.info("weights_saved", path=str(weights))
                 final_state = await backend.final_state()
         except Exception as exc:
-            log.error("run_failed", error=f"{type(exc).__name__}: {exc}", steps=len(metrics))
+            log.error(
+                "run_failed",
+                error=f"{type(exc).__name__}: {exc}",
+                steps=start + len(metrics),
+                checkpoint=str(saved) if saved else None,
+                traceback="".join(traceback.format_exception(exc)),  # remote ones included
+            )
             raise
         finally:
             if outputs and len(trace):
@@ -279,6 +291,8 @@ class DigenRunner:
                     outputs.dir / "timeline.png",
                     title=f"{cfg.model.name} / {cfg.algo.name} / {cfg.runtime.mode}",
                 )
+            if outputs:
+                (outputs.dir / _WORKERS_FILE).unlink(missing_ok=True)
             log.info("run_end", steps=len(metrics), interrupted=interrupted)
             log_fh.close()
         return RunResult(
@@ -291,6 +305,16 @@ class DigenRunner:
             stop_signal=self._stop if self._stop in ("SIGINT", "SIGTERM") else None,
             checkpoint=saved,
         )
+
+    async def _write_workers(self, backend: Any) -> None:
+        """``workers.json``: role -> host and pid of every process of the run, while it
+        lives (an operator, or a test, can find and stop exactly one worker)."""
+        here = {"host": socket.gethostname(), "pid": os.getpid()}
+        where = {"driver": here}
+        if hasattr(backend, "whereabouts"):
+            where.update(await backend.whereabouts())
+        path = self.out_dir / _WORKERS_FILE
+        path.write_text(json.dumps(where, indent=1) + "\n")
 
     def _backend(self, rank: int, world: int, trace: Trace, ckpt: Checkpoint | None = None):
         """The colocated trainer, or the disaggregated driver with its worker processes."""

@@ -73,6 +73,7 @@ class Cluster:
             ],
             address=rt.address,
             rpc_timeout_s=rt.rpc_timeout_s,
+            heartbeat_s=rt.heartbeat_s,
         )
         self.gens: list[ActorHandle] = []
         self.trainers: list[ActorHandle] = []
@@ -151,6 +152,12 @@ class Cluster:
     async def final_state(self) -> dict[str, torch.Tensor]:
         return await self.trainers[0].call("trainable_state")
 
+    async def whereabouts(self) -> dict[str, dict[str, Any]]:
+        """``{worker: {"host", "pid"}}`` as each worker reports it (torchrun ranks too)."""
+        names = self.gen_names + self.trainer_names
+        found = await asyncio.gather(*(self.system.run(n, _whereabouts) for n in names))
+        return dict(zip(names, found))
+
     async def release(self, holder: str, keys: list[tuple[int, int]]) -> None:
         """Drop micro-batches nothing will train from ``holder``'s store (from every
         sharded trainer's, when the trainers as one made them)."""
@@ -199,6 +206,13 @@ class TrainerGang:
             max(r.t1 for r in results),
             max(r.memory_gb for r in results),
         )
+
+
+def _whereabouts() -> dict[str, Any]:
+    """Where this process runs (run in a worker by :meth:`Cluster.whereabouts`)."""
+    import os
+
+    return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
 def _reachable_host(peer: str) -> str:

@@ -173,6 +173,10 @@ class Driver:
     async def final_state(self) -> dict[str, torch.Tensor]:
         return await self.cluster.final_state()
 
+    async def whereabouts(self) -> dict[str, dict[str, Any]]:
+        """Host and pid of every worker, by name."""
+        return await self.cluster.whereabouts()
+
     # --- Algorithm 1 -----------------------------------------------------------------------
 
     async def run(

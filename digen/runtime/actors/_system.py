@@ -145,17 +145,22 @@ def active_launch() -> ExternalLaunch | None:
 class WorkerDied(RuntimeError):
     """A worker process exited or was killed; the RPC world cannot take it back."""
 
-    def __init__(self, worker: str, pid: int | None, exitcode: int | None) -> None:
-        self.worker, self.pid, self.exitcode = worker, pid, exitcode
+    def __init__(
+        self, worker: str, pid: int | None, exitcode: int | None, silent_s: float | None = None
+    ) -> None:
+        self.worker, self.pid, self.exitcode, self.silent_s = worker, pid, exitcode, silent_s
         where = "pid unknown: started by an external launcher" if pid is None else f"pid {pid}"
-        super().__init__(f"worker {worker!r} ({where}) {_describe_exit(exitcode)}.")
+        how = _describe_exit(exitcode)
+        if exitcode is None and silent_s is not None:
+            how = f"stopped answering (no heartbeat for {silent_s:g} s: hung, or unreachable)"
+        super().__init__(f"worker {worker!r} ({where}) {how}.")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerDied, (self.worker, self.pid, self.exitcode))
+        return (WorkerDied, (self.worker, self.pid, self.exitcode, self.silent_s))
 
     def again(self) -> WorkerDied:
         """A fresh copy to raise (re-raising one instance keeps growing its traceback)."""
-        return WorkerDied(self.worker, self.pid, self.exitcode)
+        return WorkerDied(self.worker, self.pid, self.exitcode, self.silent_s)
 
 
 class ActorSystemClosed(RuntimeError):
@@ -297,7 +302,10 @@ class ActorSystem:
 
     ``address``/``port`` is where the rendezvous store listens (a free port when ``None``);
     on a loopback address every listener of the world stays on loopback. ``rpc_timeout_s``
-    bounds each call (a hung, still-living worker is noticed only then), ``start_timeout_s``
+    bounds each call, ``heartbeat_s`` how long a worker may go without answering the
+    watchdog's ping (sent every ``heartbeat_s / 4``) before it counts as dead: a hung or
+    unreachable worker is noticed within that time, an exited one within a tenth of a second
+    (local launch) or ``heartbeat_s`` (external launch). ``start_timeout_s`` bounds
     the forming of the world, ``stop_timeout_s`` how long stop() waits for workers to exit
     before killing them. Actors live until their worker exits. With external launch the
     rendezvous is ``launch.address:launch.port`` (``address``/``port`` are ignored), nothing
@@ -316,6 +324,7 @@ class ActorSystem:
         start_timeout_s: float = 120.0,
         stop_timeout_s: float = 5.0,
         launch: ExternalLaunch | None = None,
+        heartbeat_s: float = 60.0,
     ) -> None:
         names = [w.name for w in workers]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -334,6 +343,8 @@ class ActorSystem:
         self.rpc_timeout_s = rpc_timeout_s
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self._heartbeats: dict[str, asyncio.Task] = {}
         self._procs: dict[str, multiprocessing.process.BaseProcess] = {}
         self._pids: dict[str, int] = {}
         self._dead: dict[str, WorkerDied] = {}
@@ -492,8 +503,8 @@ class ActorSystem:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
         self._reap()
-        for probe in list(self._probes.values()):
-            probe.cancel()
+        for task in [*self._probes.values(), *self._heartbeats.values()]:
+            task.cancel()
         for futs in self._pending.values():
             for fut in futs:
                 if not fut.done():
@@ -560,10 +571,32 @@ class ActorSystem:
         return newly
 
     async def _watch(self) -> None:
+        next_beat = time.monotonic()
         while True:
             for name in self._reap():
                 self._mark_dead(name, self._dead[name])
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.heartbeat_s / 4
+                for w in self.workers:
+                    beat = self._heartbeats.get(w.name)
+                    if w.name not in self._dead and (beat is None or beat.done()):
+                        self._heartbeats[w.name] = asyncio.create_task(
+                            self._heartbeat(w.name), name=f"digen-heartbeat-{w.name}"
+                        )
             await asyncio.sleep(_WATCHDOG_PERIOD_S)
+
+    async def _heartbeat(self, worker: str) -> None:
+        """One ping; no answer within ``heartbeat_s`` marks the worker dead (hung, or gone
+        with no exit status to read)."""
+        try:
+            await _bridge(rpc.rpc_async(worker, _ping, timeout=self.heartbeat_s))
+        except Exception:
+            await asyncio.sleep(2 * _WATCHDOG_PERIOD_S)  # an exit status explains it better
+            self._reap()
+            if self._state == "running" and worker not in self._dead:
+                self._mark_dead(
+                    worker, WorkerDied(worker, self._pids.get(worker), None, self.heartbeat_s)
+                )
 
     def _mark_dead(self, worker: str, died: WorkerDied) -> None:
         self._dead[worker] = died
