@@ -18,7 +18,9 @@ import torch
 from digen import DigenRunner, load_config
 from digen.errors import DigenError
 from digen.presets import preset
+from digen.prompts import PromptSet
 from digen.runtime.checkpoint import CheckpointWriter, latest_checkpoint, write_trainer_state
+from digen.sched.trace import Trace
 
 # a schedule that changes every step, so a resume that lost the step would show
 COMMON = ["train.lr=1e-3", "train.lr_schedule=cosine", "train.warmup_steps=1"]
@@ -166,6 +168,18 @@ def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> No
     assert stale[0] == 0 and stale[1] > 0  # the first step of a run has no older version
     assert stale[2] == 0 and stale[3] == stale[1]  # resumed at 2: on-policy, then as before
     assert resumed.first_step == 2
+    # the profiler's estimates travel with the checkpoint: BTS resumes with the run's costs
+    from digen.runtime.checkpoint import latest_checkpoint
+    from digen.runtime.driver import Driver
+    from digen.sched.costs import OnlineProfiler
+
+    ckpt = latest_checkpoint(tmp_path)
+    saved = OnlineProfiler.load(ckpt.path / "profiler.json")
+    assert saved.count("gen") >= 4 and saved.estimate("gen") > 0  # every step's generations
+    driver = Driver(
+        _cfg("disaggregated", 6, extra), None, PromptSet.builtin(), Trace(), resume=ckpt
+    )
+    assert driver.accounts.profiler.to_dict() == saved.to_dict()
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ completed) holding
 - ``state.json``: the step and policy version to continue from, and what the weights belong
   to (model, algorithm, LoRA shape), so a checkpoint of another run is refused;
 - ``config.yaml``: the resolved config of the run that wrote it;
+- ``profiler.json`` (disaggregated runs): the online profiler's cost estimates, which the
+  bubble-triggered search plans with;
 - ``manifest.json``: every other file's size and SHA-256, written last.
 
 Nothing else is state: prompts, initial noise, SDE noise and window choices are functions of
@@ -37,6 +39,7 @@ import torch
 from digen.errors import DigenError
 
 __all__ = [
+    "PROFILER",
     "Checkpoint",
     "CheckpointWriter",
     "check_identity",
@@ -50,6 +53,8 @@ WEIGHTS = "weights.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
 MANIFEST = "manifest.json"
+PROFILER = "profiler.json"
+"""Disaggregated runs: the online profiler's cost estimates, so BTS resumes informed."""
 _PREFIX = "step-"
 
 

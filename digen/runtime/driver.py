@@ -33,6 +33,7 @@ from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,10 +49,11 @@ from digen.config import (
 from digen.prompts import PromptSet
 from digen.runtime.accounting import Accounts
 from digen.runtime.actors import WorkerDied
-from digen.runtime.checkpoint import Checkpoint
+from digen.runtime.checkpoint import PROFILER, Checkpoint
 from digen.runtime.cluster import Cluster
 from digen.runtime.policy import SampleKey, StepResult
 from digen.sched.book import Book
+from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
 from digen.sched.schedule import DRIVER, Admission, Pool, TaskKind, stale_cap, worker_names
 from digen.sched.tag import make_tag_policy
@@ -124,6 +126,9 @@ class Driver:
         workers = worker_names(Pool.GENERATOR, rt.generators)
         workers += worker_names(Pool.TRAINER, trainer_slots(cfg))
         self.accounts = Accounts(cfg, trace, workers)
+        if resume is not None and (resume.path / PROFILER).is_file():
+            # BTS starts from the cost estimates the run had, not from nothing
+            self.accounts.profiler = OnlineProfiler.load(resume.path / PROFILER)
         self.tag_policy = make_tag_policy(rt.tag, rt.tag_k)
         self.sq: asyncio.Queue[Made] = asyncio.Queue(admission.max_inflight)
         """Micro-batches made on trainers (TAG), waiting for a generator to score them."""
@@ -169,6 +174,7 @@ class Driver:
         (behind whatever it is running: only ``step`` changes them, and the next step waits
         for this; sharded trainers all take part)."""
         await self.cluster.trainers[0].call("write_checkpoint", str(directory))
+        self.accounts.profiler.save(Path(directory) / PROFILER)
 
     async def final_state(self) -> dict[str, torch.Tensor]:
         return await self.cluster.final_state()
