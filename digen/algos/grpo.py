@@ -31,7 +31,6 @@ def score_groups(rewards: torch.Tensor, algo: AlgoConfig) -> tuple[torch.Tensor,
     batch-wide std spans only the finite groups.
     """
     algorithm = get_algorithm(algo.name)
-    rewards = rewards.contiguous()  # one reduction order whatever the caller's layout
     bad = dropped_groups(rewards)  # [G]
     if not bad.any():
         return algorithm.advantages(rewards, algo)
