@@ -214,7 +214,7 @@ def _after_failure(out_dir: Path) -> str:
     """What a failed run left, and the command that continues it."""
     from digen.runtime.checkpoint import latest_checkpoint
 
-    ckpt = latest_checkpoint(out_dir)
+    ckpt = latest_checkpoint(out_dir, checksums=False)  # sizes only: a large one hashes slowly
     if ckpt is None:
         return f"No checkpoint was written yet; outputs so far are in {out_dir}."
     return (

@@ -226,8 +226,11 @@ class DigenRunner:
                 bar = _progress(cfg.steps, enabled=self.progress and lead, initial=start)
                 restore = _catch_signals(self) if lead else None
 
+                saved_step = start  # the step count of the newest checkpoint, on every rank
+
                 async def checkpoint(done: int) -> None:
-                    nonlocal saved
+                    nonlocal saved, saved_step
+                    saved_step = done
                     if writer is None:
                         if helps:
                             await backend.write_checkpoint(None)
@@ -265,10 +268,8 @@ class DigenRunner:
                     bar.close()
                     if restore:
                         restore()
-                done = start + len(metrics)
-                last = every and done % every == 0 and done < cfg.steps  # saved in on_step
-                if metrics and not last:
-                    await checkpoint(done)  # every clean stop leaves one
+                if metrics and saved_step != start + len(metrics):
+                    await checkpoint(start + len(metrics))  # every clean stop leaves one
                 if outputs and self.save_weights and metrics:
                     weights = await backend.save_weights(self.out_dir)
                     log.info("weights_saved", path=str(weights))

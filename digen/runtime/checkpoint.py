@@ -156,15 +156,19 @@ class CheckpointWriter:
 
 
 def latest_checkpoint(
-    out_dir: str | os.PathLike, warn: Callable[[str], None] | None = None
+    out_dir: str | os.PathLike,
+    warn: Callable[[str], None] | None = None,
+    *,
+    checksums: bool = True,
 ) -> Checkpoint | None:
     """The newest complete, intact checkpoint of the run in ``out_dir``, or None.
 
     A checkpoint whose files do not match its manifest (a truncated or altered file) is
-    skipped, and ``warn`` is told which and why.
+    skipped, and ``warn`` is told which and why. ``checksums=False`` compares sizes only
+    (a quick answer for a message; a resume reads every byte).
     """
     for path in _step_dirs(Path(out_dir) / "checkpoints"):
-        problem = _verify(path)
+        problem = _verify(path, checksums)
         if problem is None:
             state = json.loads((path / STATE).read_text())
             return Checkpoint(path, int(state["step"]), int(state["version"]), state["identity"])
@@ -184,7 +188,7 @@ def check_identity(ckpt: Checkpoint, cfg: Any) -> None:
             )
 
 
-def _verify(path: Path) -> str | None:
+def _verify(path: Path, checksums: bool = True) -> str | None:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -195,7 +199,7 @@ def _verify(path: Path) -> str | None:
             return f"{name} is missing"
         if f.stat().st_size != entry["bytes"]:
             return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['bytes']}"
-        if _sha256(f) != entry["sha256"]:
+        if checksums and _sha256(f) != entry["sha256"]:
             return f"{name} does not match its checksum"
     for name in (WEIGHTS, OPTIMIZER, STATE):
         if name not in manifest.get("files", {}):
