@@ -820,6 +820,9 @@ def _check_cross(cfg: DigenConfig) -> None:
         if not rt.pipeline:
             need = need * prompts
             why = "a whole step, which runtime.pipeline = false generates before training"
+        elif algo.adv_std == "global":
+            need = need * prompts
+            why = "a whole step, which algo.adv_std = global scores before training"
         per_step = prompts * microbatches_per_group(cfg)
         if rt.max_staleness and rt.staleness_schedule == "fixed":
             cap = stale_cap(per_step, rt.staleness_ratio)

@@ -284,6 +284,24 @@ BAD = [
         "train.mini_batch_size",
         "1",
     ),
+    # C_gen below what must be generated before anything trains would deadlock the driver:
+    # a GAP group (2 of 2 samples each), or the whole step with a batch-wide std
+    (
+        ["runtime.mode=disaggregated", "runtime.generators=2", "runtime.max_inflight=1"],
+        "runtime.max_inflight",
+        "1",
+    ),
+    (
+        [
+            "runtime.mode=disaggregated",
+            "data.train_batch_size=2",
+            "runtime.generators=2",
+            "algo.adv_std=global",
+            "runtime.max_inflight=3",
+        ],
+        "runtime.max_inflight",
+        "3",
+    ),
 ]
 
 

@@ -122,6 +122,7 @@ class Driver:
             trainers=trainer_slots(cfg),
             admission=admission,
             first_step=resume.step if resume is not None else 0,
+            whole_step=not rt.pipeline or cfg.algo.adv_std == "global",
         )
         workers = worker_names(Pool.GENERATOR, rt.generators)
         workers += worker_names(Pool.TRAINER, trainer_slots(cfg))

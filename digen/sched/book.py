@@ -100,9 +100,14 @@ class Book:
         trainers: int,
         admission: Admission,
         first_step: int = 0,
+        whole_step: bool = False,
     ) -> None:
-        """``plan(step)``: the micro-batches of a train step, in hand-out order."""
+        """``plan(step)``: the micro-batches of a train step, in hand-out order;
+        ``whole_step``: updates wait until every micro-batch of the step is scored (no
+        pipelining, or advantages over the whole batch), so for the schedule's model the
+        step is one group."""
         self.plan = plan
+        self.whole_step = whole_step
         self.generators, self.trainers = generators, trainers
         self.admission = admission
         self.version = first_step
@@ -128,6 +133,8 @@ class Book:
         if rec is None:
             mbs = self.plan(step)
             per_group = sum(1 for m in mbs if m.prompt == mbs[0].prompt) if mbs else 1
+            if self.whole_step:
+                per_group = max(1, len(mbs))
             rec = self.steps[step] = StepRecord(step, mbs, per_group)
         return rec
 
@@ -270,12 +277,19 @@ class Book:
             return clocks[pool].get(i, idle)
 
         rec = self.record(self.version)
-        partial = tuple(
-            (s, p, c)
-            for s, r in sorted(self.steps.items())
-            for p in sorted({m.prompt for m in r.mbs})
-            if 0 < (c := r.group_scored(p)) < len(r.group(p))
-        )
+        if self.whole_step:  # one group per step: its scored count
+            partial = tuple(
+                (s, 0, len(r.scored))
+                for s, r in sorted(self.steps.items())
+                if 0 < len(r.scored) < r.size
+            )
+        else:
+            partial = tuple(
+                (s, p, c)
+                for s, r in sorted(self.steps.items())
+                for p in sorted({m.prompt for m in r.mbs})
+                if 0 < (c := r.group_scored(p)) < len(r.group(p))
+            )
         return SchedState(
             now=now,
             trainer=trainer,

@@ -11,112 +11,22 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
+from fakes import FakeCluster, InjectedFailure, World
 
 from digen.config import load_config, step_microbatches
 from digen.prompts import PromptSet
 from digen.runtime.driver import Driver
-from digen.runtime.policy import LossStats
-from digen.runtime.workers import Scores, Timed
-from digen.sched.schedule import Pool, worker_name
 from digen.sched.trace import Trace
-
-
-@dataclass
-class _Payload:
-    """Stands in for the actor layer's counters."""
-
-    n: int = 0
-
-    def __sub__(self, other: _Payload) -> _Payload:
-        return _Payload(self.n - other.n)
-
-    @property
-    def megabytes(self) -> float:
-        return self.n / 1e6
-
-
-@dataclass
-class _World:
-    """What the fake actors share: versions, the log of calls, the untrained count."""
-
-    rng: random.Random
-    fail_on: tuple[str, str] | None = None
-    log: list[tuple] = field(default_factory=list)
-    trainer_version: int = 0
-    made: dict[tuple[int, int], int] = field(default_factory=dict)
-    untrained_max: int = 0
-    untrained: int = 0
-
-
-class _FakeActor:
-    def __init__(self, world: _World, worker: str) -> None:
-        self.world, self.worker = world, worker
-        self.version = 0
-
-    async def call(self, method: str, *args: Any) -> Any:
-        w = self.world
-        if w.fail_on == (self.worker, method):
-            await asyncio.sleep(0.001)
-            raise ValueError(f"{method} failed on purpose")
-        t0 = asyncio.get_running_loop().time()
-        await asyncio.sleep(w.rng.uniform(0.0005, 0.004))
-        t1 = asyncio.get_running_loop().time()
-        w.log.append((self.worker, method, *args[:2]))
-        if method == "generate":
-            step, mb = args[0], args[1]
-            w.made[(step, mb)] = self.version
-            w.untrained += 1
-            w.untrained_max = max(w.untrained_max, w.untrained)
-            return Timed(self.version, t0, t1)
-        if method == "score":
-            n = len(args[3])
-            return Timed(
-                Scores([float(args[1] + i) for i in range(n)], {"fake": [1.0] * n}), t0, t1
-            )
-        if method == "update":
-            w.untrained -= 1
-            return Timed(LossStats(terms=len(args[3]), loss=1.0), t0, t1)
-        if method == "step":
-            self.version += 1
-            return Timed((self.version, 0.5), t0, t1)
-        raise AssertionError(method)
-
-
-class _FakeCluster:
-    def __init__(self, generators: int, trainers: int, world: _World) -> None:
-        self.world = world
-        self.gens = [_FakeActor(world, worker_name(Pool.GENERATOR, i)) for i in range(generators)]
-        self.trainers = [_FakeActor(world, worker_name(Pool.TRAINER, j)) for j in range(trainers)]
-        self.payload = _Payload()
-        self.released: list[tuple[str, list]] = []
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    def serve_weights(self, version: int) -> None:
-        return None
-
-    async def send_weights(self, i: int, version: int) -> Timed:
-        await asyncio.sleep(self.world.rng.uniform(0.0, 0.002))
-        self.gens[i].version = version
-        now = asyncio.get_running_loop().time()
-        return Timed(version, now, now)
-
-    async def release(self, holder: str, keys: list) -> None:
-        self.released.append((holder, keys))
 
 
 def _driver(overrides: list[str], seed: int = 0, fail_on=None):
     cfg = load_config(
         overrides=["runtime.mode=disaggregated", "rollout.num_inference_steps=3", *overrides]
     )
-    world = _World(random.Random(seed), fail_on)
-    cluster = _FakeCluster(cfg.runtime.generators, cfg.runtime.trainers, world)
+    world = World(random.Random(seed), fail_on)
+    cluster = FakeCluster(cfg.runtime.generators, cfg.runtime.trainers, world)
     loop_time = lambda: asyncio.get_running_loop().time()  # noqa: E731
     driver = Driver(cfg, None, PromptSet.builtin(), Trace(), cluster=cluster, clock=loop_time)
     return cfg, driver, world
@@ -215,7 +125,7 @@ async def test_best_of_n_drops_and_releases_untrained_microbatches() -> None:
 @pytest.mark.asyncio
 async def test_a_failing_actor_is_one_error_and_nothing_keeps_running() -> None:
     _, driver, world = _driver(["steps=3", "runtime.generators=2"], fail_on=("trainer-0", "update"))
-    with pytest.raises(ValueError, match="update failed on purpose"):
+    with pytest.raises(InjectedFailure, match="update on trainer-0 .* failed on purpose"):
         await driver.run(3)
     await asyncio.sleep(0.02)
     before = len(world.log)

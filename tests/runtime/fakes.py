@@ -1,0 +1,166 @@
+"""Fake actors for the driver's loops: no processes, no models, scripted timings.
+
+A :class:`World` is what the fake actors share: a seeded RNG for their costs, how they
+sleep (real seconds on the event loop, or a :class:`VirtualClock`'s ticks), the log of every
+call and the failures to inject. Results are made up but shaped like the real ones, so the
+driver's book-keeping runs exactly as with worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from digen.runtime.policy import LossStats
+from digen.runtime.workers import Scores, Timed
+from digen.sched.schedule import Pool, worker_name
+
+
+class InjectedFailure(RuntimeError):
+    """What a fake actor raises where a test asked it to fail."""
+
+
+@dataclass
+class Payload:
+    """Stands in for the actor layer's counters."""
+
+    n: int = 0
+
+    def __sub__(self, other: Payload) -> Payload:
+        return Payload(self.n - other.n)
+
+    @property
+    def megabytes(self) -> float:
+        return self.n / 1e6
+
+
+class VirtualClock:
+    """Time in event-loop iterations: :meth:`run` advances it by one per iteration, and
+    :meth:`sleep` yields until it has moved on by ``ticks``. With no real timers anywhere, a
+    seeded run interleaves its coroutines the same way every time, however loaded the
+    machine, and a cost of thousands of ticks takes no wall time to wait out."""
+
+    def __init__(self, limit: int) -> None:
+        self.now = 0
+        self.limit = limit
+
+    async def run(self) -> None:
+        """Tick until ``limit``: returning means the code under test never finished."""
+        while self.now < self.limit:
+            await asyncio.sleep(0)
+            self.now += 1
+
+    async def sleep(self, ticks: float) -> None:
+        end = self.now + max(1, round(ticks))
+        while self.now < end:
+            await asyncio.sleep(0)
+
+    def seconds(self) -> float:
+        return self.now * 1e-3
+
+
+def _real_cost(rng: random.Random, worker: str, method: str) -> float:
+    return rng.uniform(0.0005, 0.004)
+
+
+@dataclass
+class World:
+    """What the fake actors share: versions, the log of calls, the untrained count."""
+
+    rng: random.Random
+    fail_on: tuple[str, str] | None = None
+    """(worker, method) whose every call fails."""
+    fail_at: int | None = None
+    """The index (from 0, over every call of every actor) of the one call that fails."""
+    cost: Callable[[random.Random, str, str], float] = _real_cost
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    now: Callable[[], float] = lambda: asyncio.get_running_loop().time()
+    log: list[tuple] = field(default_factory=list)
+    calls: int = 0
+    failed: str | None = None
+    made: dict[tuple[int, int], int] = field(default_factory=dict)
+    untrained_max: int = 0
+    untrained: int = 0
+
+    async def work(self, worker: str, method: str) -> tuple[float, float]:
+        """One call's cost waited out, or the injected failure raised."""
+        index, self.calls = self.calls, self.calls + 1
+        if self.fail_on == (worker, method) or self.fail_at == index:
+            await self.sleep(self.cost(self.rng, worker, method) / 2)
+            self.failed = f"{method} on {worker} (call {index}) failed on purpose"
+            raise InjectedFailure(self.failed)
+        t0 = self.now()
+        await self.sleep(self.cost(self.rng, worker, method))
+        return t0, self.now()
+
+
+class FakeActor:
+    """Runs its calls one at a time, in the order they came, as a worker process does."""
+
+    def __init__(self, world: World, worker: str) -> None:
+        self.world, self.worker = world, worker
+        self.version = 0
+        self.busy = asyncio.Lock()
+
+    async def call(self, method: str, *args: Any) -> Any:
+        async with self.busy:
+            return await self._run(method, *args)
+
+    async def _run(self, method: str, *args: Any) -> Any:
+        w = self.world
+        t0, t1 = await w.work(self.worker, method)
+        w.log.append((self.worker, method, *args[:2]))
+        if method == "generate":
+            step, mb = args[0], args[1]
+            assert (step, mb) not in w.made, f"micro-batch {(step, mb)} generated twice"
+            w.made[(step, mb)] = self.version
+            w.untrained += 1
+            w.untrained_max = max(w.untrained_max, w.untrained)
+            return Timed(self.version, t0, t1)
+        if method == "score":
+            n = len(args[3])
+            return Timed(
+                Scores([float(args[1] + i) for i in range(n)], {"fake": [1.0] * n}), t0, t1
+            )
+        if method == "update":
+            assert self.version == args[0], f"step {args[0]} trained on version {self.version}"
+            w.untrained -= 1
+            return Timed(LossStats(terms=len(args[3]), loss=1.0), t0, t1)
+        if method == "step":
+            self.version += 1
+            return Timed((self.version, 0.5), t0, t1)
+        raise AssertionError(method)
+
+
+class FakeCluster:
+    """The methods of :class:`~digen.runtime.cluster.Cluster` the driver uses."""
+
+    def __init__(self, generators: int, trainers: int, world: World) -> None:
+        self.world = world
+        self.gens = [FakeActor(world, worker_name(Pool.GENERATOR, i)) for i in range(generators)]
+        self.trainers = [FakeActor(world, worker_name(Pool.TRAINER, j)) for j in range(trainers)]
+        self.payload = Payload()
+        self.released: list[tuple[str, list]] = []
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def serve_weights(self, version: int) -> None:
+        return None
+
+    async def send_weights(self, i: int, version: int) -> Timed:
+        gen = self.gens[i]
+        async with gen.busy:  # behind what the generator is running
+            t0, t1 = await self.world.work(gen.worker, "load_weights")
+            self.world.log.append((gen.worker, "load_weights", version))
+            gen.version = version
+        return Timed(version, t0, t1)
+
+    async def release(self, holder: str, keys: list) -> None:
+        self.world.log.append((holder, "release", *keys[0]))
+        self.world.untrained -= len(keys)
+        self.released.append((holder, keys))

@@ -1,0 +1,175 @@
+"""A soak test of the driver's schedule: random settings, costs and jitter over thousands of
+micro-batches, and failures injected at random calls.
+
+The real :class:`~digen.runtime.driver.Driver` runs against fake actors (``fakes.py``) whose
+calls cost a seeded-random number of event-loop iterations (a virtual clock: no wall time,
+and the same interleaving for a seed on any machine). Every run is checked for what the
+schedule promises: no micro-batch lost or made, scored or trained twice; the dependency
+order (score after generation, update after its group's scores, on the step's weights);
+TCSS's staleness bounds; ``C_gen``; and that an injected failure anywhere ends the run with
+that failure and nothing left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+from fakes import FakeCluster, InjectedFailure, VirtualClock, World
+
+from digen.config import load_config, max_inflight, microbatches_per_group, step_microbatches
+from digen.errors import DigenError
+from digen.prompts import PromptSet
+from digen.runtime.driver import Driver
+from digen.sched.schedule import stale_cap
+from digen.sched.trace import Trace
+
+RUNS = 24
+LIMIT = 2_000_000
+"""Virtual ticks a run may take: reaching it means the driver stalled."""
+
+_BASE = {"generate": 40, "score": 8, "update": 25, "step": 4, "load_weights": 3}
+
+
+def _settings(rng: random.Random) -> list[str]:
+    """A random, valid combination of the settings that shape the schedule."""
+    while True:
+        over = [
+            "runtime.mode=disaggregated",
+            "rollout.num_inference_steps=3",
+            f"steps={rng.randint(8, 16)}",
+            f"data.train_batch_size={rng.choice([2, 4, 8])}",
+            f"rollout.n={rng.choice([2, 4, 6, 8])}",
+            f"runtime.generators={rng.randint(1, 4)}",
+            f"runtime.trainers={rng.randint(1, 3)}",
+            f"runtime.microbatch_axis={rng.choice(['generation', 'prompt'])}",
+            f"runtime.pipeline={rng.choice(['true', 'true', 'false'])}",
+            f"runtime.tag={rng.choice(['none', 'static', 'bts'])}",
+            f"runtime.tag_k={rng.randint(1, 3)}",
+            f"runtime.max_staleness={rng.choice([0, 0, 1, 2])}",
+            f"runtime.staleness_ratio={rng.choice([0.25, 0.5, 1.0])}",
+            f"runtime.staleness_schedule={rng.choice(['fixed', 'eager'])}",
+            f"algo.adv_std={rng.choice(['group', 'group', 'global'])}",
+        ]
+        if rng.random() < 0.3:
+            over.append(f"runtime.max_inflight={rng.randint(1, 6)}")
+        if rng.random() < 0.3:
+            over.append(f"runtime.samples_per_microbatch={rng.choice([1, 2])}")
+        if rng.random() < 0.25:
+            over += ["algo.name=dancegrpo", "algo.best_of_n=2"]
+        try:
+            cfg = load_config(overrides=over)
+        except DigenError:
+            continue
+        return cfg
+
+
+def _world(seed: int, clock: VirtualClock, fail_at: int | None = None) -> World:
+    rng = random.Random(seed)
+    speed = {}  # each worker its own speed, each call its own jitter, now and then a straggler
+
+    def cost(rng: random.Random, worker: str, method: str) -> float:
+        factor = speed.setdefault(worker, rng.uniform(0.5, 2.0))
+        tail = 5.0 if rng.random() < 0.03 else 1.0
+        return _BASE[method] * factor * rng.uniform(0.6, 1.4) * tail
+
+    return World(rng, fail_at=fail_at, cost=cost, sleep=clock.sleep, now=clock.seconds)
+
+
+async def _drive(cfg, world: World, clock: VirtualClock):
+    cluster = FakeCluster(cfg.runtime.generators, cfg.runtime.trainers, world)
+    driver = Driver(cfg, None, PromptSet.builtin(), Trace(), cluster=cluster, clock=clock.seconds)
+    ticker = asyncio.create_task(clock.run())
+    run = asyncio.create_task(driver.run(cfg.steps))
+    await asyncio.wait({ticker, run}, return_when=asyncio.FIRST_COMPLETED)
+    ticker.cancel()
+    assert run.done(), f"the driver made no progress in {LIMIT} ticks"
+    return run.result(), cluster
+
+
+def _check_schedule(cfg, results, world: World, cluster: FakeCluster) -> int:
+    """Every promise of the schedule on one finished run; returns its micro-batch count."""
+    rt, steps = cfg.runtime, range(cfg.steps)
+    mbs = {s: step_microbatches(cfg, s) for s in steps}
+    everything = {(s, mb.mb) for s in steps for mb in mbs[s]}
+    calls = {
+        kind: Counter((a[2], a[3]) for a in world.log if a[1] == kind)
+        for kind in ("generate", "score", "update", "release")
+    }
+    # none lost, none twice: each made and scored once, then trained once or released once
+    assert calls["generate"] == dict.fromkeys(everything, 1)
+    assert calls["score"] == dict.fromkeys(everything, 1)
+    assert calls["update"] + calls["release"] == dict.fromkeys(everything, 1)
+    if not cfg.algo.best_of_n:
+        assert not calls["release"]
+    # dependencies: scored after made; trained after every score of its group
+    at = {(a[1], a[2], a[3]): i for i, a in enumerate(world.log) if len(a) == 4}
+    for s in steps:
+        for mb in mbs[s]:
+            assert at[("generate", s, mb.mb)] < at[("score", s, mb.mb)]
+            if ("update", s, mb.mb) not in at:
+                continue
+            group = [m.mb for m in mbs[s] if m.prompt == mb.prompt]
+            if cfg.algo.adv_std == "global" or not rt.pipeline:
+                group = [m.mb for m in mbs[s]]
+            assert all(at[("score", s, g)] < at[("update", s, mb.mb)] for g in group)
+    # staleness: within max_staleness versions, at most the cap per step, as reported
+    per_step = cfg.data.train_batch_size * microbatches_per_group(cfg)
+    cap = stale_cap(per_step, rt.staleness_ratio) if rt.max_staleness else 0
+    stale = Counter(s for (s, m), v in world.made.items() if v < s)
+    for (s, m), v in world.made.items():
+        assert s - rt.max_staleness <= v <= s, (s, m, v)
+        if v < s and rt.staleness_schedule == "fixed":
+            assert v == s - 1 and m < cap, (s, m, v)
+    assert all(stale[s] <= cap for s in steps)
+    if rt.staleness_schedule == "fixed":
+        assert [stale[s] for s in steps] == [0] + [cap] * (cfg.steps - 1)
+    assert [r.metrics["stale_microbatches"] for r in results] == [stale[s] for s in steps]
+    # C_gen: generated but not yet trained (or dropped) never above max_inflight
+    assert world.untrained_max <= max_inflight(cfg)
+    assert world.untrained == 0
+    assert [r.metrics["policy_version"] for r in results] == [s + 1 for s in steps]
+    return len(everything)
+
+
+@pytest.mark.asyncio
+async def test_soak_random_settings_costs_and_jitter() -> None:
+    total, kinds = 0, Counter()
+    for seed in range(RUNS):
+        cfg = _settings(random.Random(1000 + seed))
+        clock = VirtualClock(LIMIT)
+        world = _world(seed, clock)
+        results, cluster = await _drive(cfg, world, clock)
+        try:
+            total += _check_schedule(cfg, results, world, cluster)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}, settings {cfg.runtime}: {exc}") from exc
+        kinds.update(a[0].split("-")[0] + ":" + a[1] for a in world.log)
+        kinds["stale"] += sum(r.metrics["stale_microbatches"] for r in results)
+    assert total >= 2000, total  # the soak's size: thousands of micro-batches
+    # what the settings were drawn to exercise did happen: TAG, best-of-N drops, TCSS
+    assert kinds["trainer:generate"] and kinds["generator:release"] and kinds["stale"]
+    print(f"soak: {RUNS} runs, {total} micro-batches, {dict(kinds)}")
+
+
+@pytest.mark.asyncio
+async def test_soak_an_injected_failure_anywhere_ends_the_run_with_it() -> None:
+    for seed in range(RUNS):
+        cfg = _settings(random.Random(2000 + seed))
+        clock = VirtualClock(LIMIT)
+        world = _world(seed, clock)
+        await _drive(cfg, world, clock)
+        fail_at = random.Random(seed).randrange(world.calls)  # the same run, failing there
+        clock = VirtualClock(LIMIT)
+        world = _world(seed, clock, fail_at)
+        with pytest.raises(InjectedFailure) as got:
+            await _drive(cfg, world, clock)
+        assert str(got.value) == world.failed and f"(call {fail_at})" in world.failed
+        calls = world.calls
+        quiet = VirtualClock(2_000)  # time goes on: nothing of the run is still working
+        world.sleep, world.now = quiet.sleep, quiet.seconds
+        await quiet.run()
+        assert world.calls == calls, f"seed {seed}: calls went on after the failure"
+        assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("loop-")]
