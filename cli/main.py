@@ -139,7 +139,7 @@ def run(
     """Train a policy with RL. OVERRIDES are dotted key=value settings, e.g. rollout.n=8.
 
     Exit codes: 0 done, 1 a failure (a worker died, ...), 2 bad input, 130 / 143 stopped by
-    SIGINT / SIGTERM at a step boundary (with a checkpoint to --resume from).
+    SIGINT / SIGTERM at the next micro-batch boundary (with a checkpoint to --resume from).
     """
     _quiet_imports()
     if resume_dir is not None:

@@ -4,7 +4,7 @@
 
 It resolves the config, loads prompts and rewards (failing early, in one sentence, on bad
 input), runs the training loop, and writes everything a run leaves behind (see
-:mod:`digen.runtime.outputs`). Ctrl-C stops at the next step boundary with every output
+:mod:`digen.runtime.outputs`). Ctrl-C stops at the next micro-batch boundary with every output
 written so far intact.
 """
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from digen.algos.rewards import CompositeReward, RewardFn, build_reward
+from digen.algos.rewards import CompositeReward, build_reward
 from digen.config import DigenConfig, config_to_dict, load_config
 from digen.errors import DigenError
 from digen.prompts import PromptSet
@@ -134,17 +134,29 @@ class DigenRunner:
         self.overwrite = overwrite
         self._checkpoint: Checkpoint | None = None
         self._stop: str | None = None
+        self._backend_now: Any = None
+        """The lead worker's backend while it runs (what a stop request reaches)."""
 
     def request_stop(self, reason: str = "stop") -> None:
-        """Finish the current step, write its outputs and a checkpoint, then stop."""
+        """Stop at the next micro-batch boundary (safe from a signal handler or another
+        thread): the step under way is left unless it is past its last update, the outputs
+        and a checkpoint of the steps completed are written, and :meth:`run` returns."""
         self._stop = reason
+        backend = self._backend_now
+        if backend is not None:
+            backend.request_stop()
 
     async def run(self) -> RunResult:
         self._claim_out_dir()
         world = self.cfg.train.num_devices
-        if world > 1:
-            return await asyncio.to_thread(self._run_data_parallel, world)
-        return await self._run_worker(rank=0, world=1)
+        restore = _catch_signals(self)  # signals reach the main thread only
+        try:
+            if world > 1:
+                return await asyncio.to_thread(self._run_data_parallel, world)
+            return await self._run_worker(rank=0, world=1)
+        finally:
+            if restore:
+                restore()
 
     def _claim_out_dir(self) -> None:
         """Find the checkpoint to resume from, or make sure no earlier run is overwritten."""
@@ -219,21 +231,21 @@ class DigenRunner:
                     if cfg.runtime.mode != "disaggregated":  # the driver's trainers load it
                         await backend.restore(ckpt)
                     log.info("resumed", checkpoint=str(ckpt.path), step=start)
-                writer = CheckpointWriter(self.out_dir, cfg.keep_checkpoints) if lead else None
-                # sharded colocated workers gather the weights together: all take part
-                helps = not lead and getattr(backend, "sharded", False)
+                writer = CheckpointWriter(self.out_dir, cfg.keep_checkpoints)
                 every = save_interval(cfg)
                 bar = _progress(cfg.steps, enabled=self.progress and lead, initial=start)
-                restore = _catch_signals(self) if lead else None
+                if lead:
+                    self._backend_now = backend
+                    if self._stop:  # asked before the workers were up
+                        backend.request_stop()
 
                 saved_step = start  # the step count of the newest checkpoint, on every rank
 
                 async def checkpoint(done: int) -> None:
                     nonlocal saved, saved_step
                     saved_step = done
-                    if writer is None:
-                        if helps:
-                            await backend.write_checkpoint(None)
+                    if not lead:  # its part, if any (sharded workers write their shards)
+                        await backend.write_checkpoint(writer.staging(done))
                         return
                     tmp = writer.begin(done)
                     await backend.write_checkpoint(tmp)
@@ -266,8 +278,7 @@ class DigenRunner:
                     interrupted = len(metrics) < len(steps)
                 finally:
                     bar.close()
-                    if restore:
-                        restore()
+                    self._backend_now = None
                 if metrics and saved_step != start + len(metrics):
                     await checkpoint(start + len(metrics))  # every clean stop leaves one
                 if outputs and self.save_weights and metrics:
@@ -355,24 +366,28 @@ class DigenRunner:
         for p in procs:
             p.start()
         try:
-            _init_group(0, world, port, self.cfg)
+            _init_group(0, world, port, self.cfg, procs)
             try:
-                return asyncio.run(self._run_worker(0, world))
+                result = asyncio.run(self._run_worker(0, world))
             finally:
                 _destroy_group()
-        finally:
+        finally:  # on a failure too: no worker outlives the run
             for p in procs:
                 p.join(timeout=60)
                 if p.is_alive():
                     p.kill()
-            bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
-            if bad:
-                raise RuntimeError(f"a data-parallel worker exited with code {bad[0]}")
+        bad = [(r, p.exitcode) for r, p in enumerate(procs, start=1) if p.exitcode != 0]
+        if bad:
+            rank, code = bad[0]
+            raise DigenError(f"data-parallel worker {rank} exited with code {code}.")
+        return result
 
     def _spawn_state(self) -> dict[str, Any]:
         return {
             "cfg": config_to_dict(self.cfg),
-            "rewards": [RewardFn(f.name, f.fn, f.weight) for f in self.reward.fns],
+            # hooks named in the config are loaded again by name (a hook loaded from a file
+            # cannot be pickled by reference); hooks given as objects travel as they are
+            "rewards": self._reward_objects,
             "out_dir": str(self.out_dir),
             "checkpoint": self._checkpoint,
         }
@@ -389,6 +404,11 @@ def _write_profile(trace: Trace, path: Path) -> None:
 
 
 def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
+    # signals to the whole process group (Ctrl-C, a scheduler's SIGTERM) are the lead's to
+    # act on: it stops every worker at one micro-batch boundary (they agree at each)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_lead()
     torch.set_num_threads(1)
     runner = DigenRunner(
         load_config(base=state["cfg"]),
@@ -405,8 +425,30 @@ def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
         _destroy_group()
 
 
-def _init_group(rank: int, world: int, port: int, cfg: DigenConfig) -> None:
-    """The colocated workers' group: NCCL when they are on GPUs, gloo otherwise."""
+def _exit_with_lead() -> None:
+    """A data-parallel worker ends when the lead's process does, however it ended."""
+    import multiprocessing
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(70)
+
+    threading.Thread(target=watch, name="digen-lead-watch", daemon=True).start()
+
+
+def _init_group(
+    rank: int, world: int, port: int, cfg: DigenConfig, workers: Sequence[Any] = ()
+) -> None:
+    """The colocated workers' group: NCCL when they are on GPUs, gloo otherwise. The lead
+    (rank 0, holding the worker processes ``workers``) waits until each has reported in, and
+    fails at once, naming it, if one exits before (it would otherwise wait for half an hour)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from digen.runtime.colocated import worker_config
@@ -414,9 +456,21 @@ def _init_group(rank: int, world: int, port: int, cfg: DigenConfig) -> None:
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     devices = [worker_config(cfg, r).model.device for r in range(world)]
-    dist.init_process_group(
-        group_backend(devices), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False)
+    if rank:
+        store.set(f"digen-up-{rank}", "1")
+    while rank == 0:
+        try:
+            store.wait([f"digen-up-{r}" for r in range(1, world)], timedelta(seconds=0.5))
+            break
+        except (RuntimeError, dist.DistError):  # not all up yet
+            for r, p in enumerate(workers, start=1):
+                if p.exitcode is not None:
+                    raise DigenError(
+                        f"data-parallel worker {r} exited with code {p.exitcode} while "
+                        "starting (its error is printed above)."
+                    ) from None
+    dist.init_process_group(group_backend(devices), store=store, rank=rank, world_size=world)
 
 
 def _destroy_group() -> None:
@@ -434,7 +488,8 @@ def _free_port() -> int:
 
 def _catch_signals(runner: DigenRunner):
     """First SIGINT (Ctrl-C) or SIGTERM (what schedulers send before preemption): stop at
-    the next step boundary, with a checkpoint. A second one: the usual way out at once."""
+    the next micro-batch boundary, with a checkpoint. A second one: the usual way out at
+    once."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -445,7 +500,7 @@ def _catch_signals(runner: DigenRunner):
     def handler(signum, frame):
         runner.request_stop(signal.Signals(signum).name)
         print(
-            f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
+            f"\n{signal.Signals(signum).name}: stopping at the next micro-batch with a checkpoint "
             "(again to abort)",
             file=sys.stderr,
         )

@@ -121,6 +121,64 @@ def _cli(out: Path, *args: str) -> subprocess.Popen:
     )
 
 
+_STOP_HOOK = '''
+import os, signal, time
+from digen.algos.rewards import jpeg_incompressibility
+
+class StopAt:
+    """JPEG incompressibility; on its call number STOP_AT (from 0, in this process) it
+    sends SIGTERM to STOP_PID and waits, so the signal lands inside that scoring call."""
+
+    calls = 0
+
+    def __call__(self, samples, prompts, metadata):
+        here = os.environ["STOP_FROM"] == "any" or os.getpid() == int(os.environ["STOP_PID"])
+        if here and StopAt.calls == int(os.environ["STOP_AT"]):
+            os.kill(int(os.environ["STOP_PID"]), signal.SIGTERM)
+            time.sleep(1.0)
+        StopAt.calls += 1
+        return jpeg_incompressibility(samples, prompts, metadata)
+'''
+
+
+@pytest.mark.parametrize("mode", ["colocated", "colocated-dp", "disaggregated"])
+def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM while step 1 is being scored: the run stops at the next micro-batch boundary
+    inside step 1 (it does not finish the step), keeps step 1's checkpoint, and a resume
+    ends with the weights of an uninterrupted run."""
+    from digen.config import step_microbatches
+
+    hook = tmp_path / "stop_hook.py"
+    hook.write_text(_STOP_HOOK)
+    extra = [f"rewards=[{{name: '{hook}:StopAt'}}]"]
+    extra += ["runtime.tag=none"] if mode == "disaggregated" else []
+    # two data-parallel workers: the lead (this process) is signalled, both stop together
+    extra += ["train.num_devices=2", "train.micro_batch_size=4"] if mode == "colocated-dp" else []
+    cfg = _cfg(mode.removesuffix("-dp"), 3, extra)
+    monkeypatch.setenv("STOP_PID", str(os.getpid()))
+    monkeypatch.setenv("STOP_FROM", "any" if mode == "disaggregated" else "lead")
+    monkeypatch.setenv("STOP_AT", "-1")
+    whole = _run(cfg, tmp_path / "whole")
+    # the first scoring call of step 1: one per step colocated, one per micro-batch else
+    per_step = 1 if mode != "disaggregated" else len(step_microbatches(cfg, 0))
+    assert per_step > 1 or mode != "disaggregated"
+    monkeypatch.setenv("STOP_AT", str(per_step))
+    stopped = _run(cfg, tmp_path / "split")
+    assert stopped.interrupted and stopped.stop_signal == "SIGTERM"
+    assert len(stopped.metrics) == 1  # step 1 was left, not finished
+    assert stopped.checkpoint == tmp_path / "split" / "checkpoints" / "step-000001"
+    assert len(_rows(tmp_path / "split")) == 1
+    monkeypatch.setenv("STOP_AT", "-1")
+    resumed = _run(cfg, tmp_path / "split", resume=True)
+    assert resumed.first_step == 1 and len(resumed.metrics) == 2
+    for name, value in whole.final_state.items():
+        assert torch.equal(resumed.final_state[name], value), name
+    want, got = _rows(tmp_path / "whole"), _rows(tmp_path / "split")
+    assert [{k: r[k] for k in _SAME} for r in got] == [{k: r[k] for k in _SAME} for r in want]
+
+
 @pytest.mark.slow
 def test_sigterm_stops_with_a_checkpoint_and_resume_finishes_the_run(tmp_path: Path) -> None:
     """SIGTERM (a scheduler's preemption) mid-run: exit 143 with a checkpoint; --resume
@@ -186,14 +244,28 @@ def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> No
 def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
     tmp_path: Path,
 ) -> None:
-    """Two FSDP trainers write a checkpoint (gathered whole: weights and AdamW state by
-    parameter name); two FSDP trainers resume it bit for bit, and one unsharded trainer
-    loads the same files (to float precision: a different summation order)."""
+    """Two FSDP trainers write a checkpoint, each its own shards (torch.distributed.checkpoint
+    in safetensors: nobody gathers the model); two FSDP trainers resume it bit for bit, and
+    one unsharded trainer loads the same files (to float precision: a different summation
+    order)."""
     import shutil
+
+    from safetensors import safe_open
 
     fsdp = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
     whole = _run(_cfg("disaggregated", 3, fsdp), tmp_path / "whole")
-    _run(_cfg("disaggregated", 2, fsdp), tmp_path / "split")
+    split = _run(_cfg("disaggregated", 2, fsdp), tmp_path / "split")
+    files = sorted((split.checkpoint / "sharded").iterdir())
+    assert len(files) == 2 and not (split.checkpoint / "weights.safetensors").exists()
+    manifest = json.loads((split.checkpoint / "manifest.json").read_text())["files"]
+    assert {f"sharded/{f.name}" for f in files} <= manifest.keys()
+    total = sum(v.numel() for v in split.final_state.values())
+    for f in files:  # each trainer wrote about half of every trained tensor
+        with safe_open(str(f), framework="pt") as fh:
+            names = [k for k in fh.keys() if k.startswith("weights::")]  # noqa: SIM118
+            held = [fh.get_slice(k).get_shape() for k in names]
+        numel = sum(torch.Size(shape).numel() for shape in held)
+        assert len(held) == len(split.final_state) and 0.3 * total < numel < 0.7 * total
     shutil.copytree(tmp_path / "split", tmp_path / "moved")
     resumed = _run(_cfg("disaggregated", 3, fsdp), tmp_path / "split", resume=True)
     one = ["runtime.tag=none"]

@@ -19,6 +19,7 @@ from cli.main import main
 from digen import DigenRunner, load_config
 from digen.algos.registry import get_algorithm
 from digen.config import config_to_dict
+from digen.errors import DigenError
 from digen.models import MODEL_NAMES, get_adapter_class
 from digen.presets import ALGO_NAMES, preset
 
@@ -148,6 +149,36 @@ def test_data_parallel_equals_single_process(tmp_path: Path) -> None:
         torch.testing.assert_close(two.final_state[name], p, rtol=1e-5, atol=1e-6)
         moved = max(moved, float(p.abs().max()) if "lora_B" in name else 0.0)
     assert moved > 0  # the step changed the LoRA weights, so equality is not trivial
+
+
+def test_data_parallel_workers_load_config_hooks_by_name_and_a_failed_start_is_named(
+    tmp_path: Path,
+) -> None:
+    """A hook named by file path in the config reaches the second worker (it is loaded there
+    again by name); a worker that fails while starting ends the run at once with its rank
+    and exit code, instead of the lead waiting for it to join."""
+    hook = tmp_path / "lead_only.py"
+    hook.write_text(
+        "import os\n"
+        "if os.environ.get('ONLY_IN') not in (None, str(os.getpid())):\n"
+        "    raise RuntimeError('this hook loads in the lead only')\n"
+        "def score(samples, prompts, metadata):\n"
+        "    return [float(s.float().mean()) for s in samples]\n"
+    )
+    over = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
+    over += ["train.num_devices=2", f"rewards=[{{name: '{hook}:score'}}]"]
+    cfg = load_config(base=preset("flux", "flowgrpo"), overrides=over)
+    result = _run(DigenRunner(cfg, out_dir=tmp_path / "a", progress=False))
+    assert [m["step"] for m in result.metrics] == [0]
+    assert 0.0 < result.metrics[0]["reward_mean"] < 255.0  # the mean pixel
+    os.environ["ONLY_IN"] = str(os.getpid())
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DigenError, match=r"data-parallel worker 1 exited with code 1 while"):
+            _run(DigenRunner(cfg, out_dir=tmp_path / "b", progress=False))
+        assert time.monotonic() - t0 < 120  # not the process group's 30-minute wait
+    finally:
+        del os.environ["ONLY_IN"]
 
 
 @pytest.mark.parametrize(

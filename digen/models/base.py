@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
+from unittest import mock
 
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
@@ -300,7 +301,9 @@ class DiffusionAdapter(ABC):
             with _fork_rng(seed=0):
                 components = spec.build()
             pipe = cls.pipeline_class(**components)
-            pipe.save_pretrained(str(tmp), safe_serialization=True)
+            with _save_whatever_the_rank():
+                pipe.save_pretrained(str(tmp), safe_serialization=True)
+            _check_saved(pipe, tmp)
             (tmp / f"digen_{flavour}.json").write_text(json.dumps({"tag": tag}) + "\n")
             try:
                 os.rename(tmp, target)  # atomic: concurrent builders race harmlessly
@@ -508,6 +511,29 @@ def _cat_padded(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
 def _pad_spec(t: torch.Tensor, n: int) -> list[int]:
     spec = [0, 0] * (t.ndim - 2)
     return spec + [0, n - t.shape[1]]
+
+
+@contextlib.contextmanager
+def _save_whatever_the_rank() -> Iterator[None]:
+    """transformers writes a model's weights only on rank 0 of an initialised process group;
+    a flavour is built by whichever process needs it first (a trainer of rank 1 may be)."""
+    from transformers import PreTrainedModel
+
+    if not hasattr(PreTrainedModel, "should_save_on_this_rank"):
+        yield
+        return
+    with mock.patch.object(
+        PreTrainedModel, "should_save_on_this_rank", lambda self, is_main_process: True
+    ):
+        yield
+
+
+def _check_saved(pipe: DiffusionPipeline, directory: Path) -> None:
+    """Every module of ``pipe`` left a weights file in ``directory`` (a flavour saved only in
+    part must never reach the cache)."""
+    for key, part in pipe.components.items():
+        if isinstance(part, torch.nn.Module) and not list((directory / key).glob("*.safetensors")):
+            raise DigenError(f"saving the random-init flavour wrote no weights for '{key}'.")
 
 
 @contextlib.contextmanager

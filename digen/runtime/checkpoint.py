@@ -6,6 +6,12 @@ completed) holding
 - ``weights.safetensors``: the trained tensors (the LoRA weights, or every weight);
 - ``optimizer.pt``: the AdamW state (tensors and numbers only: it loads with
   ``weights_only=True``);
+- or, from sharded (FSDP / HSDP) trainers, ``sharded/``: one safetensors file per trainer
+  holding its shards of the trained weights and of their AdamW state, written by every
+  trainer at once through ``torch.distributed.checkpoint`` (its safetensors storage; each
+  file's header says where its pieces sit in the whole tensors). No trainer gathers the
+  model, and any trainer count, sharded or not, loads them (each reads only the pieces
+  its own shards need). Both layouts load into either kind of trainer;
 - ``state.json``: the step and policy version to continue from, and what the weights belong
   to (model, algorithm, LoRA shape), so a checkpoint of another run is refused;
 - ``config.yaml``: the resolved config of the run that wrote it;
@@ -29,6 +35,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,12 +52,17 @@ __all__ = [
     "check_identity",
     "checkpoint_identity",
     "latest_checkpoint",
+    "is_sharded_checkpoint",
+    "load_sharded_state",
     "load_trainer_state",
+    "write_sharded_state",
     "write_trainer_state",
 ]
 
 WEIGHTS = "weights.safetensors"
 OPTIMIZER = "optimizer.pt"
+SHARDED = "sharded"
+"""Sharded trainers: the directory of per-trainer shard files."""
 STATE = "state.json"
 MANIFEST = "manifest.json"
 PROFILER = "profiler.json"
@@ -110,6 +122,88 @@ def load_trainer_state(
     return weights, optimizer
 
 
+_W, _OPT, _SEP = "weights", "optimizer", "::"
+
+
+def _flat_sharded(model: torch.nn.Module, optimizer: Any, names: list[str]):
+    """This member's trained weights and their AdamW state as one flat ``key -> tensor``
+    dict (DTensors where sharded), and the optimizer state dict it came from."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=False)
+    weights = get_model_state_dict(model, options=options)
+    osd = get_optimizer_state_dict(model, optimizer, options=options)  # made if still empty
+    flat = {f"{_W}{_SEP}{n}": weights[n] for n in names}
+    for fqn, state in osd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                flat[f"{_OPT}{_SEP}{fqn}{_SEP}{key}"] = value
+    return flat, osd
+
+
+def write_sharded_state(
+    directory: str | os.PathLike, model: torch.nn.Module, optimizer: Any, names: list[str]
+) -> None:
+    """Every sharded member calls this at once: each writes its own shards of the tensors
+    ``names`` of ``model`` and of their optimizer state into ``directory/sharded``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    flat, _ = _flat_sharded(model, optimizer, names)
+    path = Path(directory) / SHARDED
+    dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True))
+    for f in path.iterdir():  # every member's file is written once save returns
+        _fsync(f)
+    _fsync_dir(path)
+
+
+def load_sharded_state(
+    directory: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: Any,
+    names: list[str],
+    *,
+    sharded: bool,
+) -> None:
+    """Load a ``sharded/`` checkpoint into ``model`` and ``optimizer`` (None: weights only):
+    sharded members all call at once and read the pieces of their shards; an unsharded
+    model (``sharded`` False) reads the whole tensors on its own."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat, osd = _flat_sharded(model, optimizer, names)
+    if optimizer is None:
+        flat = {k: v for k, v in flat.items() if k.startswith(_W + _SEP)}
+    reader = HuggingFaceStorageReader(str(Path(directory) / SHARDED))
+    with warnings.catch_warnings():  # alone is what no_dist says; no need to warn of it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, storage_reader=reader, no_dist=not sharded)
+    weights = {}
+    for key, value in flat.items():
+        parts = key.split(_SEP)
+        if parts[0] == _W:
+            weights[parts[1]] = value
+        else:
+            osd["state"][parts[1]][parts[2]] = value
+    options = StateDictOptions(full_state_dict=False, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, osd, options=options)
+
+
+def is_sharded_checkpoint(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / SHARDED).is_dir()
+
+
 class CheckpointWriter:
     """Writes a run's checkpoints into ``<out>/checkpoints`` and keeps the newest ``keep``."""
 
@@ -117,12 +211,17 @@ class CheckpointWriter:
         self.root = Path(out_dir) / "checkpoints"
         self.keep = keep
 
+    def staging(self, step: int) -> Path:
+        """Where the checkpoint after ``step`` completed steps is written before it is
+        complete (every worker that writes a part knows it)."""
+        return self.root / f".tmp-{_PREFIX}{step:06d}"
+
     def begin(self, step: int) -> Path:
         """A fresh temporary directory for the checkpoint after ``step`` completed steps;
-        the trainer writes its part there (:func:`write_trainer_state`), then
-        :meth:`finish`."""
+        the trainers write their part there (:func:`write_trainer_state` or
+        :func:`write_sharded_state`), then :meth:`finish`."""
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-{_PREFIX}{step:06d}"
+        tmp = self.staging(step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         return tmp
@@ -135,7 +234,7 @@ class CheckpointWriter:
         state = {"step": step, "version": version, "identity": identity}
         _write_synced(tmp / STATE, json.dumps(state, indent=1) + "\n")
         _write_synced(tmp / "config.yaml", config_yaml)
-        files = sorted(p.name for p in tmp.iterdir())
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "step": step,
             "files": {
@@ -201,8 +300,10 @@ def _verify(path: Path, checksums: bool = True) -> str | None:
             return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['bytes']}"
         if checksums and _sha256(f) != entry["sha256"]:
             return f"{name} does not match its checksum"
-    for name in (WEIGHTS, OPTIMIZER, STATE):
-        if name not in manifest.get("files", {}):
+    listed = manifest.get("files", {})
+    sharded = any(name.startswith(SHARDED + "/") for name in listed)
+    for name in (STATE,) if sharded else (WEIGHTS, OPTIMIZER, STATE):
+        if name not in listed:
             return f"the manifest lists no {name}"
     return None
 

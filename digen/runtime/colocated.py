@@ -35,7 +35,7 @@ from digen.algos.rewards import CompositeReward
 from digen.algos.rollout import Rollout
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
-from digen.runtime.checkpoint import Checkpoint, load_trainer_state, write_trainer_state
+from digen.runtime.checkpoint import Checkpoint
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.metrics import step_metrics
@@ -92,6 +92,7 @@ class ColocatedTrainer:
         self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
         self._full: dict[str, torch.Tensor] | None = None
         """Sharded: the trained weights in full, gathered by every worker after the run."""
+        self._stop_asked = False
 
     async def __aenter__(self) -> ColocatedTrainer:
         return self
@@ -103,21 +104,28 @@ class ColocatedTrainer:
     def version(self) -> int:
         return self.policy.version
 
-    async def write_checkpoint(self, directory: str | os.PathLike | None) -> None:
-        """This worker's weights and optimizer state into a checkpoint directory. Sharded
-        workers all call (``directory`` None but on the first): they gather, it writes."""
+    def request_stop(self) -> None:
+        """Stop at the next micro-batch boundary before the step's first optimizer step
+        (callable from a signal handler or another thread; data-parallel workers agree at
+        each boundary): that step is left undone and :meth:`run` returns the steps before
+        it. Past an optimizer step (several mini-batches) the step is finished first."""
+        self._stop_asked = True
+
+    def _stop_here(self) -> bool:
+        """Whether to leave the step at this boundary (every worker reaches each one)."""
+        return not self._all_agree(not self._stop_asked)
+
+    async def write_checkpoint(self, directory: str | os.PathLike) -> None:
+        """This worker's part of the checkpoint in ``directory`` (every worker calls):
+        worker 0 writes the whole weights and optimizer state, or sharded workers each
+        their shards."""
         if self.sharded:
-            weights = full_tensors(self.policy.synced_parameters(), keep=self.rank == 0)
-        else:
-            weights = self.policy.trainable_state()
-        optimizer = self.policy.optimizer_state()
-        if directory is not None:
-            write_trainer_state(directory, weights, optimizer)
+            dist.barrier()  # worker 0 has made the directory (its caller did, before this)
+        self.policy.write_checkpoint(directory, lead=self.rank == 0)
 
     async def restore(self, ckpt: Checkpoint) -> None:
-        """Continue from ``ckpt`` (every worker loads the same files)."""
-        weights, optimizer = load_trainer_state(ckpt.path)
-        self.policy.restore(weights, optimizer, ckpt.version)
+        """Continue from ``ckpt`` (every worker loads it, sharded ones their shards)."""
+        self.policy.load_checkpoint(ckpt.path, ckpt.version)
 
     async def save_weights(self, out_dir: str | os.PathLike) -> Path:
         return self.policy.save_weights(out_dir, self._full)
@@ -144,7 +152,11 @@ class ColocatedTrainer:
         for step in steps:
             if not self._all_agree(go):
                 break
-            res = await self.train_step(step)
+            try:
+                res = await self.train_step(step)
+            except _Stopped:
+                self.grads.reset()
+                break
             if samples_at is not None and not samples_at(step):
                 res.pixels, res.captions = None, []
             results.append(res)
@@ -173,13 +185,6 @@ class ColocatedTrainer:
         keys = [SampleKey(step, p, j) for p in range(b) for j in range(n)]
         return keys if everyone else keys[self.rank :: self.world]
 
-    def _chunks(self, rows: int, size: int) -> list[list[int] | None]:
-        """This worker's chunks of ``rows`` shared out row by row (every ``world``-th), at
-        most ``size`` each; sharded workers pad to one count (None: a chunk run only to keep
-        in step, :func:`~digen.runtime.fsdp.lockstep_chunks`)."""
-        chunks = lockstep_chunks(rows, self.world, self.rank, size)
-        return chunks if self.sharded else [c for c in chunks if c is not None]
-
     async def train_step(
         self, step: int, on_phase: Callable[[str], None] | None = None
     ) -> StepResult:
@@ -195,7 +200,11 @@ class ColocatedTrainer:
         t0 = time.perf_counter()
         parts: list[Generated] = []
         mb = cfg.train.micro_batch_size
-        for c, rows in enumerate(self._chunks(len(every), mb)):
+        for c, rows in enumerate(lockstep_chunks(len(every), self.world, self.rank, mb)):
+            if self._stop_here():
+                raise _Stopped
+            if rows is None and not self.sharded:
+                continue  # a pass only sharded workers run, to keep in step
             chunk = [every[i] for i in rows or [0]]
             with self._span("generate", step, c):
                 out = self.policy.generate(chunk, [texts[k.prompt] for k in chunk])
@@ -243,9 +252,14 @@ class ColocatedTrainer:
                 -(-sum(k in chosen for k in every[r :: self.world]) // mb)
                 for r in range(self.world)
             )
-            if self.sharded:
-                chunks += [None] * (most - len(chunks))
+            chunks += [None] * (most - len(chunks))
             for c, rows in enumerate(chunks):
+                if (
+                    m0 == 0 and self._stop_here()
+                ):  # no optimizer step yet: the weights are the step's
+                    raise _Stopped
+                if rows is None and not self.sharded:
+                    continue
                 chunk = rows if rows is not None else keys[:1]
                 item = TrainItem(
                     keys=chunk,
@@ -319,6 +333,10 @@ class ColocatedTrainer:
         t = stats.as_tensor()
         dist.all_reduce(t)
         return LossStats.from_tensor(t)
+
+
+class _Stopped(Exception):
+    """A stop request met at a micro-batch boundary: the step is left."""
 
 
 async def _maybe_await(value: Any) -> Any:

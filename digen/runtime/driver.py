@@ -142,6 +142,12 @@ class Driver:
         self._held_back: dict[int, list[Work]] = defaultdict(list)
         self._quota_waiter: tuple[int, asyncio.Future[None]] | None = None
         self._samples_at: Callable[[int], bool] = lambda step: False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        """A stop was asked for: no new generation, score or update starts."""
+        self._inflight = 0
+        self._quiet = asyncio.Event()
+        """Set once stopping and no call is running: every worker is at a micro-batch boundary."""
 
     @property
     def gens(self) -> list[Any]:
@@ -184,6 +190,24 @@ class Driver:
         """Host and pid of every worker, by name."""
         return await self.cluster.whereabouts()
 
+    def request_stop(self) -> None:
+        """Stop at the next micro-batch boundary (callable from any thread or a signal
+        handler): calls already running finish, no new generation, score or update starts,
+        and :meth:`run` returns the steps completed. A step whose micro-batches were all
+        trained still takes its optimizer step; a partly trained one is left (its gradients
+        are dropped with the run, its weights were not changed), so a checkpoint written
+        next holds the last completed step, and a resume makes the rest again."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._begin_stop)
+
+    def _begin_stop(self) -> None:
+        self._stopping = True
+        if self._inflight == 0:
+            self._quiet.set()
+        waiting = self._quota_waiter
+        if waiting is not None and not waiting[1].done():
+            waiting[1].set_result(None)
+
     # --- Algorithm 1 -----------------------------------------------------------------------
 
     async def run(
@@ -204,6 +228,7 @@ class Driver:
             raise ValueError(f"steps {steps} must be non-empty and start at {self.version}")
         self.book.admission = dataclasses.replace(self.book.admission, last_step=steps[-1])
         self._samples_at = samples_at or (lambda step: False)
+        self._loop = asyncio.get_running_loop()
         results: list[StepResult] = []
         try:
             async with asyncio.TaskGroup() as tg:
@@ -216,7 +241,10 @@ class Driver:
                     for j, t in enumerate(self.trainers)
                 ]
                 for s in steps:
-                    results.append(await self._finish_step(s))
+                    since = self.clock(), self.cluster.payload  # the previous step's end
+                    if not await self._trained_or_stopped(s):
+                        break  # stopped at a micro-batch boundary inside step s
+                    results.append(await self._finish_step(s, since))
                     if on_step is not None:
                         go = on_step(results[-1])
                         if inspect.isawaitable(go):
@@ -256,10 +284,21 @@ class Driver:
                 await self._update(j, work)
             await self._stepped[s].wait()
 
-    async def _finish_step(self, s: int) -> StepResult:
-        """Once step ``s`` is trained: the optimizer step, then the new weights out."""
-        t_start, mark = self.clock(), self.cluster.payload
-        await self._trained[s].wait()
+    async def _trained_or_stopped(self, s: int) -> bool:
+        """Wait until step ``s`` is trained (True) or a stop has every worker idle (False)."""
+        trained = asyncio.ensure_future(self._trained[s].wait())
+        quiet = asyncio.ensure_future(self._quiet.wait())
+        try:
+            await asyncio.wait({trained, quiet}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            trained.cancel()
+            quiet.cancel()
+        return self._trained[s].is_set()
+
+    async def _finish_step(self, s: int, since: tuple[float, Any]) -> StepResult:
+        """Once step ``s`` is trained: the optimizer step, then the new weights out.
+        ``since``: the clock and the driver's payload count when the previous step ended."""
+        t_start, mark = since
         t0 = self.clock()
         size = self.book.record(s).size
         stepped = await asyncio.gather(
@@ -355,7 +394,8 @@ class Driver:
 
     async def _sync(self, version: int) -> None:
         """Version ``version`` to every generator, queued behind what each is generating."""
-        if self.book.quota_pending(version):  # fixed TCSS: the early micro-batches go out first
+        if self.book.quota_pending(version) and not self._stopping:
+            # fixed TCSS: the step's early micro-batches go out first
             self._quota_waiter = (version, asyncio.get_running_loop().create_future())
             try:
                 await self._quota_waiter[1]
@@ -385,6 +425,8 @@ class Driver:
         Synchronous, and the caller sends its generate call before it next yields: a weight
         load queued in between would make it with other weights than the ones admitted.
         """
+        if self._stopping:
+            return None
         mb = self.book.hand_out(version)
         waiting = self._quota_waiter
         released = waiting is not None and not self.book.quota_pending(waiting[0])
@@ -393,12 +435,14 @@ class Driver:
         return mb
 
     def _generator_has_work(self, i: int) -> bool:
+        if self._stopping:
+            return False
         return not self.sq.empty() or self.book.next_for(self.book.gen_version[i]) is not None
 
     def _bubble(self, j: int, s: int) -> MicroBatch | None:
         """Trainer ``j`` found UQ empty: generate the next micro-batch now (TAG), or wait."""
-        if self.version != s or self.book.record(s).all_trained:
-            return None  # the step is over: its weights are about to change
+        if self.version != s or self.book.record(s).all_trained or self._stopping:
+            return None  # the step is over (its weights are about to change), or the run
         if self.book.next_for(self.version) is None:
             self.book.idle(j)
             return None
@@ -430,13 +474,22 @@ class Driver:
         call: Coroutine[Any, Any, Any],
     ) -> Any:
         """Await an actor call and report it; returns the result's value. ``version`` None:
-        the one the call returns (a generation)."""
+        the one the call returns (a generation). Once stopping, only a step's optimizer step
+        and weight sync start: other calls wait here until the run's loops are cancelled."""
+        if self._stopping and kind not in (TaskKind.STEP, TaskKind.SYNC):
+            if inspect.iscoroutine(call):
+                call.close()  # never sent
+            await asyncio.get_running_loop().create_future()
         t0 = self.clock()
         self.book.started(actor.worker, kind, step, mb, t0)
+        self._inflight += 1
         try:
             res = await call
         finally:
             self.book.finished(actor.worker)
+            self._inflight -= 1
+            if self._stopping and self._inflight == 0:
+                self._quiet.set()
         ver = res.value if version is None else version
         span = self.clock() - t0
         memory = getattr(res, "memory_gb", 0.0)

@@ -77,6 +77,12 @@ class GradAccumulator:
             for p in self.params:
                 p.grad = None
 
+    def reset(self) -> None:
+        """Forget a step left part way (a stop at a micro-batch boundary)."""
+        self._slots.clear()
+        for p in self.params:
+            p.grad = None
+
     def reduce(self, microbatches: int, group: Any = None) -> None:
         """Set every parameter's ``.grad`` to the step's summed gradient.
 

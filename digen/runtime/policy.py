@@ -381,6 +381,37 @@ class Policy:
         options = StateDictOptions(full_state_dict=True, cpu_offload=self.sharded)
         return get_optimizer_state_dict(self.adapter.transformer, self.optimizer, options=options)
 
+    def write_checkpoint(self, directory: str | os.PathLike, lead: bool) -> None:
+        """This policy's part of a checkpoint in ``directory``: sharded members all call at
+        once and each writes its shards (:func:`~digen.runtime.checkpoint.write_sharded_state`);
+        otherwise the ``lead`` copy writes the whole weights and optimizer state (replicas
+        hold the same)."""
+        from digen.runtime.checkpoint import write_sharded_state, write_trainer_state
+
+        if self.sharded:
+            names = [n for n, _ in self.synced_parameters()]
+            write_sharded_state(directory, self.adapter.transformer, self.optimizer, names)
+        elif lead:
+            write_trainer_state(directory, self.trainable_state(), self.optimizer_state())
+
+    def load_checkpoint(self, directory: str | os.PathLike, version: int) -> None:
+        """Continue from the checkpoint in ``directory``, whichever layout wrote it and
+        however many trainers (sharded members all call at once)."""
+        from digen.runtime.checkpoint import (
+            is_sharded_checkpoint,
+            load_sharded_state,
+            load_trainer_state,
+        )
+
+        if is_sharded_checkpoint(directory):
+            names = [n for n, _ in self.synced_parameters()]
+            transformer = self.adapter.transformer
+            load_sharded_state(directory, transformer, self.optimizer, names, sharded=self.sharded)
+            self.version = version
+            return
+        weights, optimizer = load_trainer_state(directory)
+        self.restore(weights, optimizer, version)
+
     def restore(
         self, weights: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, version: int
     ) -> None:

@@ -46,7 +46,6 @@ import torch.distributed as dist
 from digen.algos.rewards import build_reward
 from digen.config import DigenConfig, load_config, max_inflight
 from digen.runtime.actors import run_sync
-from digen.runtime.checkpoint import load_trainer_state, write_trainer_state
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.outputs import thumbnails
@@ -492,17 +491,13 @@ class TrainerActor(_PolicyActor):
 
     def write_checkpoint(self, directory: str) -> None:
         """Write the weights and optimizer state into a checkpoint directory: trainer 0
-        (replicated trainers hold the same); sharded ones all gather, trainer 0 writes."""
-        optimizer = self.policy.optimizer_state()
-        if self.rank == 0:
-            weights = self._full if self.sharded else self.policy.trainable_state()
-            write_trainer_state(directory, weights, optimizer)
+        (replicated trainers hold the same), or every sharded trainer its shards."""
+        self.policy.write_checkpoint(directory, lead=self.rank == 0)
 
     def restore(self, directory: str, version: int) -> None:
         """Continue from the checkpoint in ``directory`` (every trainer loads it; sharded
-        ones keep their shards, whatever the trainer count that wrote it)."""
-        weights, optimizer = load_trainer_state(directory)
-        self.policy.restore(weights, optimizer, version)
+        ones their shards, whatever the trainer count that wrote it)."""
+        self.policy.load_checkpoint(directory, version)
         if self.sharded:
             self._gather_full()
 

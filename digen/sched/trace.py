@@ -352,7 +352,8 @@ class Trace:
         """Draw one lane per worker (order of :meth:`workers`), coloured by kind, and save it.
 
         Step ends (:meth:`step_boundaries`) are dashed vertical lines; x is seconds from the
-        trace start. The image is exactly ``size_px`` pixels; the format follows the suffix.
+        trace start. Tasks too short to see (an optimizer step next to minutes of sampling)
+        are drawn a few pixels wide, so every kind in the legend shows. The image is exactly ``size_px`` pixels; the format follows the suffix.
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -372,8 +373,10 @@ class Trace:
 
         lane = {w: i for i, w in enumerate(workers)}
         bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        shortest = span * 0.002  # a task shorter than 3 pixels in 1600 is drawn that wide
         for e in events:
-            bars.setdefault((e.worker, e.kind), []).append((e.t0 - start, e.t1 - e.t0))
+            width = max(e.t1 - e.t0, shortest)
+            bars.setdefault((e.worker, e.kind), []).append((e.t0 - start, width))
         for i in range(1, len(workers), 2):  # light banding keeps many lanes apart
             ax.axhspan(i - 0.5, i + 0.5, color="#f2f2f2", linewidth=0, zorder=0)
         for kind in KINDS:  # fixed drawing order: later kinds on top where tasks overlap

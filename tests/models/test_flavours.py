@@ -294,3 +294,47 @@ def test_offloaded_text_encoders_are_never_placed_on_the_device(name: str) -> No
     assert all(p.device.type == "cpu" for e in ad.text_encoders() for p in e.parameters())
     placed = load_adapter(name, None, device="meta")
     assert all(p.device.type == "meta" for e in placed.text_encoders() for p in e.parameters())
+
+
+_BUILD_AS_RANK = """
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from digen.models import get_adapter_class
+
+rank, port, cache = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+if rank == 1:  # only rank 1 builds: transformers writes weights on rank 0 alone
+    print(get_adapter_class("sd3").flavour_path("tiny", cache))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_flavour_built_by_rank_1_of_a_process_group_has_every_weight(tmp_path: Path) -> None:
+    """A trainer of rank 1 can be the first to need a flavour: what it saves must hold the
+    text encoders' weights too (transformers saves them on rank 0 only, unless told)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-c", _BUILD_AS_RANK]
+    procs = [
+        subprocess.Popen([*cmd, str(r), str(port), str(tmp_path)], stdout=subprocess.PIPE, env=env)
+        for r in (0, 1)
+    ]
+    out = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    path = Path(out[1].strip().splitlines()[-1])
+    for key in ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae"):
+        assert list((path / key).glob("*.safetensors")), key
+    adapter = get_adapter_class("sd3").from_pretrained(path)
+    assert sum(p.numel() for p in adapter.pipe.text_encoder_3.parameters()) > 1000

@@ -80,6 +80,9 @@ class World:
     now: Callable[[], float] = lambda: asyncio.get_running_loop().time()
     log: list[tuple] = field(default_factory=list)
     calls: int = 0
+    starts: list[tuple[float, str]] = field(default_factory=list)
+    """(time, method) of every call as it started."""
+    running: int = 0
     failed: str | None = None
     made: dict[tuple[int, int], int] = field(default_factory=dict)
     untrained_max: int = 0
@@ -88,13 +91,18 @@ class World:
     async def work(self, worker: str, method: str) -> tuple[float, float]:
         """One call's cost waited out, or the injected failure raised."""
         index, self.calls = self.calls, self.calls + 1
-        if self.fail_on == (worker, method) or self.fail_at == index:
-            await self.sleep(self.cost(self.rng, worker, method) / 2)
-            self.failed = f"{method} on {worker} (call {index}) failed on purpose"
-            raise InjectedFailure(self.failed)
-        t0 = self.now()
-        await self.sleep(self.cost(self.rng, worker, method))
-        return t0, self.now()
+        self.starts.append((self.now(), method))
+        self.running += 1
+        try:
+            if self.fail_on == (worker, method) or self.fail_at == index:
+                await self.sleep(self.cost(self.rng, worker, method) / 2)
+                self.failed = f"{method} on {worker} (call {index}) failed on purpose"
+                raise InjectedFailure(self.failed)
+            t0 = self.now()
+            await self.sleep(self.cost(self.rng, worker, method))
+            return t0, self.now()
+        finally:
+            self.running -= 1
 
 
 class FakeActor:

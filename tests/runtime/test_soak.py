@@ -78,13 +78,23 @@ def _world(seed: int, clock: VirtualClock, fail_at: int | None = None) -> World:
     return World(rng, fail_at=fail_at, cost=cost, sleep=clock.sleep, now=clock.seconds)
 
 
-async def _drive(cfg, world: World, clock: VirtualClock):
+async def _drive(cfg, world: World, clock: VirtualClock, stop_at: int | None = None):
+    """Run ``cfg`` on fake actors; ``stop_at``: the tick a stop is asked for."""
     cluster = FakeCluster(cfg.runtime.generators, cfg.runtime.trainers, world)
     driver = Driver(cfg, None, PromptSet.builtin(), Trace(), cluster=cluster, clock=clock.seconds)
     ticker = asyncio.create_task(clock.run())
     run = asyncio.create_task(driver.run(cfg.steps))
+    if stop_at is not None:
+
+        async def stop() -> None:
+            await clock.sleep(stop_at)
+            driver.request_stop()
+
+        stopper = asyncio.create_task(stop())
     await asyncio.wait({ticker, run}, return_when=asyncio.FIRST_COMPLETED)
     ticker.cancel()
+    if stop_at is not None:
+        stopper.cancel()
     assert run.done(), f"the driver made no progress in {LIMIT} ticks"
     return run.result(), cluster
 
@@ -144,6 +154,9 @@ async def test_soak_random_settings_costs_and_jitter() -> None:
         results, cluster = await _drive(cfg, world, clock)
         try:
             total += _check_schedule(cfg, results, world, cluster)
+            # each step's time runs from the previous step's end: together, the whole run
+            spent = sum(r.metrics["step_time_s"] for r in results)
+            assert spent == pytest.approx(clock.seconds(), abs=0.01), (spent, clock.seconds())
         except AssertionError as exc:
             raise AssertionError(f"seed {seed}, settings {cfg.runtime}: {exc}") from exc
         kinds.update(a[0].split("-")[0] + ":" + a[1] for a in world.log)
@@ -173,3 +186,28 @@ async def test_soak_an_injected_failure_anywhere_ends_the_run_with_it() -> None:
         await quiet.run()
         assert world.calls == calls, f"seed {seed}: calls went on after the failure"
         assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("loop-")]
+
+
+@pytest.mark.asyncio
+async def test_soak_a_stop_at_any_moment_ends_at_a_micro_batch_boundary() -> None:
+    """A stop asked at a random moment: calls running then finish, no generation, score or
+    update starts after it, and the run returns the steps completed, promptly."""
+    stopped_inside = 0
+    for seed in range(RUNS):
+        cfg = _settings(random.Random(3000 + seed))
+        clock = VirtualClock(LIMIT)
+        world = _world(seed, clock)
+        await _drive(cfg, world, clock)
+        end = clock.now
+        stop_at = random.Random(seed).randrange(1, end)
+        clock = VirtualClock(LIMIT)
+        world = _world(seed, clock)
+        results, _ = await _drive(cfg, world, clock, stop_at)
+        done = [r.metrics["step"] for r in results]
+        assert done == list(range(len(done))) and len(done) < cfg.steps, (seed, done)
+        late = {m for t, m in world.starts if t * 1e3 > stop_at + 1}
+        assert late <= {"step", "load_weights"}, (seed, late)
+        assert world.running == 0  # what ran when the stop came has finished
+        assert clock.now - stop_at < 3000, (seed, clock.now - stop_at)  # promptly
+        stopped_inside += any(s == len(done) for (s, m) in world.made)
+    assert stopped_inside > RUNS // 2  # most stops came inside a step, which was left

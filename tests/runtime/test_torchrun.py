@@ -93,3 +93,70 @@ def test_torchrun_launch_runs_a_disaggregated_step(tmp_path: Path) -> None:
     assert done[("update", "trainer-0")] == 2
     assert done[("step", "trainer-0")] == 1
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_on_another_node_stops_both_nodes_leaving_no_process(
+    tmp_path: Path,
+) -> None:
+    """Two torchrun agents as two nodes (driver and generator-0 on node 0; generator-1 and
+    trainer-0 on node 1). SIGKILL of trainer-0 on node 1: the driver names it and exits 1,
+    both agents end, and no worker process of either node is left."""
+    import signal
+    import time
+
+    from test_failures import _alive
+
+    out, port = tmp_path / "out", _free_port()
+    run = ["-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "200"]
+    run += ["--out", str(out), "--quiet", *SMALL, "runtime.generators=2", "runtime.trainers=1"]
+    run += ["save_every=1", "runtime.tag=none"]
+    env = _env(DIGEN_RPC_PORT=str(_free_port()))
+    nodes = []
+    for node in (0, 1):
+        agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        agent += ["--node-rank", str(node), "--nproc-per-node", "2", "--max-restarts", "0"]
+        agent += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        nodes.append(
+            subprocess.Popen(
+                [*agent, *run],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=ROOT,
+            )
+        )
+    try:
+        deadline = time.monotonic() + 240
+        first = out / "checkpoints" / "step-000001"
+        while not ((out / "workers.json").is_file() and first.is_dir()):
+            for p in nodes:
+                assert p.poll() is None, p.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run did not reach its first checkpoint"
+            time.sleep(0.1)
+        workers = json.loads((out / "workers.json").read_text())
+        assert set(workers) == {"driver", "generator-0", "generator-1", "trainer-0"}
+        victim = workers["trainer-0"]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        results = [p.communicate(timeout=120) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert nodes[0].returncode != 0 and nodes[1].returncode != 0
+    lines = [x for x in results[0][1].splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1, results[0][1][-3000:]
+    assert "worker 'trainer-0'" in lines[0] and f"--resume {out}" in lines[0]
+    deadline = time.monotonic() + 15
+    while any(_alive(w["pid"]) for w in workers.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [r for r, w in workers.items() if _alive(w["pid"])]  # no orphan, either node

@@ -92,8 +92,12 @@ def _serve(
     _remote._WORKER_NAME = spec.name  # the name errors raised here carry
     _name_process(spec.name)
     if threading.current_thread() is threading.main_thread():
-        # Ctrl-C reaches the whole process group; the driver decides how workers stop.
+        # Ctrl-C reaches the whole process group, and schedulers (Slurm, torchrun's agent)
+        # send SIGTERM to every process: the driver decides how workers stop, after its
+        # checkpoint. A worker still exits with its driver (parent or pings), and SIGKILL
+        # stops it at once.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
     _quiet_rpc_init_warning()
     rpc.init_rpc(
