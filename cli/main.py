@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,9 @@ def main() -> None:
 @click.option("--steps", type=int, help="Training steps.")
 @click.option("--seed", type=int, help="Run seed.")
 @click.option(
-    "--prompts", type=click.Path(path_type=Path), help="Prompt file: .txt (one per line) or .jsonl."
+    "--prompts",
+    type=click.Path(path_type=Path),
+    help="Prompt file: .txt (one per line) or .jsonl; or a shipped set: default, ocr.",
 )
 @click.option(
     "--out",
@@ -480,6 +483,7 @@ def models() -> None:
     help="Draw the BTS schedule to this PNG.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr (--recommend).")
 def simulate(
     microbatches: int,
     generators: int,
@@ -500,6 +504,7 @@ def simulate(
     devices: int | None,
     plot_path: Path | None,
     as_json: bool,
+    quiet: bool,
 ) -> None:
     """Predict step times of TAG / TCSS policies (none, static-k, BTS) before renting a cluster.
 
@@ -543,7 +548,14 @@ def simulate(
         if recommend:
             if devices is None:
                 raise ValueError("--recommend needs --devices N, the number of devices to split")
-            ranked = sc.recommend(devices, costs, microbatches, **kw)
+            if not quiet and devices >= 2:
+                click.echo(
+                    f"simulating the {devices - 1} generator/trainer splits of {devices} devices",
+                    err=True,
+                )
+            ranked = sc.recommend(
+                devices, costs, microbatches, **kw, on_split=None if quiet else _split_done()
+            )
             if as_json:
                 click.echo(json.dumps(ranked))
                 return
@@ -581,6 +593,45 @@ def simulate(
         click.echo(json.dumps(table))
     else:
         click.echo(sc.format_table(table))
+
+
+@main.command("reward-server")
+@click.option(
+    "--reward", required=True, help="A built-in, module:function or path/to/file.py:function."
+)
+@click.option("--port", type=int, default=8000, show_default=True, help="Port; 0 picks a free one.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+def reward_server(reward: str, port: int, host: str) -> None:
+    """Serve a reward over HTTP (POST /score, GET /health); see docs/REWARD_SERVER.md."""
+    from digen.errors import DigenError
+    from digen.reward_server import serve
+
+    def ready(url: str) -> None:
+        click.echo(f"serving reward {reward!r} on {url} (GET /health); Ctrl-C stops it")
+
+    try:
+        asyncio.run(serve(reward, host, port, ready))
+    except DigenError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
+def _split_done():
+    """Progress of ``simulate --recommend`` on stderr: one line per split as it is done."""
+    last = time.perf_counter()
+
+    def report(generators: int, trainers: int, table: dict[str, dict[str, Any]]) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        best = min(table, key=lambda name: table[name]["step_time"])
+        click.echo(
+            f"G={generators} T={trainers}: best {best} at "
+            f"{table[best]['step_time']:.3f} s a step ({now - last:.1f} s to simulate)",
+            err=True,
+        )
+        last = now
+
+    return report
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -23,6 +23,7 @@ from digen.algos.registry import ALGO_NAMES, get_algorithm
 from digen.algos.steps import STEP_KINDS
 from digen.errors import ConfigError
 from digen.models.registry import BACKBONES, FLAVOURS, MODEL_NAMES
+from digen.runtime.trackers import TRACKERS
 from digen.sched.microbatch import MicroBatch, form_microbatches, samples_per_microbatch
 from digen.sched.schedule import STALENESS_SCHEDULES, stale_cap
 from digen.sched.tag import TAG_POLICIES as TAG_POLICY_FACTORIES
@@ -59,7 +60,7 @@ Devices = list[str] | None
 """A pool's devices (the loader also takes one comma-separated string)."""
 # Names resolved by digen.algos.rewards without an import (kept here so loading a config
 # needs no torch); a test keeps the two lists equal.
-BUILTIN_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility")
+BUILTIN_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility", "ocr", "http")
 
 
 # --------------------------------------------------------------------------- messages
@@ -191,6 +192,7 @@ _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
     "dict[str, Any]": _as_mapping,
     "int": _as_int,
     "float": _as_float,
+    "float | None": _optional(_as_float),
     "str": _as_str,
     "bool": _as_bool,
     "int | None": _optional(_as_int),
@@ -491,7 +493,7 @@ class TrainConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     prompts: str | None = None
-    """Prompt file (.txt one per line, or .jsonl with a "prompt" field); None uses the shipped set."""
+    """Prompt file (.txt one per line, or .jsonl with a "prompt" field), or a shipped set by name (default, ocr: text to render for the OCR reward); None: the default set."""
     train_batch_size: int = 2
     """Unique prompts per train step (each replicated n times)."""
 
@@ -510,13 +512,32 @@ class RewardSpec:
     """A built-in reward (jpeg_compressibility, jpeg_incompressibility), `module:function`, or `path.py:function`."""
     weight: float = 1.0
     """Weight of this reward in the weighted sum."""
+    timeout_s: float | None = None
+    """Seconds one call of this reward may take before it counts as failed (then retried); None: no limit."""
+    retries: int = 0
+    """Further tries after a failed or timed-out call, waiting 0.5 s, 1 s, 2 s, ... between them."""
+    on_error: str = "fail"
+    """When the last try fails: fail stops the run naming the reward; drop leaves out the groups of that batch and counts them (dropped_groups). A failure is never a zero reward."""
+    url: str | None = None
+    """The reward server's URL (name http)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a reward that is a class (it is built with them), or the http reward's settings."""
 
     def __post_init__(self) -> None:
         # Inside a DigenConfig the key gets its index (rewards.0.weight): see validate().
         _validate_section(self, "reward")
 
     def _check_values(self, p: str) -> None:
+        if self.timeout_s is not None:
+            _positive(p, "timeout_s", self.timeout_s)
+        _at_least(p, "retries", self.retries, 0)
+        if self.on_error not in REWARD_ERROR_POLICIES:
+            raise _bad(_key(p, "on_error"), self.on_error, "use fail or drop")
         name = self.name
+        if name == "http" and not self.url:
+            raise _bad(_key(p, "url"), self.url, "the http reward needs its server's URL")
+        if self.url is not None and name != "http":
+            raise _bad(_key(p, "url"), self.url, "only the http reward takes a URL")
         module, sep, attr = name.rpartition(":")
         if name not in BUILTIN_REWARDS and not (sep and module and attr):
             raise _bad(
@@ -527,6 +548,7 @@ class RewardSpec:
             )
 
 
+REWARD_ERROR_POLICIES = ("fail", "drop")
 MODES = ("colocated", "disaggregated")
 TRAINER_PARALLEL = ("replicate", "fsdp", "hsdp")
 LR_SCHEDULES = ("constant", "cosine")
@@ -660,6 +682,8 @@ class DigenConfig:
     """Write a checkpoint every this many steps (and at every clean stop); None: about ten per run, at least every 100 steps; 0: only at the end."""
     keep_checkpoints: int = 2
     """Checkpoints kept (the newest); older ones are deleted once a newer one is complete."""
+    logger: list[str] = field(default_factory=list)
+    """Experiment trackers the run also logs to, beside metrics.jsonl: tensorboard, wandb (each an extra, as in pip install 'digen[wandb]'; one may be given bare: logger=tensorboard); see docs/TRACKERS.md."""
 
     def __post_init__(self) -> None:
         # Sections may be given as plain mappings (the loader does): build them here, so
@@ -729,6 +753,14 @@ def validate(cfg: DigenConfig) -> None:
         _at_least("", "save_every", cfg.save_every, 0, " (0 saves only at the end)")
     cfg.keep_checkpoints = _as_int(cfg.keep_checkpoints, "keep_checkpoints")
     _at_least("", "keep_checkpoints", cfg.keep_checkpoints, 1)
+    trackers = [cfg.logger] if isinstance(cfg.logger, str) else cfg.logger or []
+    if not isinstance(trackers, list | tuple) or any(t not in TRACKERS for t in trackers):
+        raise _bad(
+            "logger",
+            cfg.logger,
+            f"list trackers from {', '.join(TRACKERS)}, as in logger=[tensorboard, wandb]",
+        )
+    cfg.logger = list(dict.fromkeys(trackers))
     _check_cross(cfg)
 
 
@@ -992,6 +1024,9 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         raise ConfigError(
             f"override {item!r} has a value that is not valid YAML (quote it to pass a string)."
         ) from None
+    if key == "reward.http.url":  # shorthand: score with one reward server, nothing else
+        data["rewards"] = [{"name": "http", "url": value}]
+        return
     parts = key.split(".")
     top = parts[0]
     names = [f.name for f in fields(DigenConfig)]

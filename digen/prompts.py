@@ -22,10 +22,14 @@ from typing import Any
 
 from digen.errors import DigenError
 
-__all__ = ["PromptSet"]
+__all__ = ["BUILTIN_SETS", "PromptSet"]
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 """Characters no prompt holds (tab is allowed)."""
+
+
+BUILTIN_SETS = {"default": "prompts.txt", "ocr": "ocr_prompts.txt"}
+"""Prompt sets shipped with digen, by the name ``data.prompts`` / ``--prompts`` accepts."""
 
 
 @dataclass(frozen=True)
@@ -45,16 +49,21 @@ class PromptSet:
         return len(self.prompts)
 
     @classmethod
-    def builtin(cls) -> PromptSet:
-        """The small prompt set shipped with digen (objects, counting, colours, scenes, text)."""
-        text = resources.files("digen.data").joinpath("prompts.txt").read_text(encoding="utf-8")
-        return cls._from_lines(text.splitlines(), "the built-in prompt set")
+    def builtin(cls, name: str = "default") -> PromptSet:
+        """A prompt set shipped with digen: ``default`` (objects, counting, colours, scenes,
+        text) or ``ocr`` (text to render, in quotes, for the OCR reward)."""
+        file = BUILTIN_SETS[name]
+        text = resources.files("digen.data").joinpath(file).read_text(encoding="utf-8")
+        return cls._from_lines(text.splitlines(), f"the built-in prompt set {name!r}")
 
     @classmethod
     def load(cls, path: str | Path | None) -> PromptSet:
-        """Prompts from ``path`` (``.jsonl`` with a ``prompt`` field, else one per line)."""
+        """Prompts from ``path`` (``.jsonl`` with a ``prompt`` field, else one per line), or
+        the shipped set of that name (:data:`BUILTIN_SETS`); None: the default set."""
         if path is None:
             return cls.builtin()
+        if str(path) in BUILTIN_SETS and not Path(path).exists():
+            return cls.builtin(str(path))
         path = Path(path)
         if not path.is_file():
             raise DigenError(f"prompt file '{path}' does not exist.")

@@ -11,7 +11,9 @@ written so far intact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -40,6 +42,7 @@ from digen.runtime.checkpoint import (
     latest_checkpoint,
 )
 from digen.runtime.outputs import RunOutputs
+from digen.runtime.trackers import Trackers, require
 from digen.sched.trace import Trace
 
 if TYPE_CHECKING:
@@ -58,6 +61,8 @@ _RUN_OUTPUTS = (
     "profile.json",
     "timeline.png",
     "trainer.log",
+    "tensorboard",
+    "wandb",
 )
 """What a run leaves in its directory (``--overwrite`` removes exactly these)."""
 _WORKERS_FILE = "workers.json"
@@ -71,6 +76,7 @@ class RunResult:
     metrics: list[dict[str, Any]]
     """One dict per completed step (the rows of ``metrics.jsonl``)."""
     out_dir: Path
+    """Where the run wrote its outputs (a new temporary directory when ``out_dir`` was None)."""
     interrupted: bool = False
     weights: Path | None = None
     """The saved LoRA adapter (``lora/``) or full transformer (``transformer/``)."""
@@ -104,7 +110,11 @@ class DigenRunner:
         cfg: a :class:`DigenConfig`, a nested dict, a YAML path, or None for the defaults.
         rewards: reward hooks as objects (callables, ``(callable, weight)`` pairs or
             :class:`RewardFn`); they replace ``cfg.rewards`` when given.
-        out_dir: where outputs go (a temporary directory when None).
+        out_dir: where outputs go. None makes a new temporary directory (``digen-run-*``
+            in :func:`tempfile.gettempdir`), says so once on stderr unless ``progress`` is
+            False, and keeps it after the run: ``RunResult.out_dir`` names it; remove it when
+            done (the CLI's ``--out`` defaults to ``runs/latest`` instead).
+        progress: a progress bar and notes on stderr.
         resume: continue the run in ``out_dir`` from its newest intact checkpoint, up to
             ``cfg.steps`` steps in all.
         overwrite: replace a previous run's outputs in ``out_dir`` (without it, and without
@@ -116,6 +126,7 @@ class DigenRunner:
             self.cfg = load_config(base=cfg)
         else:
             self.cfg = load_config(cfg)
+        require(self.cfg.logger)  # a tracker's missing package fails before anything starts
         self.reward: CompositeReward = build_reward(
             list(rewards) if rewards is not None else self.cfg.rewards,
             self.cfg.train.on_nonfinite,
@@ -126,6 +137,7 @@ class DigenRunner:
         self.prompts = PromptSet.load(self.cfg.data.prompts)
         if self.prompts.skipped:
             print(f"note: {self.prompts.skip_note}", file=sys.stderr)
+        self._temporary = not out_dir
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
         self.progress = progress
         self.sample_every = max(1, int(sample_every))
@@ -148,6 +160,12 @@ class DigenRunner:
 
     async def run(self) -> RunResult:
         self._claim_out_dir()
+        if self._temporary and self.progress:
+            print(
+                f"writing to {self.out_dir} (a temporary directory, kept after the run; "
+                "out_dir= chooses one)",
+                file=sys.stderr,
+            )
         world = self.cfg.train.num_devices
         restore = _catch_signals(self)  # signals reach the main thread only
         try:
@@ -221,6 +239,8 @@ class DigenRunner:
         ckpt = self._checkpoint
         start = ckpt.step if ckpt is not None else 0
         saved: Path | None = ckpt.path if ckpt is not None else None
+        trackers = Trackers(cfg.logger if lead else (), self.out_dir, first_step=start)
+        trackers.log_config(config_to_dict(cfg))
         t0 = time.perf_counter()
         try:
             async with self._backend(rank, world, trace, ckpt) as backend:
@@ -259,7 +279,10 @@ class DigenRunner:
                     if outputs:
                         outputs.append_metrics(res.metrics)
                         if res.pixels is not None:
-                            outputs.save_samples(res.metrics["step"], res.pixels, res.captions)
+                            step = res.metrics["step"]
+                            grid = outputs.save_samples(step, res.pixels, res.captions)
+                            trackers.log_image("sample_grid", grid, step, res.captions)
+                    trackers.log_step(res.metrics["step"], res.metrics)
                     log.info("step", **res.metrics)
                     bar.update(1)
                     bar.set_postfix(
@@ -303,6 +326,9 @@ class DigenRunner:
                     outputs.dir / "timeline.png",
                     title=f"{cfg.model.name} / {cfg.algo.name} / {cfg.runtime.mode}",
                 )
+                last = start + max(len(metrics) - 1, 0)
+                trackers.log_image("timeline", outputs.dir / "timeline.png", last)
+            trackers.close()
             if outputs:
                 (outputs.dir / _WORKERS_FILE).unlink(missing_ok=True)
             log.info("run_end", steps=len(metrics), interrupted=interrupted)
@@ -546,6 +572,9 @@ def _progress(total: int, enabled: bool, initial: int = 0):
 
 
 def _open_log(path: Path | None):
+    """The run's structured log, and what closes it. While it is open, digen's own notes
+    (``logging.getLogger("digen")``: a prompt a text encoder truncates, ...) go into it
+    rather than to the terminal."""
     fh = path.open("a", encoding="utf-8") if path else open(os.devnull, "w")  # noqa: SIM115
     logger = structlog.wrap_logger(
         structlog.WriteLogger(fh),
@@ -555,4 +584,18 @@ def _open_log(path: Path | None):
             structlog.processors.JSONRenderer(),
         ],
     )
-    return logger, fh
+    notes = _NotesToLog(logger)
+    logging.getLogger("digen").addHandler(notes)
+    closing = contextlib.ExitStack()
+    closing.callback(fh.close)
+    closing.callback(logging.getLogger("digen").removeHandler, notes)
+    return logger, closing
+
+
+class _NotesToLog(logging.Handler):
+    def __init__(self, log: Any) -> None:
+        super().__init__(logging.INFO)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.log.info("note", text=record.getMessage(), source=record.name)

@@ -22,6 +22,7 @@ from digen.config import config_to_dict
 from digen.errors import DigenError
 from digen.models import MODEL_NAMES, get_adapter_class
 from digen.presets import ALGO_NAMES, preset
+from digen.runtime.outputs import MIN_TILE_WIDTH
 
 SMALL = ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
 METRIC_KEYS = {
@@ -39,6 +40,7 @@ METRIC_KEYS = {
     "time/score_s",
     "time/train_s",
     "reward/jpeg_incompressibility",
+    "reward_latency_ms/jpeg_incompressibility",
 }
 
 
@@ -76,8 +78,9 @@ def test_run_every_model_and_algo(tmp_path: Path, model: str, algo: str) -> None
     with Image.open(grid) as im:
         adapter_cls = get_adapter_class(model)
         frames = 3 if adapter_cls.is_video else 1
-        width = cfg.model.width or adapter_cls.tiny_width
-        assert im.width == 4 * width * frames  # 4 samples in one row
+        tile = (cfg.model.width or adapter_cls.tiny_width) * frames
+        zoom = -(-MIN_TILE_WIDTH // tile)  # tiny samples are scaled up to show their captions
+        assert im.width == 4 * tile * zoom  # 4 samples in one row
     log = [json.loads(line) for line in (out / "trainer.log").read_text().splitlines()]
     assert [e["event"] for e in log][0] == "run_start" and log[-1]["event"] == "run_end"
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
@@ -126,6 +129,33 @@ async def test_runner_api_with_async_reward_hook(tmp_path: Path) -> None:
     assert result.metrics == [
         json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
     ]
+
+
+@pytest.mark.asyncio
+async def test_api_run_is_quiet_and_says_where_it_writes(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Python API: no per-prompt tokenizer warnings (one note in trainer.log instead),
+    no loading bars, and a temporary output directory that is announced and returned."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where out_dir=None goes
+    prompts = tmp_path / "long.txt"
+    prompts.write_text(
+        "a very long prompt about a lighthouse on a rocky coast at dusk, waves, gulls\n"
+        "another long prompt about a red bicycle parked by a lamp post in the rain\n"
+    )
+    over = [*SMALL, "steps=1", f"data.prompts={prompts}"]
+    capfd.readouterr()
+    result = await DigenRunner(load_config(overrides=over)).run()
+    err = capfd.readouterr().err
+    assert result.out_dir.parent == tmp_path and result.out_dir.name.startswith("digen-run-")
+    assert err.count(f"writing to {result.out_dir} ") == 1
+    for noise in ("truncated", "Token indices", "Loading", "torchvision"):
+        assert noise not in err, err
+    log = [json.loads(line) for line in (result.out_dir / "trainer.log").read_text().splitlines()]
+    notes = [e["text"] for e in log if e["event"] == "note"]
+    assert len(notes) == 1 and "truncated" in notes[0], notes
 
 
 def test_data_parallel_equals_single_process(tmp_path: Path) -> None:

@@ -225,6 +225,35 @@ def test_plot_timeline(tmp_path: Path) -> None:
     assert dark[left + (right - left) // 2] < 50  # mid-step 0 (t = 5.5 s): no line
 
 
+def _legend(tr: Trace) -> list[str]:
+    fig = tr.timeline_figure()
+    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+
+def test_legend_names_only_kinds_in_the_trace_and_each_shows() -> None:
+    assert _legend(small_trace()) == ["generate", "score", "update", "step", "sync"]  # no tag
+    tr = Trace()
+    tr.record("generate", "generator-0", 0, 0, 0, 0.0, 1.0)
+    tr.record("tag", "trainer-0", 0, 1, 0, 0.0, 1.0)
+    assert _legend(tr) == ["generate", "tag"]
+    assert _legend(Trace()) == []
+
+    # An optimizer step of 10 ms between a minute of updates and the weight sync right after
+    # it: both are widened to a few pixels, side by side, so the step is not hidden.
+    tr = Trace()
+    for s in range(3):
+        t = 60.0 * s
+        tr.record("update", "trainer-0", s, 0, s, t, t + 50)
+        tr.record("step", "trainer-0", s, -1, s, t + 50, t + 50.01)
+        tr.record("sync", "trainer-0", s, -1, s + 1, t + 50.01, t + 50.05)
+    fig = tr.timeline_figure()
+    fig.canvas.draw()
+    img = np.asarray(fig.canvas.buffer_rgba())[..., :3]
+    for kind in ("step", "sync"):
+        hits = (img == _rgb(KIND_COLOURS[kind])).all(axis=2)
+        assert hits.any(axis=0).sum() >= 3 * 2, kind  # at least 2 pixel columns a step
+
+
 def test_plot_many_workers_and_empty(tmp_path: Path) -> None:
     tr = Trace()
     rng = np.random.default_rng(0)

@@ -7,10 +7,20 @@ A reward hook scores decoded samples::
     # metadata: B dicts; returns B finite floats (list, tuple, 1-D tensor or array)
 
 Hooks are named by ``module:function`` or ``path/to/file.py:function`` (a class there is
-instantiated once, without arguments, and its instances called), or passed as callables.
-:class:`CompositeReward` runs all of them concurrently: async hooks on the event loop, plain
-ones in a worker thread so a slow scorer never blocks the loop. Every failure is a
-:class:`~digen.errors.RewardError` whose one sentence names the hook.
+instantiated once, with the reward's ``options`` as keyword arguments, and its instance
+called), or passed as callables. :class:`CompositeReward` runs all of them concurrently:
+async hooks on the event loop, plain ones in a worker thread so a slow scorer never blocks
+the loop. Every failure is a :class:`~digen.errors.RewardError` whose one sentence names the
+hook.
+
+A hook's life is the run's: a hook object may define ``setup()`` and ``close()`` (plain or
+``async``), which digen calls once per process that scores (each generator, or each
+colocated worker) before the first batch and after the last, on the one event loop that
+runs every call of that process (:class:`RewardLoop` where the caller has none). That is
+where a hook opens an HTTP session or loads a model. Each reward may have a timeout per
+call, retries with back-off, and a policy for a call that still fails (``on_error``): stop
+the run, or leave out the groups of that batch and count them. A failure is never turned
+into a zero reward.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ import io
 import math
 import numbers
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +53,10 @@ __all__ = [
     "CompositeReward",
     "RewardFn",
     "RewardHook",
+    "RewardLoop",
     "RewardResult",
     "build_reward",
+    "call_hook",
     "jpeg_compressibility",
     "jpeg_incompressibility",
     "jpeg_size_kb",
@@ -103,17 +117,26 @@ BUILTIN_REWARDS: dict[str, RewardHook] = {
 }
 
 
+_NAMED_CLASSES = {"ocr": "digen.algos.ocr:OcrReward"}
+"""Built-in rewards that are classes in modules of their own (imported when named)."""
+REWARD_NAMES = (*BUILTIN_REWARDS, *_NAMED_CLASSES, "http")
+"""Every reward a config can name without a module path (``http``: a reward server's)."""
+
 # --------------------------------------------------------------------------- loading hooks
 
 
-def load_hook(ref: str) -> RewardHook:
+def load_hook(ref: str, options: Mapping[str, Any] | None = None) -> RewardHook:
     """Resolve a built-in name, ``module:function`` or ``path/to/file.py:function`` to a callable.
 
-    ``function`` may be dotted (``Class.method``); a class is instantiated without arguments.
-    Raises :class:`RewardError` when the hook cannot be loaded or does not take
-    ``(samples, prompts, metadata)``.
+    ``function`` may be dotted (``Class.method``); a class is instantiated with ``options``
+    as keyword arguments (a function takes none). Raises :class:`RewardError` when the hook
+    cannot be loaded or does not take ``(samples, prompts, metadata)``.
     """
+    options = dict(options or {})
+    ref = _NAMED_CLASSES.get(ref, ref)
     if ref in BUILTIN_REWARDS:
+        if options:
+            raise RewardError(f"reward {ref!r} takes no options (got {', '.join(options)}).")
         return BUILTIN_REWARDS[ref]
     source, sep, attr_path = ref.rpartition(":")
     if not sep or not source or not attr_path:
@@ -134,12 +157,17 @@ def load_hook(ref: str) -> RewardHook:
             ) from None
     if inspect.isclass(obj):
         try:
-            obj = obj()
+            obj = obj(**options)
         except Exception as exc:
             raise RewardError(
                 f"reward hook {ref!r} cannot be loaded: creating {attr_path}() raised "
                 f"{_describe(exc)}."
             ) from exc
+    elif options:
+        raise RewardError(
+            f"reward hook {ref!r} is a function, so it takes no options "
+            f"(got {', '.join(options)}); make it a class to configure it."
+        )
     _check_callable(ref, obj)
     return obj
 
@@ -273,7 +301,7 @@ def _to_scores(name: str, result: Any, batch: int, drop: bool = False) -> torch.
 
 @dataclass(frozen=True, slots=True)
 class RewardFn:
-    """One named, weighted reward hook."""
+    """One named, weighted reward hook, with how its calls may fail."""
 
     name: str
     """Name of the component (the config's reward name, or the callable's name)."""
@@ -281,6 +309,13 @@ class RewardFn:
     """The hook: plain or async, ``(samples, prompts, metadata) -> B floats``."""
     weight: float = 1.0
     """Weight of this component in the total."""
+    timeout_s: float | None = None
+    """Seconds one call may take (then it counts as failed); None: no limit."""
+    retries: int = 0
+    """Further tries after a failed call, ``RETRY_BACKOFF_S * 2**k`` seconds apart."""
+    on_error: str = "fail"
+    """After the last try: ``fail`` raises; ``drop`` scores the batch NaN (its groups are
+    left out of training and counted)."""
 
     async def score(
         self,
@@ -291,17 +326,69 @@ class RewardFn:
     ) -> torch.Tensor:
         """Run the hook and check its output: ``[B]`` float32 raw (unweighted) scores
         (``drop``: NaN where a score is non-finite or the count is wrong)."""
-        try:
-            if _is_async(self.fn):
-                result = await self.fn(samples, prompts, metadata)
-            else:
-                # A plain hook may be slow (a reward model, an encoder): off the event loop.
-                result = await asyncio.to_thread(self.fn, samples, prompts, metadata)
-                if inspect.isawaitable(result):
-                    result = await result
-        except Exception as exc:
-            raise RewardError(f"reward hook {self.name!r} raised {_describe(exc)}.") from exc
+        for attempt in range(self.retries + 1):
+            try:
+                result = await asyncio.wait_for(
+                    self._call(samples, prompts, metadata), self.timeout_s
+                )
+                break
+            except Exception as exc:
+                if isinstance(exc, TimeoutError):
+                    why = f"took longer than its timeout_s of {self.timeout_s:g} s"
+                elif isinstance(exc, RewardError):  # already one sentence (a reward server's)
+                    why = f"failed: {str(exc).rstrip('.')}"
+                else:
+                    why = f"raised {_describe(exc)}"
+                if attempt < self.retries:
+                    await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
+                    continue
+                if self.on_error == "drop":
+                    return torch.full((samples.shape[0],), math.nan)
+                tries = f" (tried {self.retries + 1} times)" if self.retries else ""
+                raise RewardError(f"reward hook {self.name!r} {why}{tries}.") from exc
         return _to_scores(self.name, result, samples.shape[0], drop)
+
+    async def _call(
+        self,
+        samples: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+    ) -> Any:
+        return await call_hook(self.fn, samples, prompts, metadata)
+
+
+async def call_hook(
+    fn: RewardHook,
+    samples: torch.Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+) -> Any:
+    """One call of a hook, as it returned: an async hook awaited on this loop, a plain one
+    in a worker thread (it may be slow: a reward model, an encoder) so the loop is free."""
+    if _is_async(fn):
+        return await fn(samples, prompts, metadata)
+    result = await asyncio.to_thread(fn, samples, prompts, metadata)
+    return await result if inspect.isawaitable(result) else result
+
+
+RETRY_BACKOFF_S = 0.5
+"""The wait before a reward's first retry; it doubles for each further one."""
+
+
+async def _lifecycle(name: str, fn: RewardHook, method: str) -> None:
+    """Call ``fn.setup()`` or ``fn.close()`` if the hook has it (plain or async)."""
+    step = getattr(fn, method, None)
+    if step is None or not callable(step):
+        return
+    try:
+        if inspect.iscoroutinefunction(step):
+            await step()
+        else:
+            done = await asyncio.to_thread(step)
+            if inspect.isawaitable(done):
+                await done
+    except Exception as exc:
+        raise RewardError(f"reward hook {name!r} {method}() raised {_describe(exc)}.") from exc
 
 
 def _is_async(fn: Any) -> bool:
@@ -319,6 +406,8 @@ class RewardResult:
     """``[B]`` float32: the weighted sum of the components."""
     components: dict[str, torch.Tensor]
     """Each component's raw ``[B]`` float32 scores, by reward name, in config order."""
+    latency_s: dict[str, float]
+    """Seconds each component's call took (retries and back-off included), by name."""
 
 
 class CompositeReward:
@@ -341,6 +430,24 @@ class CompositeReward:
         """Component names, in order."""
         return [fn.name for fn in self.fns]
 
+    async def setup(self) -> None:
+        """Every hook's ``setup()``, once, before the first batch (on the loop that will
+        run its calls)."""
+        for fn in self.fns:
+            await _lifecycle(fn.name, fn.fn, "setup")
+
+    async def close(self) -> None:
+        """Every hook's ``close()``, once, after the last batch; all are closed even when
+        one fails (the first failure is raised after)."""
+        failed: list[RewardError] = []
+        for fn in self.fns:
+            try:
+                await _lifecycle(fn.name, fn.fn, "close")
+            except RewardError as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]
+
     async def __call__(
         self,
         samples: torch.Tensor,
@@ -356,12 +463,18 @@ class CompositeReward:
             raise ValueError(
                 f"got {batch} samples but {len(prompts)} prompts and {len(metadata)} metadata dicts."
             )
+        latency: dict[str, float] = {}
+
+        async def timed(fn: RewardFn) -> torch.Tensor:
+            t0 = time.perf_counter()
+            try:
+                return await fn.score(samples, prompts, metadata, self.nonfinite == "drop")
+            finally:
+                latency[fn.name] = time.perf_counter() - t0
+
         try:
             async with asyncio.TaskGroup() as group:
-                drop = self.nonfinite == "drop"
-                tasks = [
-                    group.create_task(fn.score(samples, prompts, metadata, drop)) for fn in self.fns
-                ]
+                tasks = [group.create_task(timed(fn)) for fn in self.fns]
         except ExceptionGroup as failed:
             # The other hooks were cancelled; surface the first failure's single sentence.
             raise failed.exceptions[0]  # noqa: B904 -- its cause is the hook's own exception
@@ -369,7 +482,11 @@ class CompositeReward:
         total = torch.zeros(batch, dtype=torch.float64)
         for fn in self.fns:
             total += fn.weight * components[fn.name].double()
-        return RewardResult(total=total.float(), components=components)
+        return RewardResult(
+            total=total.float(),
+            components=components,
+            latency_s={fn.name: latency[fn.name] for fn in self.fns},
+        )
 
     def score_sync(
         self,
@@ -377,8 +494,64 @@ class CompositeReward:
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
     ) -> RewardResult:
-        """Blocking form of ``await self(...)`` for callers without an event loop."""
+        """Blocking form of ``await self(...)`` for a one-off score without a loop (the
+        hooks' ``setup`` / ``close`` are not called: a run uses :class:`RewardLoop`)."""
         return asyncio.run(self(samples, prompts, metadata))
+
+
+class RewardLoop:
+    """A :class:`CompositeReward` living on an event loop of its own, in a thread, for a
+    whole run: for scoring from threads that have no loop (an actor's).
+
+    The hooks' ``setup()`` runs once when it is made, every :meth:`score` runs on that one
+    loop (so a session or model a hook opened stays usable), and :meth:`close` runs their
+    ``close()`` and ends the thread.
+    """
+
+    def __init__(self, reward: CompositeReward) -> None:
+        self.reward = reward
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="digen-rewards", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+        try:
+            self._run(reward.setup())
+        except BaseException:
+            self._stop()
+            raise
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def score(
+        self,
+        samples: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardResult:
+        """``await reward(...)`` on the loop, waited for here."""
+        if self._closed:
+            raise RewardError("the rewards were closed; no more batches can be scored.")
+        return self._run(self.reward(samples, prompts, metadata))
+
+    def close(self) -> None:
+        """The hooks' ``close()``, then the loop and its thread end (once; later calls do
+        nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self.reward.close())
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
 
 def build_reward(
@@ -403,7 +576,16 @@ def build_reward(
                 target, weight = spec
             else:
                 target, weight = spec, 1.0
-            if isinstance(target, str):
+            if isinstance(spec, RewardSpec):
+                fn = RewardFn(
+                    name=target,
+                    fn=_spec_hook(spec),
+                    weight=weight,
+                    timeout_s=spec.timeout_s,
+                    retries=spec.retries,
+                    on_error=spec.on_error,
+                )
+            elif isinstance(target, str):
                 fn = RewardFn(name=target, fn=load_hook(target), weight=weight)
             else:
                 name = getattr(target, "__name__", type(target).__name__)
@@ -415,3 +597,12 @@ def build_reward(
             raise RewardError(f"reward {fn.name!r} has weight {fn.weight}, not a finite number.")
         fns.append(fn)
     return CompositeReward(fns, nonfinite)
+
+
+def _spec_hook(spec: RewardSpec) -> RewardHook:
+    """The hook a config entry names (``http``: a client of a reward server)."""
+    if spec.name == "http":
+        from digen.algos.http_reward import HttpReward
+
+        return HttpReward.from_spec(spec)
+    return load_hook(spec.name, spec.options)

@@ -37,7 +37,10 @@ def get_adapter_class(name: str) -> type[DiffusionAdapter]:
     if name not in BACKBONES:
         raise DigenError(f"unknown model '{name}'; choose one of: {', '.join(MODEL_NAMES)}.")
     module, cls = BACKBONES[name].adapter.split(":")
-    return getattr(importlib.import_module(module), cls)
+    from digen.models._quiet import quiet_import
+
+    with quiet_import():  # the pipeline's import names optional packages it misses
+        return getattr(importlib.import_module(module), cls)
 
 
 def load_adapter(
@@ -57,8 +60,11 @@ def load_adapter(
     :meth:`~digen.models.base.DiffusionAdapter.from_pretrained`: ``device``, ``dtype`` and the
     geometry, where None takes the flavour's default (the tiny one's with real weights).
     """
+    from digen.models._quiet import no_loading_bars
+
     cls = get_adapter_class(name)
     options = {"vae_tiling": vae_tiling, "offload_text_encoders": offload_text_encoders}
-    if path is None:
-        return cls.random_init(flavour, **options, **kwargs)
-    return cls.from_pretrained(path, **options, **kwargs)
+    with no_loading_bars():
+        if path is None:
+            return cls.random_init(flavour, **options, **kwargs)
+        return cls.from_pretrained(path, **options, **kwargs)

@@ -35,6 +35,7 @@ import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
 from digen.errors import DigenError
+from digen.models._quiet import NOTES, caught_truncation, truncation_note
 from digen.models.checks import check_model_dir
 
 #: LoRA targets of joint (MMDiT-style) attention: the image stream's and the text stream's
@@ -198,6 +199,7 @@ class DiffusionAdapter(ABC):
         self.width = int(width or self.tiny_width)
         self.num_frames = int(num_frames or self.tiny_num_frames) if self.is_video else 1
         self.max_sequence_length = max_sequence_length
+        self._cut_noted = False  # a truncated prompt has been noted (once per adapter)
         #: the text encoders live on the CPU and visit the model's device in encode_prompts
         self.offload_text_encoders = offload_text_encoders
         for comp in self.frozen_modules():
@@ -431,20 +433,27 @@ class DiffusionAdapter(ABC):
         """Text conditioning for ``prompts`` (an empty string is the unconditional prompt), on
         the model's device.
 
+        A prompt longer than a text encoder takes is truncated, as the pipeline does; the
+        first time, one note goes to the ``digen.models`` logger (a run's ``trainer.log``)
+        instead of the libraries' warning per prompt on stderr.
+
         With ``offload_text_encoders`` the text encoders come to the model's device for this
         call only and go back to the CPU after it: the same embeddings, and no accelerator
         memory held by the encoders between calls (at the cost of two copies per call).
         """
-        if not self.offload_text_encoders:
-            return self._encode_prompts(prompts)
-        encoders = self.text_encoders()
+        encoders = self.text_encoders() if self.offload_text_encoders else []
         for encoder in encoders:
             encoder.to(self.device)
         try:
-            return self._encode_prompts(prompts)
+            with caught_truncation(self.pipe) as cuts:  # else a warning per prompt on stderr
+                embeds = self._encode_prompts(prompts)
         finally:
             for encoder in encoders:
                 encoder.to("cpu")
+        if cuts.first is not None and not self._cut_noted:
+            self._cut_noted = True
+            NOTES.warning(truncation_note(self.name, cuts.first))
+        return embeds
 
     @abstractmethod
     def _encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:

@@ -33,6 +33,8 @@ class _Step:
     overhead: Overhead = field(default_factory=Overhead)
     memory_gb: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Per pool, the largest peak memory a worker reported in the step."""
+    reward_latency_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    """Per reward, the seconds of each of its calls in the step."""
 
 
 class Accounts:
@@ -67,6 +69,11 @@ class Accounts:
         acc.busy_s[kind] += t1 - t0
         if kind in OVERHEAD_KINDS:
             acc.overhead.add(kind, span_s, t1 - t0)
+
+    def scored(self, step: int, latency_s: dict[str, float]) -> None:
+        """A score call of ``step`` returned: each reward's time in it."""
+        for name, seconds in latency_s.items():
+            self._steps[step].reward_latency_s[name].append(seconds)
 
     def step_result(
         self,
@@ -110,6 +117,7 @@ class Accounts:
             stale=rec.stale,
             tags=rec.tags,
             memory_gb=dict(acc.memory_gb),
+            reward_latency_s=acc.reward_latency_s,
         )
         pixels: Any = None
         captions: list[str] = []

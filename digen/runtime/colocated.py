@@ -95,10 +95,11 @@ class ColocatedTrainer:
         self._stop_asked = False
 
     async def __aenter__(self) -> ColocatedTrainer:
+        await self.reward.setup()  # once for the run, on the loop that scores
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        return None
+        await self.reward.close()
 
     @property
     def version(self) -> int:
@@ -302,6 +303,7 @@ class ColocatedTrainer:
             sync_s=0.0,
             usage=self.trace.step_stats(step, [self.worker]) if self.trace else None,
             memory_gb=dict.fromkeys(("generator", "trainer"), peak_memory_gb(cfg.model.device)),
+            reward_latency_s={c: [t] for c, t in scored.latency_s.items()},
         )
         captions = [texts[k.prompt] for k in keys]
         return StepResult(metrics=metrics, pixels=pixels, captions=captions)

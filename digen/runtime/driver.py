@@ -341,6 +341,7 @@ class Driver:
         prompt, data = [texts[mb.prompt]] * k, [meta[mb.prompt]] * k
         call = g.call("score", mb.step, mb.mb, made.holder, prompt, data, thumbs)
         scores = await self._call(g, TaskKind.SCORE, mb.step, mb.mb, made.version, call)
+        self.accounts.scored(mb.step, scores.latency_s)
         if self.book.scored(mb, scores.total, scores.components, scores.thumbnails):
             await self._group_scored(mb.step, mb.prompt)
 

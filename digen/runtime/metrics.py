@@ -2,7 +2,9 @@
 
 Both the colocated trainer and the disaggregated driver build their rows here, so a run's
 metrics can be compared across modes column by column (``tests/test_run.py`` checks the keys
-match). Per-reward means appear as ``reward/<name>``, one column per configured reward.
+match). Per-reward means appear as ``reward/<name>``, one column per configured reward, and
+``reward_latency_ms/<name>`` the mean time of one call of that reward in the step (a
+generator's micro-batch, or a colocated worker's share of the batch; retries included).
 
 Columns:
 
@@ -82,6 +84,7 @@ def step_metrics(
     stale: int = 0,
     tags: int = 0,
     memory_gb: Mapping[str, float] | None = None,
+    reward_latency_s: Mapping[str, Sequence[float]] | None = None,
 ) -> dict[str, Any]:
     """The metrics row of one step (module docstring). ``rewards``: ``[B, n]``."""
     # one reduction order whatever the caller's layout (a strided view sums differently)
@@ -99,6 +102,8 @@ def step_metrics(
     }
     for name, value in components.items():
         row[f"reward/{name}"] = float(value)
+    for name in components:
+        row[f"reward_latency_ms/{name}"] = 1e3 * _mean((reward_latency_s or {}).get(name, []))
     row.update(loss.means())
     over = overhead or Overhead()
     per_call = {k: over.by_kind.get(k, []) for k in OVERHEAD_KINDS}

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["THUMBNAIL_SIDE", "RunOutputs", "sample_grid", "thumbnails"]
+__all__ = ["THUMBNAIL_SIDE", "RunOutputs", "caption_lines", "sample_grid", "thumbnails"]
 
 THUMBNAIL_SIDE = 64
 """Longest side of the thumbnails a disaggregated run brings back for its sample grids."""
@@ -50,17 +50,31 @@ def thumbnails(pixels: torch.Tensor, max_side: int = THUMBNAIL_SIDE) -> torch.Te
     return small.reshape(b, frames, *size, 3)
 
 
+MIN_TILE_WIDTH = 192
+"""Narrowest tile a sample grid draws, in pixels: smaller samples (tiny flavours, thumbnails)
+are scaled up by a whole factor, so they can be seen and a caption has room."""
+CAPTION_LINES = 3
+"""Lines a caption may take; a longer prompt ends in an ellipsis."""
+
+
 def sample_grid(
     pixels: torch.Tensor, captions: Sequence[str] | None = None, cols: int = 4
 ) -> Image.Image:
     """A grid of samples; each video sample is a strip of its first, middle and last frame.
 
-    pixels: ``uint8 [B, F, H, W, 3]``.
+    pixels: ``uint8 [B, F, H, W, 3]``. A tile narrower than :data:`MIN_TILE_WIDTH` is scaled up
+    (nearest pixel) by the smallest whole factor that reaches it; each caption is wrapped over
+    up to :data:`CAPTION_LINES` lines above its tile (:func:`caption_lines`).
     """
     b, f, h, w, _ = pixels.shape
     frames = grid_frames(f)
+    zoom = max(1, math.ceil(MIN_TILE_WIDTH / (w * len(frames))))
+    h, w = h * zoom, w * zoom
     tile_w = w * len(frames)
-    label_h = 12 if captions else 0
+    font = _caption_font()
+    lines = [caption_lines(c, tile_w - 4, font) for c in captions] if captions else []
+    line_h = font.getbbox("Ag")[3] + 2
+    label_h = max(map(len, lines)) * line_h + 4 if lines else 0
     cols = max(1, min(cols, b))
     rows = math.ceil(b / cols)
     grid = Image.new("RGB", (cols * tile_w, rows * (h + label_h)), "white")
@@ -70,10 +84,54 @@ def sample_grid(
         x0, y0 = c * tile_w, r * (h + label_h)
         for j, fr in enumerate(frames):
             tile = Image.fromarray(pixels[i, fr].numpy(), "RGB")
+            if zoom > 1:
+                tile = tile.resize((w, h), Image.Resampling.NEAREST)
             grid.paste(tile, (x0 + j * w, y0 + label_h))
-        if captions:
-            draw.text((x0 + 1, y0), captions[i][: max(4, tile_w // 6)], fill="black")
+        for k, line in enumerate(lines[i] if lines else ()):
+            draw.text((x0 + 2, y0 + 1 + k * line_h), line, fill="black", font=font)
     return grid
+
+
+def caption_lines(
+    text: str, width: float, font: ImageFont.ImageFont | ImageFont.FreeTypeFont | None = None
+) -> list[str]:
+    """``text`` wrapped at spaces into at most :data:`CAPTION_LINES` lines no wider than
+    ``width`` pixels in ``font`` (default: the one sample grids use). A word wider than a line
+    is broken; text that does not fit ends in an ellipsis."""
+    font = font or _caption_font()
+    ellipsis = "\u2026" if isinstance(font, ImageFont.FreeTypeFont) else "..."
+
+    def fits(s: str) -> bool:
+        return font.getlength(s) <= width
+
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        if fits(f"{line} {word}" if line else word):
+            line = f"{line} {word}" if line else word
+            continue
+        if line:
+            lines.append(line)
+        while len(word) > 1 and not fits(word):  # wider than a line: break it
+            cut = 1
+            while fits(word[: cut + 1]):
+                cut += 1
+            lines.append(word[:cut])
+            word = word[cut:]
+        line = word
+    if line:
+        lines.append(line)
+    if len(lines) > CAPTION_LINES:
+        last = lines[CAPTION_LINES - 1]
+        while last and not fits(last + ellipsis):
+            last = last[:-1]
+        lines = [*lines[: CAPTION_LINES - 1], last.rstrip() + ellipsis]
+    return lines
+
+
+def _caption_font() -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    """Pillow's own font at 12 px (its bitmap font where Pillow was built without FreeType)."""
+    return ImageFont.load_default(size=12)
 
 
 class RunOutputs:

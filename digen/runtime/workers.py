@@ -36,14 +36,14 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from digen.algos.rewards import build_reward
+from digen.algos.rewards import RewardLoop, build_reward
 from digen.config import DigenConfig, load_config, max_inflight
 from digen.runtime.actors import run_sync
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
@@ -83,6 +83,8 @@ class Scores:
 
     total: list[float]
     components: dict[str, list[float]]
+    latency_s: dict[str, float] = field(default_factory=dict)
+    """Seconds each reward's call took."""
     thumbnails: torch.Tensor | None = None
     """Small copies of the samples for the run's sample grid, when asked for."""
 
@@ -314,9 +316,16 @@ class GeneratorActor(_PolicyActor):
     ) -> None:
         cfg = _pool_config(cfg, "generator", max(index_of(name), 0))
         super().__init__(cfg, name, trainable=False, devices=devices, direct=direct)
-        self.reward = build_reward(
-            list(rewards) if rewards is not None else cfg.rewards, cfg.train.on_nonfinite
+        # the hooks' setup runs here, once; every score of the run on the same loop
+        self.rewards = RewardLoop(
+            build_reward(
+                list(rewards) if rewards is not None else cfg.rewards, cfg.train.on_nonfinite
+            )
         )
+
+    def close(self) -> None:
+        """The worker is stopping: the hooks' ``close()``."""
+        self.rewards.close()
 
     def score(
         self,
@@ -336,10 +345,11 @@ class GeneratorActor(_PolicyActor):
         else:
             pixels = run_sync(holder, fetch_pixels, key, self._wire_from(holder))
         pixels = pixels.cpu()  # rewards take uint8 images on the CPU
-        res = self.reward.score_sync(pixels, prompts, metadata)
+        res = self.rewards.score(pixels, prompts, metadata)
         scores = Scores(
             total=res.total.tolist(),
             components={name: v.tolist() for name, v in res.components.items()},
+            latency_s=res.latency_s,
             thumbnails=thumbnails(pixels) if with_thumbnails else None,
         )
         return self._timed(scores, t0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -137,13 +137,15 @@ def recommend(
     max_staleness: int = 1,
     staleness_ratio: float = 0.25,
     node_limit: int = 32,
+    on_split: Callable[[int, int, dict[str, dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every generator/trainer split of ``devices`` x every policy, fastest step first.
 
     Each candidate: ``generators``, ``trainers``, ``policy`` (``none`` / ``static-k`` /
     ``bts``), ``tcss`` (bool), ``step_time`` and ``makespan``. Equal step times rank the
     simpler choice first: on-policy before TCSS, then none < static < BTS, then more
-    generators.
+    generators. ``on_split(generators, trainers, table)`` is called as each split is done,
+    with its :func:`compare_policies` table (a command shows progress with it).
     """
     if not isinstance(devices, int) or devices < 2:
         raise ValueError(
@@ -164,6 +166,8 @@ def recommend(
             staleness_ratio=staleness_ratio,
             node_limit=node_limit,
         )
+        if on_split is not None:
+            on_split(g, t, table)
         for name, row in table.items():
             policy, _, tcss = name.partition("+")
             cands.append(

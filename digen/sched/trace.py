@@ -33,9 +33,12 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from digen.sched.schedule import DRIVER, Pool, TaskKind, index_of, pool_of
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["KINDS", "KIND_COLOURS", "StepUsage", "Trace", "TraceEvent"]
 
@@ -349,11 +352,25 @@ class Trace:
         size_px: tuple[int, int] = (1600, 600),
         dpi: int = 100,
     ) -> Path:
-        """Draw one lane per worker (order of :meth:`workers`), coloured by kind, and save it.
+        """Save :meth:`timeline_figure` to ``path``: exactly ``size_px`` pixels, in the format
+        the suffix names."""
+        fig = self.timeline_figure(title=title, size_px=size_px, dpi=dpi)
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        fig.savefig(tmp, format=out.suffix.lstrip(".").lower() or "png", dpi=dpi)
+        os.replace(tmp, out)
+        return out
+
+    def timeline_figure(
+        self, *, title: str | None = None, size_px: tuple[int, int] = (1600, 600), dpi: int = 100
+    ) -> Figure:
+        """One lane per worker (order of :meth:`workers`), coloured by kind.
 
         Step ends (:meth:`step_boundaries`) are dashed vertical lines; x is seconds from the
         trace start. Tasks too short to see (an optimizer step next to minutes of sampling)
-        are drawn a few pixels wide, so every kind in the legend shows. The image is exactly ``size_px`` pixels; the format follows the suffix.
+        are drawn a few pixels wide, so they show; the legend names only the kinds the trace
+        holds.
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -374,9 +391,14 @@ class Trace:
         lane = {w: i for i, w in enumerate(workers)}
         bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
         shortest = span * 0.002  # a task shorter than 3 pixels in 1600 is drawn that wide
-        for e in events:
-            width = max(e.t1 - e.t0, shortest)
-            bars.setdefault((e.worker, e.kind), []).append((e.t0 - start, width))
+        after: dict[str, float] = {}  # lane -> end of its last widened task
+        for e in events:  # by start time
+            x, width = e.t0 - start, e.t1 - e.t0
+            if width < shortest:  # beside the widened task before it (a step, then its sync)
+                x = max(x, after.get(e.worker, x))
+                width = shortest
+                after[e.worker] = x + width
+            bars.setdefault((e.worker, e.kind), []).append((x, width))
         for i in range(1, len(workers), 2):  # light banding keeps many lanes apart
             ax.axhspan(i - 0.5, i + 0.5, color="#f2f2f2", linewidth=0, zorder=0)
         for kind in KINDS:  # fixed drawing order: later kinds on top where tasks overlap
@@ -422,13 +444,7 @@ class Trace:
                 frameon=False,
                 fontsize=9,
             )
-
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        fig.savefig(tmp, format=out.suffix.lstrip(".").lower() or "png", dpi=dpi)
-        os.replace(tmp, out)
-        return out
+        return fig
 
 
 def _worker_key(name: str) -> tuple[int, int, tuple[tuple[int, int, str], ...]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,6 +336,24 @@ def test_euler_step_is_the_scheduler_step(adapter: DiffusionAdapter, flavour: Fl
 
 
 # --- conditioning ------------------------------------------------------------------------
+
+
+def test_a_truncated_prompt_is_noted_once_not_per_prompt(
+    adapter: DiffusionAdapter,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fresh = type(adapter)(adapter.pipe)  # has noted nothing yet
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="digen.models"):
+        for i in range(3):
+            fresh.encode_prompts([f"{i} " + "a long prompt " * 80])
+    err = capfd.readouterr().err
+    assert "truncated" not in err and "Token indices" not in err, err
+    notes = [r.getMessage() for r in caplog.records if r.name == "digen.models"]
+    # the pipelines that warn as they cut (Wan's cuts silently, Qwen-Image takes any length)
+    assert len(notes) == (adapter.name in {"flux", "sd3", "hunyuanvideo"}), notes
+    assert all(f"the {adapter.name} text encoders" in n and "truncated (" in n for n in notes)
 
 
 def test_encode_prompts(adapter: DiffusionAdapter, flavour: Flavour) -> None:

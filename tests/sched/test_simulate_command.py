@@ -30,11 +30,23 @@ def test_json_has_every_policy_with_makespan_and_search_time() -> None:
 
 def test_recommend_ranks_every_split_best_first(tmp_path: Path) -> None:
     res = _run("--recommend", "--devices", "4", "-b", "8", "--json")
-    ranked = json.loads(res.output)
+    ranked = json.loads(res.stdout)  # progress lines go to stderr
     assert {(c["generators"], c["trainers"]) for c in ranked} == {(1, 3), (2, 2), (3, 1)}
     times = [c["step_time"] for c in ranked]
     rounded = [round(t, 9) for t in times]  # equal times (to 1e-9 s) rank by simplicity
     assert rounded == sorted(rounded) and len(ranked) == 3 * 6
+
+
+def test_recommend_shows_progress_on_stderr_unless_quiet() -> None:
+    res = _run("--recommend", "--devices", "3", "-b", "2", "--steps", "1")
+    assert res.exit_code == 0, res.output
+    lines = res.stderr.splitlines()
+    assert lines[0] == "simulating the 2 generator/trainer splits of 3 devices"
+    assert lines[1].startswith("G=1 T=2: best ")
+    assert lines[2].startswith("G=2 T=1: best ")
+    assert len(lines) == 3 and "| generators |" in res.stdout
+    quiet = _run("--recommend", "--devices", "3", "-b", "2", "--steps", "1", "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout == res.stdout
 
 
 def test_profile_and_plot(tmp_path: Path) -> None:

@@ -19,7 +19,9 @@ What this layer guarantees, so actor classes need not care:
   barrier that waits forever for a dead peer, so it is not used); with external launch the
   driver has no process to poll, so a transport error followed by an unanswered probe is
   what marks a worker dead, and a worker whose driver stops answering exits by itself;
-- only the loopback interface listens when the address is a loopback one.
+- only the loopback interface listens when the address is a loopback one;
+- when a worker is stopped by the handshake, each of its actors that has a ``close()``
+  method gets it called once, on its own thread after its last call (for at most 10 s).
 
 Worker-to-worker calls: an :class:`ActorHandle` pickles to a plain ``(worker, id)`` pair, so
 the driver can pass it to an actor, whose method then uses :meth:`ActorHandle.call_sync`;

@@ -13,7 +13,9 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +73,8 @@ class _Mailbox:
         self.skipped: set[int] = set()
         self.obj: Any = None
         self.error: _RemoteError | None = None
+        self.closed = threading.Event()
+        """Set once the actor has served its last call and its ``close()`` has returned."""
         threading.Thread(target=self._run, name=f"digen-actor-{actor_id}", daemon=True).start()
 
     def build(self, blob: bytes) -> None:
@@ -139,6 +143,20 @@ class _Mailbox:
             self.unordered.clear()
         for call in left:
             call.fut.set_result(_given_up())
+        self._close()
+
+    def _close(self) -> None:
+        """The actor's ``close()``, if it has one, on its own thread after its last call."""
+        close = getattr(self.obj, "close", None) if self.error is None else None
+        try:
+            if callable(close):
+                close()
+        except BaseException as exc:  # the worker is stopping anyway: say so, go on
+            print(
+                f"{_WORKER_NAME}: closing {type(self.obj).__name__} raised {exc!r}", file=sys.stderr
+            )
+        finally:
+            self.closed.set()
 
 
 class _Call(NamedTuple):
@@ -208,6 +226,15 @@ def _request_exit() -> int:
         with box.cv:
             box.cv.notify()
     return os.getpid()
+
+
+def _wait_closed(timeout_s: float) -> None:
+    """Wait, at most ``timeout_s`` in all, for every actor here to be closed."""
+    deadline = time.monotonic() + timeout_s
+    with _MAILBOXES_LOCK:
+        boxes = list(_MAILBOXES.values())
+    for box in boxes:
+        box.closed.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _ping() -> None:

@@ -18,7 +18,14 @@ import torch
 import torch.distributed.rpc as rpc
 
 from digen.runtime.actors import _remote
-from digen.runtime.actors._remote import _EXIT, _PROBE_TIMEOUT_S, DRIVER, _ping, _request_exit
+from digen.runtime.actors._remote import (
+    _EXIT,
+    _PROBE_TIMEOUT_S,
+    DRIVER,
+    _ping,
+    _request_exit,
+    _wait_closed,
+)
 from digen.runtime.actors._transport import (
     _backend_options,
     _is_loopback,
@@ -31,6 +38,9 @@ if TYPE_CHECKING:
     from digen.runtime.actors._system import WorkerSpec
 
 _EXIT_FLUSH_S = 0.1
+_CLOSE_TIMEOUT_S = 10.0
+"""At a stop, how long the worker waits for its actors' ``close()`` (an actor still inside a
+call is not waited for longer)."""
 _DRIVER_PING_PERIOD_S = 1.0
 _DRIVER_MISSES = 3
 """External launch: a worker exits after this many failed pings of the driver in a row."""
@@ -111,6 +121,7 @@ def _serve(
     if watch_driver:  # no parent process to watch: the driver may be on another machine
         threading.Thread(target=_watch_driver, name="digen-driver-watch", daemon=True).start()
     _EXIT.wait()
+    _wait_closed(_CLOSE_TIMEOUT_S)  # each actor's close() (a reward hook's sessions, files)
     time.sleep(_EXIT_FLUSH_S)  # let the answer to the exit request leave before the pipes close
     rpc.shutdown(graceful=False)
 

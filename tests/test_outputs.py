@@ -1,0 +1,67 @@
+"""Sample grids: tiles scaled up until a caption fits, captions wrapped over a few lines."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import numpy as np
+import pytest
+import torch
+
+from digen.runtime.outputs import (
+    CAPTION_LINES,
+    MIN_TILE_WIDTH,
+    _caption_font,
+    caption_lines,
+    sample_grid,
+)
+
+WIDTH = MIN_TILE_WIDTH - 4  # the room a caption has in the narrowest tile
+BUILTIN = [
+    line.strip()
+    for name in ("prompts.txt", "ocr_prompts.txt")
+    for line in resources.files("digen.data").joinpath(name).read_text().splitlines()
+    if line.strip()
+]
+
+
+@pytest.mark.parametrize("prompt", BUILTIN[::7])
+def test_builtin_prompts_fit_whole(prompt: str) -> None:
+    lines = caption_lines(prompt, WIDTH)
+    assert " ".join(lines) == prompt  # nothing cut, nothing added
+    assert len(lines) <= CAPTION_LINES
+    font = _caption_font()
+    assert all(font.getlength(line) <= WIDTH for line in lines)
+
+
+def test_long_caption_ends_in_an_ellipsis_and_long_words_break() -> None:
+    prompt = " ".join(["a tall lighthouse on a rocky coast at dusk"] * 4)
+    lines = caption_lines(prompt, WIDTH)
+    assert len(lines) == CAPTION_LINES and lines[-1].endswith("\u2026")
+    assert prompt.startswith(" ".join(lines)[:-1])
+    word = "x" * 50
+    broken = caption_lines(word, WIDTH)
+    assert "".join(broken) == word and len(broken) > 1
+    assert caption_lines("", WIDTH) == []
+
+
+def test_grid_scales_tiny_samples_and_leaves_room_for_captions() -> None:
+    pixels = torch.randint(0, 256, (5, 1, 32, 32, 3), dtype=torch.uint8)
+    captions = [BUILTIN[0], "short", max(BUILTIN, key=len), "b", "c"]
+    grid = sample_grid(pixels, captions, cols=4)
+    zoom = -(-MIN_TILE_WIDTH // 32)
+    rows = max(len(caption_lines(c, 32 * zoom - 4)) for c in captions)
+    assert rows >= 2
+    label_h = grid.height // 2 - 32 * zoom
+    assert grid.width == 4 * 32 * zoom and label_h > rows * 10
+    img = np.asarray(grid)
+    tile = img[label_h : label_h + 32 * zoom, : 32 * zoom]  # nearest-pixel blocks of a sample
+    assert (tile == np.repeat(np.repeat(pixels[0, 0].numpy(), zoom, 0), zoom, 1)).all()
+    # the longest caption (third tile) is drawn over several lines: ink in each line's band
+    ink = (img[:label_h, 2 * 32 * zoom : 3 * 32 * zoom] < 128).any(axis=(1, 2))
+    line_h = label_h // rows
+    assert all(ink[k * line_h : (k + 1) * line_h].any() for k in range(rows))
+
+    big = sample_grid(torch.zeros(2, 1, 48, 512, 3, dtype=torch.uint8), ["a", "b"])
+    assert big.size[0] == 2 * 512  # wide samples are drawn as they are
+    assert sample_grid(pixels[:2]).size == (2 * 32 * zoom, 32 * zoom)  # no captions, no band
