@@ -368,6 +368,8 @@ class AlgoConfig:
     """KL convention: flowgrpo (divided by Flow-GRPO's std_dev_t^2, without the step's |dt|: what its published beta means) or exact (the Gaussian KL of the step); None takes the algorithm's."""
     best_of_n: int = 0
     """DanceGRPO best-of-N: train only the top and bottom k/2 samples of each group; 0 keeps all."""
+    reward_weighting: str = "sum"
+    """Several rewards: sum (advantages of their weighted sum: Flow-GRPO's) or advantage (each reward's own group advantages, then their weighted sum: DanceGRPO's multi-reward form, which keeps a reward of small spread from being drowned)."""
     params: dict[str, Any] = field(default_factory=dict)
     """The algorithm's own settings (algo.params.<key>; see `digen algos`); missing ones take its defaults."""
 
@@ -381,6 +383,7 @@ class AlgoConfig:
     def _check_values(self, p: str) -> None:
         _choice(_key(p, "adv_norm"), self.adv_norm, ADV_NORMS)
         _choice(_key(p, "adv_std"), self.adv_std, ADV_STDS)
+        _choice(_key(p, "reward_weighting"), self.reward_weighting, REWARD_WEIGHTINGS)
         if self.kl_type is not None:
             _choice(_key(p, "kl_type"), self.kl_type, KL_TYPES)
         declared = get_algorithm(self.name).params
@@ -549,6 +552,7 @@ class RewardSpec:
 
 
 REWARD_ERROR_POLICIES = ("fail", "drop")
+REWARD_WEIGHTINGS = ("sum", "advantage")
 MODES = ("colocated", "disaggregated")
 TRAINER_PARALLEL = ("replicate", "fsdp", "hsdp")
 LR_SCHEDULES = ("constant", "cosine")

@@ -104,3 +104,38 @@ def test_train_timesteps_fraction() -> None:
     assert len(picks) > 1  # samples draw their own subsets
     assert train_timesteps(window, 1.0, sample_index=0, **kw) == list(range(8))
     assert len(train_timesteps(window, 0.01, sample_index=0, **kw)) == 1
+
+
+def test_advantage_level_weighting_of_several_rewards() -> None:
+    """``algo.reward_weighting = advantage``: each reward's own group advantages, weighted
+    and summed, clipped after the sum; ``sum`` (the default) ignores the components; a group
+    with a non-finite score is dropped in either form."""
+    from digen import load_config
+    from digen.algos.grpo import score_groups
+
+    a = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 1.0]])  # [G=2, n=4]
+    b = torch.tensor([[100.0, 0.0, 50.0, 25.0], [5.0, 1.0, 3.0, 3.0]])
+    total = 2.0 * a + 0.01 * b
+    parts = [(2.0, a), (0.01, b)]
+
+    def by_hand(r: torch.Tensor) -> torch.Tensor:  # population std, eps 1e-4
+        centred = r - r.mean(dim=1, keepdim=True)
+        return centred / (centred.pow(2).mean(dim=1, keepdim=True).sqrt() + 1e-4)
+
+    adv_cfg = load_config(overrides=["algo.reward_weighting=advantage"]).algo
+    got, keep = score_groups(total, adv_cfg, parts)
+    want = 2.0 * by_hand(a) + 0.01 * by_hand(b)
+    torch.testing.assert_close(got, want.clamp(-5, 5))
+    assert keep.all()
+    summed, _ = score_groups(total, load_config().algo, parts)
+    torch.testing.assert_close(summed, by_hand(total))
+    assert (summed - got).abs().max() > 0.1  # the two forms differ
+    # a weight large enough to pass the clip bound is clipped after the sum
+    clipped, _ = score_groups(total, adv_cfg, [(10.0, a), (0.01, b)])
+    assert float(clipped.abs().max()) == pytest.approx(5.0)
+    # a NaN in one reward drops its group, and only it
+    nan_b = b.clone()
+    nan_b[1, 2] = float("nan")
+    dropped, kept = score_groups(2.0 * a + 0.01 * nan_b, adv_cfg, [(2.0, a), (0.01, nan_b)])
+    assert dropped[1].tolist() == [0.0] * 4 and not kept[1].any()
+    torch.testing.assert_close(dropped[0], got[0])

@@ -21,7 +21,7 @@ presets never load it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -135,22 +135,37 @@ class Algorithm:
 
     # --- training --------------------------------------------------------------------------
 
-    def advantages(self, rewards: Tensor, algo: AlgoConfig) -> tuple[Tensor, Tensor]:
+    def advantages(
+        self,
+        rewards: Tensor,
+        algo: AlgoConfig,
+        components: Sequence[tuple[float, Tensor]] = (),
+    ) -> tuple[Tensor, Tensor]:
         """Advantages and the trained-sample mask of whole groups (GRPO).
 
         rewards: ``[G, n]`` (one row per prompt; with ``algo.adv_std = global`` the whole
-        batch) -> ``(advantages [G, n] fp32, keep [G, n] bool)``.
+        batch) -> ``(advantages [G, n] fp32, keep [G, n] bool)``. With
+        ``algo.reward_weighting = advantage`` and ``components`` (each reward's weight and
+        raw ``[G, n]`` scores) the advantages are the weighted sum of each reward's own,
+        clipped after the sum.
         """
         from digen.algos.advantages import best_of_n, group_advantages
 
-        adv = group_advantages(
-            rewards,
-            norm=algo.adv_norm,
-            std=algo.adv_std,
-            unbiased=algo.adv_std_unbiased,
-            eps=algo.adv_eps,
-            clip_max=algo.adv_clip_max,
-        )
+        def of(scores: Tensor, clip: float | None) -> Tensor:
+            return group_advantages(
+                scores,
+                norm=algo.adv_norm,
+                std=algo.adv_std,
+                unbiased=algo.adv_std_unbiased,
+                eps=algo.adv_eps,
+                clip_max=clip,
+            )
+
+        if algo.reward_weighting == "advantage" and components:
+            adv = sum(weight * of(scores, None) for weight, scores in components)
+            adv = adv.clamp(-algo.adv_clip_max, algo.adv_clip_max)
+        else:
+            adv = of(rewards, algo.adv_clip_max)
         keep = adv.new_ones(adv.shape, dtype=bool)  # type: ignore[arg-type]
         if algo.best_of_n:
             keep.zero_()

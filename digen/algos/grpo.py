@@ -12,6 +12,8 @@ Each function asks the run's algorithm (:mod:`digen.algos.registry`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from digen.algos.base import StepPlan
@@ -21,26 +23,35 @@ from digen.config import AlgoConfig, DigenConfig
 __all__ = ["dropped_groups", "score_groups", "step_plan", "step_terms", "terms_per_sample"]
 
 
-def score_groups(rewards: torch.Tensor, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def score_groups(
+    rewards: torch.Tensor,
+    algo: AlgoConfig,
+    components: Sequence[tuple[float, torch.Tensor]] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and the trained-sample mask of whole groups.
 
-    rewards: ``[G, n]`` (one row per prompt) -> ``(advantages [G, n] fp32, keep [G, n] bool)``.
-    A group with a non-finite reward (``train.on_nonfinite = drop`` lets them through) is
-    dropped whole: advantage 0, nothing kept. The other groups keep the advantages they have
-    with any finite value in its place (the same tensor shape, so the same bits); a
-    batch-wide std spans only the finite groups.
+    rewards: ``[G, n]`` (one row per prompt) -> ``(advantages [G, n] fp32, keep [G, n] bool)``;
+    ``components``: each reward's weight and raw ``[G, n]`` scores, used when
+    ``algo.reward_weighting = advantage``. A group with a non-finite reward
+    (``train.on_nonfinite = drop`` lets them through) is dropped whole: advantage 0, nothing
+    kept. The other groups keep the advantages they have with any finite value in its place
+    (the same tensor shape, so the same bits); a batch-wide std spans only the finite groups.
     """
     algorithm = get_algorithm(algo.name)
+    if algo.reward_weighting != "advantage":
+        components = ()
     bad = dropped_groups(rewards)  # [G]
     if not bad.any():
-        return algorithm.advantages(rewards, algo)
+        return algorithm.advantages(rewards, algo, components)
     if algo.adv_std == "global":
         adv = torch.zeros(rewards.shape, dtype=torch.float32)
         keep = torch.zeros(rewards.shape, dtype=torch.bool)
         if not bad.all():
-            adv[~bad], keep[~bad] = algorithm.advantages(rewards[~bad], algo)
+            kept = [(w, c[~bad]) for w, c in components]
+            adv[~bad], keep[~bad] = algorithm.advantages(rewards[~bad], algo, kept)
         return adv, keep
-    adv, keep = algorithm.advantages(rewards.masked_fill(bad[:, None], 0.0), algo)
+    filled = [(w, c.masked_fill(bad[:, None], 0.0)) for w, c in components]
+    adv, keep = algorithm.advantages(rewards.masked_fill(bad[:, None], 0.0), algo, filled)
     return adv.masked_fill(bad[:, None], 0.0), keep.masked_fill(bad[:, None], False)
 
 

@@ -228,7 +228,9 @@ class ColocatedTrainer:
         table = self._gather_rows(mine)  # [B*n, 1 + C], global (prompt, sample) order
         b, n = cfg.data.train_batch_size, cfg.rollout.n
         rewards = table[:, 0].view(b, n)
-        adv, keep = score_groups(rewards, cfg.algo)
+        weight = {fn.name: fn.weight for fn in self.reward.fns}
+        parts = [(weight[c], table[:, 1 + j].view(b, n)) for j, c in enumerate(names)]
+        adv, keep = score_groups(rewards, cfg.algo, parts)
 
         # 3. train: mini-batches of prompts, micro-batches of this worker's samples
         _phase(on_phase, "train")

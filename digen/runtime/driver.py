@@ -102,6 +102,8 @@ class Driver:
         ``resume``: a checkpoint the trainers start from (the run continues at its step)."""
         self.cfg, self.clock = cfg, clock
         self.cluster = cluster if cluster is not None else Cluster(cfg, rewards, resume=resume)
+        self.reward_weights = {r.name: r.weight for r in rewards or cfg.rewards}
+        """Each reward's weight, by name (for ``algo.reward_weighting = advantage``)."""
         self.prompts = lru_cache(maxsize=8)(
             lambda step: prompts.for_step(cfg.seed, step, cfg.data.train_batch_size)
         )
@@ -358,7 +360,12 @@ class Driver:
         prompts = sorted({m.prompt for m in rec.mbs}) if whole_batch else [prompt]
         n = self.cfg.rollout.n
         rewards = torch.tensor([self.book.group_rewards(s, p, n) for p in prompts])
-        adv, keep = score_groups(rewards, self.cfg.algo)
+        parts = []  # each reward's [G, n] scores, for advantage-level weighting
+        if self.cfg.algo.reward_weighting == "advantage":
+            for name, got in rec.components.items():
+                scores = torch.tensor([[got[(p, j)] for j in range(n)] for p in prompts])
+                parts.append((self.reward_weights[name], scores))
+        adv, keep = score_groups(rewards, self.cfg.algo, parts)
         for row, p in enumerate(prompts):
             for mb in rec.group(p):
                 holder, version = rec.made[mb.mb]

@@ -55,10 +55,15 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
         # GAP over 3 generators (6 samples: 3 micro-batches per group), two TAG micro-batches.
         # The micro-batches are the colocated trainer's own (2 samples) and gradients are
         # summed in micro-batch order: the same bits, wherever each ran.
+        # two rewards weighted at the advantage level (each reward's own group advantages)
         (
             "sd3",
             "flowgrpo",
-            ["rollout.n=6"],
+            [
+                "rollout.n=6",
+                "algo.reward_weighting=advantage",
+                "rewards=[jpeg_incompressibility, {name: jpeg_compressibility, weight: 0.25}]",
+            ],
             ["runtime.generators=3", "runtime.tag=static", "runtime.tag_k=2"],
             True,
         ),
