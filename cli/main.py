@@ -601,16 +601,35 @@ def simulate(
 )
 @click.option("--port", type=int, default=8000, show_default=True, help="Port; 0 picks a free one.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-def reward_server(reward: str, port: int, host: str) -> None:
+@click.option(
+    "--options",
+    "options_text",
+    default=None,
+    help="Keyword arguments for a reward that is a class, as YAML/JSON: '{model_dir: /m}'.",
+)
+def reward_server(reward: str, port: int, host: str, options_text: str | None) -> None:
     """Serve a reward over HTTP (POST /score, GET /health); see docs/REWARD_SERVER.md."""
+    import yaml
+
     from digen.errors import DigenError
     from digen.reward_server import serve
+
+    try:
+        options = yaml.safe_load(options_text) if options_text else {}
+    except yaml.YAMLError:
+        options = None
+    if not isinstance(options, dict):
+        click.echo(
+            f"error: --options must be a mapping such as '{{size: 2}}', not {options_text!r}.",
+            err=True,
+        )
+        sys.exit(2)
 
     def ready(url: str) -> None:
         click.echo(f"serving reward {reward!r} on {url} (GET /health); Ctrl-C stops it")
 
     try:
-        asyncio.run(serve(reward, host, port, ready))
+        asyncio.run(serve(reward, host, port, ready, options))
     except DigenError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

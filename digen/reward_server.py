@@ -99,14 +99,16 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     ready: Callable[[str], None] = print,
+    options: dict[str, Any] | None = None,
 ) -> None:
     """Serve ``reward`` until SIGINT or SIGTERM; ``ready`` gets the score URL once listening.
+    ``options``: keyword arguments for a reward that is a class (as a config's ``options``).
 
     Port 0 picks a free port (the URL names it). Raises :class:`DigenError` with one sentence
     when the reward does not load, its setup fails, or the address cannot be bound.
     """
     if isinstance(reward, str):
-        hook, name = load_hook(reward), reward
+        hook, name = load_hook(reward, options), reward
     else:
         hook, name = reward, getattr(reward, "__name__", type(reward).__name__)
     runner = web.AppRunner(make_app(hook, name), access_log=None)

@@ -4,6 +4,7 @@ every failure named with its URL, one keep-alive session, and the real `digen re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -339,3 +340,37 @@ def test_a_run_scored_through_the_server_equals_one_scored_in_process(
     for key, value in local.final_state.items():
         assert torch.equal(remote.final_state[key], value), key
     assert any(float(v.abs().max()) > 0 for k, v in local.final_state.items() if "lora_B" in k)
+
+
+@pytest.mark.asyncio
+async def test_the_server_builds_a_class_reward_with_its_options(tmp_path: Path) -> None:
+    from digen.reward_server import serve
+
+    hook = tmp_path / "scaled.py"
+    hook.write_text(
+        "class Scaled:\n"
+        "    def __init__(self, factor=1.0):\n"
+        "        self.factor = factor\n"
+        "    def __call__(self, samples, prompts, metadata):\n"
+        "        return [self.factor] * len(prompts)\n"
+    )
+    urls: list[str] = []
+    server = asyncio.create_task(
+        serve(f"{hook}:Scaled", "127.0.0.1", 0, urls.append, {"factor": 3.5})
+    )
+    try:
+        while not urls:
+            assert not server.done(), server.exception()
+            await asyncio.sleep(0.01)
+        reward = HttpReward(urls[0], format="raw")
+        await reward.setup()
+        try:
+            assert await reward(samples(2), *texts(2)) == [3.5, 3.5]
+        finally:
+            await reward.close()
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+    res = CliRunner().invoke(main, ["reward-server", "--reward", JPEG, "--options", "[1, 2]"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: --options must be a mapping")
