@@ -434,7 +434,9 @@ def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
     # act on: it stops every worker at one micro-batch boundary (they agree at each)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_lead()
+    from digen.runtime.actors import exit_with_parent
+
+    exit_with_parent()  # a worker ends with the lead's process, however it ended
     torch.set_num_threads(1)
     runner = DigenRunner(
         load_config(base=state["cfg"]),
@@ -449,22 +451,6 @@ def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
         asyncio.run(runner._run_worker(rank, world))
     finally:
         _destroy_group()
-
-
-def _exit_with_lead() -> None:
-    """A data-parallel worker ends when the lead's process does, however it ended."""
-    import multiprocessing
-    import threading
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        os._exit(70)
-
-    threading.Thread(target=watch, name="digen-lead-watch", daemon=True).start()
 
 
 def _init_group(

@@ -54,7 +54,7 @@ from digen.runtime.actors._system import (
     external_launch,
     run_sync,
 )
-from digen.runtime.actors._worker import serve_worker
+from digen.runtime.actors._worker import exit_with_parent, serve_worker
 
 __all__ = [
     "ActorHandle",
@@ -64,6 +64,7 @@ __all__ = [
     "WorkerDied",
     "WorkerSpec",
     "active_launch",
+    "exit_with_parent",
     "external_launch",
     "run_sync",
     "serve_worker",

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.rpc as rpc
@@ -48,9 +48,7 @@ _DRIVER_MISSES = 3
 
 def _worker_main(spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float) -> None:
     """A spawned worker: serve until the driver says stop, or exit with the driver."""
-    parent = multiprocessing.parent_process()
-    if parent is not None:  # an orphaned worker must not outlive a killed driver
-        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    exit_with_parent()  # an orphaned worker must not outlive a killed driver
     _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=False)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -158,6 +156,15 @@ def _watch_driver() -> None:
                 return
 
 
-def _exit_with_parent(parent: Any) -> None:
-    parent.join()
-    os._exit(70)
+def exit_with_parent() -> None:
+    """A spawned process ends (exit code 70) when the process that spawned it does, however
+    that one ended; nothing to do in a process that was not spawned by multiprocessing."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(70)
+
+    threading.Thread(target=watch, name="digen-parent-watch", daemon=True).start()
