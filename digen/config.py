@@ -593,6 +593,8 @@ class RuntimeConfig:
     """Timesteps a trainer evaluates in one batched forward/backward (TSP); 1 = one timestep at a time."""
     pipeline: bool = True
     """Overlap generation and training; false = naive disaggregation (generate the whole batch, then train)."""
+    score_overlap: bool = True
+    """Score on each generator's own scoring thread (an actor beside the generator in its process), so a slow reward never holds up the next generation; false = a generator scores each micro-batch itself before generating the next."""
     tag: str = "bts"
     """Trainer-assisted generation at trainer bubbles: bts (bubble-triggered search), static, or none."""
     tag_k: int = 1

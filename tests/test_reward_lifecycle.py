@@ -21,6 +21,7 @@ from digen.algos.rewards import RewardFn, RewardLoop, build_reward, load_hook
 from digen.config import RewardSpec, step_microbatches
 from digen.errors import DigenError, RewardError
 from digen.presets import preset
+from digen.sched.trace import Trace
 
 
 def _batch(b: int = 2) -> tuple[torch.Tensor, list[str], list[dict]]:
@@ -206,3 +207,43 @@ def test_setup_runs_once_per_scoring_process_and_close_at_the_end(
     assert mode == "colocated" or calls > 2
     for row in result.metrics:
         assert row["reward_latency_ms/" + f"{hook}:Logged"] > 0
+
+
+_SLOW_HOOK = """
+import asyncio
+
+async def slow(samples, prompts, metadata):
+    await asyncio.sleep(1.0)  # a remote judge taking its time
+    return [float(s.float().mean()) for s in samples]
+"""
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_slow_async_hook_does_not_stall_generation(tmp_path: Path, overlap: bool) -> None:
+    """One generator, four micro-batches, a reward that takes 1 s a call. Overlapped (the
+    default), the generator goes on generating while its scoring lane waits on the hook:
+    the trace shows generations starting inside scores. Scored by the generator itself, none
+    can (the same measure, so it can tell the two apart)."""
+    hook = tmp_path / "slow.py"
+    hook.write_text(_SLOW_HOOK)
+    over = ["steps=1", "data.train_batch_size=1", "rollout.n=4", "rollout.num_inference_steps=3"]
+    over += ["train.micro_batch_size=1", "runtime.samples_per_microbatch=1", "runtime.tag=none"]
+    over += ["save_every=0"]
+    over += [f"rewards=[{{name: '{hook}:slow'}}]", f"runtime.score_overlap={str(overlap).lower()}"]
+    cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over)
+    assert len(step_microbatches(cfg, 0)) == 4
+    result = asyncio.run(DigenRunner(cfg, out_dir=tmp_path / "out", progress=False).run())
+    events = Trace.load_jsonl(tmp_path / "out" / "trace.jsonl").events
+    gens = [e for e in events if e.kind == "generate"]
+    scores = [e for e in events if e.kind == "score"]
+    assert len(gens) == len(scores) == 4
+    lanes = {e.worker for e in scores}
+    assert lanes == ({"scorer-0"} if overlap else {"generator-0"})
+    assert all(e.duration >= 1.0 for e in scores)
+    inside = sum(1 for g in gens for s in scores if s.t0 < g.t0 < s.t1)
+    if overlap:
+        assert inside >= 1, (gens, scores)
+        # the generator was busy once (its lane merged in): utilisation counts it once
+        assert 0 < result.metrics[0]["utilisation"] <= 1
+    else:
+        assert inside == 0

@@ -22,7 +22,7 @@ from digen.runtime.policy import LossStats, StepResult
 from digen.sched.book import StepRecord
 from digen.sched.costs import OnlineProfiler
 from digen.sched.schedule import TaskKind, pool_of
-from digen.sched.trace import Trace
+from digen.sched.trace import Trace, device_of
 
 __all__ = ["Accounts"]
 
@@ -64,7 +64,7 @@ class Accounts:
         event = self.trace.record(kind.value, worker, step, mb, version, t0, t1)
         self.profiler.observe(event)
         acc = self._steps[step]
-        pool = pool_of(worker)
+        pool = pool_of(device_of(worker))  # a scoring lane reports its generator's process
         acc.memory_gb[pool] = max(acc.memory_gb[pool], memory_gb)
         acc.busy_s[kind] += t1 - t0
         if kind in OVERHEAD_KINDS:

@@ -25,7 +25,7 @@ from digen.runtime.checkpoint import Checkpoint
 from digen.runtime.fsdp import is_sharded
 from digen.runtime.placement import all_devices, device_maps
 from digen.runtime.policy import LossStats
-from digen.runtime.workers import Timed
+from digen.runtime.workers import NOTES_ENV, Timed
 from digen.sched.schedule import Pool, worker_names
 
 __all__ = ["Cluster", "TrainerGang"]
@@ -46,10 +46,12 @@ class Cluster:
         cfg: DigenConfig,
         rewards: Sequence[Any] | None = None,
         resume: Checkpoint | None = None,
+        notes: Path | None = None,
     ) -> None:
         """rewards: reward hooks as objects, sent to the generators as they are; None loads
         ``cfg.rewards`` by name in each generator. resume: a checkpoint every trainer loads
-        before the generators get its weights."""
+        before the generators get its weights. notes: the run's log, where the workers'
+        notes go (a prompt the text encoder truncates, ...), as the driver's do."""
         self.cfg = cfg
         self.resume = resume
         self.rewards = None if rewards is None else list(rewards)
@@ -66,7 +68,7 @@ class Cluster:
                 WorkerSpec(
                     name,
                     threads=rt.threads_per_worker,
-                    env=_WORKER_ENV,
+                    env=_WORKER_ENV | ({NOTES_ENV: str(notes)} if notes else {}),
                     device_maps=maps.get(name, {}),
                 )
                 for name in self.gen_names + self.trainer_names
@@ -76,6 +78,9 @@ class Cluster:
             heartbeat_s=rt.heartbeat_s,
         )
         self.gens: list[ActorHandle] = []
+        self.scorers: list[ActorHandle] = []
+        """With ``runtime.score_overlap``: one per generator, in its process, holding the
+        rewards (else the generators score)."""
         self.trainers: list[ActorHandle] = []
 
     async def start(self) -> None:
@@ -91,20 +96,25 @@ class Cluster:
             host = await self.system.run(lead, _reachable_host, self.system.address)
             dp_port = await self.system.run(lead, _free_port, host)
             sync_port = await self.system.run(lead, _free_port, host)
-        from digen.runtime.workers import GeneratorActor, TrainerActor
+        from digen.runtime.workers import GeneratorActor, ScorerActor, TrainerActor
 
         where = {"devices": self.devices, "direct": self.direct}
         self.gens = [
             self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
             for name in self.gen_names
         ]
+        if rt.score_overlap:  # the rewards beside each generator, on a thread of their own
+            self.scorers = [
+                self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
+                for name in self.gen_names
+            ]
         self.trainers = [
             self.system.actor(
                 name, TrainerActor, cfg_dict, i, rt.trainers, dp_port, host, name, **where
             )
             for i, name in enumerate(self.trainer_names)
         ]
-        await asyncio.gather(*(a.call("ping") for a in self.gens + self.trainers))
+        await asyncio.gather(*(a.call("ping") for a in self.gens + self.scorers + self.trainers))
         version = 0
         if self.resume is not None:
             path, version = str(self.resume.path), self.resume.version

@@ -10,7 +10,10 @@ naming the worker:
   trainers made (SQ) first; else take the next micro-batch the admission rule allows
   (staleness, and ``C_gen``: at most ``runtime.max_inflight`` generated and not yet
   trained), generate it and score it where its pixels are. A scored group gets its
-  advantages at once and its micro-batches go on the step's UQ;
+  advantages at once and its micro-batches go on the step's UQ. With
+  ``runtime.score_overlap`` (the default) the scoring half of that loop is its own
+  coroutine, :meth:`Driver._scorer_loop`, calling the scoring actor beside the generator:
+  SQ first, then what its generator made, while the generator goes on generating;
 - :meth:`Driver._trainer_loop`, one per trainer (lines 18-26): update what UQ holds; when UQ
   is empty a *bubble* has emerged, and the TAG policy decides whether this trainer
   generates the next micro-batch itself;
@@ -55,7 +58,16 @@ from digen.runtime.policy import SampleKey, StepResult
 from digen.sched.book import Book
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
-from digen.sched.schedule import DRIVER, Admission, Pool, TaskKind, stale_cap, worker_names
+from digen.sched.schedule import (
+    DRIVER,
+    Admission,
+    Pool,
+    TaskKind,
+    pool_of,
+    stale_cap,
+    worker_name,
+    worker_names,
+)
 from digen.sched.tag import make_tag_policy
 from digen.sched.trace import Trace
 
@@ -96,12 +108,16 @@ class Driver:
         cluster: Any = None,
         clock: Callable[[], float] = time.time,
         resume: Checkpoint | None = None,
+        notes: Path | None = None,
     ) -> None:
         """``cluster``: the actors (default: a :class:`Cluster` of worker processes; tests
         pass fakes with its methods); ``clock``: the clock task spans are read on;
-        ``resume``: a checkpoint the trainers start from (the run continues at its step)."""
+        ``resume``: a checkpoint the trainers start from (the run continues at its step);
+        ``notes``: the run's log, where the workers write their notes."""
         self.cfg, self.clock = cfg, clock
-        self.cluster = cluster if cluster is not None else Cluster(cfg, rewards, resume=resume)
+        if cluster is None:
+            cluster = Cluster(cfg, rewards, resume=resume, notes=notes)
+        self.cluster = cluster
         self.reward_weights = {r.name: r.weight for r in rewards or cfg.rewards}
         """Each reward's weight, by name (for ``algo.reward_weighting = advantage``)."""
         self.prompts = lru_cache(maxsize=8)(
@@ -125,7 +141,10 @@ class Driver:
             admission=admission,
             first_step=resume.step if resume is not None else 0,
             whole_step=not rt.pipeline or cfg.algo.adv_std == "global",
+            score_overlap=rt.score_overlap,
         )
+        self.overlap = rt.score_overlap
+        """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
         workers = worker_names(Pool.GENERATOR, rt.generators)
         workers += worker_names(Pool.TRAINER, trainer_slots(cfg))
         self.accounts = Accounts(cfg, trace, workers)
@@ -154,6 +173,11 @@ class Driver:
     @property
     def gens(self) -> list[Any]:
         return self.cluster.gens
+
+    @property
+    def scorers(self) -> list[Any]:
+        """Each generator's scoring actor (``runtime.score_overlap``); else the generators."""
+        return self.cluster.scorers if self.overlap else self.cluster.gens
 
     @property
     def trainers(self) -> list[Any]:
@@ -239,6 +263,10 @@ class Driver:
                     for i, g in enumerate(self.gens)
                 ]
                 loops += [
+                    tg.create_task(self._scorer_loop(i), name=f"loop-scorer-{i}")
+                    for i in range(len(self.gens) if self.overlap else 0)
+                ]
+                loops += [
                     tg.create_task(self._trainer_loop(j, steps), name=f"loop-{t.worker}")
                     for j, t in enumerate(self.trainers)
                 ]
@@ -260,16 +288,37 @@ class Driver:
         return results
 
     async def _generator_loop(self, i: int) -> None:
-        """Score what trainers made first; else generate the next admitted micro-batch."""
+        """Score what trainers made first; else generate the next admitted micro-batch (and
+        score it where its pixels are). Scoring overlapped: generate, and leave the scoring
+        to :meth:`_scorer_loop`."""
         while True:
-            if not self.sq.empty():
+            if not self.overlap and not self.sq.empty():
                 await self._score(i, self.sq.get_nowait())
             elif (mb := self._hand_out(self.book.gen_version[i])) is not None:
                 made = await self._generate(self.gens[i], mb, TaskKind.GENERATE)
-                await self._score(i, made)  # where its pixels are
+                if self.overlap:
+                    await self._notify()  # on its scoring lane's queue (the book's to_score)
+                else:
+                    await self._score(i, made)  # where its pixels are
             else:
                 async with self.changed:
                     await self.changed.wait_for(lambda: self._generator_has_work(i))
+
+    async def _scorer_loop(self, i: int) -> None:
+        """Scoring lane ``i``: score what trainers made (SQ) first, else what generator ``i``
+        made, in the order made; the generator does not wait for it."""
+        while True:
+            took = None if self._stopping else self.book.next_to_score(i)
+            if took is None:
+                async with self.changed:
+                    await self.changed.wait_for(
+                        lambda: not self._stopping and self.book.has_to_score(i)
+                    )
+                continue
+            mb, holder, version = took
+            if pool_of(holder) == Pool.TRAINER:
+                self.sq.get_nowait()  # the same one: both queues are in the order made
+            await self._score(i, Made(mb, holder, version))
 
     async def _trainer_loop(self, j: int, steps: range) -> None:
         """Update what UQ holds; at a bubble, maybe generate (TAG); then the step's end."""
@@ -335,14 +384,15 @@ class Driver:
         return Made(mb, actor.worker, version)
 
     async def _score(self, i: int, made: Made) -> None:
-        g, mb, k = self.gens[i], made.mb, len(made.mb.samples)
+        g, mb, k = self.scorers[i], made.mb, len(made.mb.samples)
         if (mb.step, mb.mb) in self.book.sq:
             self.book.scoring(mb.step, mb.mb)
         texts, meta = self.prompts(mb.step)
         thumbs = self._samples_at(mb.step) and mb.mb * k < GRID_SAMPLES
         prompt, data = [texts[mb.prompt]] * k, [meta[mb.prompt]] * k
         call = g.call("score", mb.step, mb.mb, made.holder, prompt, data, thumbs)
-        scores = await self._call(g, TaskKind.SCORE, mb.step, mb.mb, made.version, call)
+        lane = worker_name(Pool.SCORER, i) if self.overlap else g.worker
+        scores = await self._call(g, TaskKind.SCORE, mb.step, mb.mb, made.version, call, lane)
         self.accounts.scored(mb.step, scores.latency_s)
         if self.book.scored(mb, scores.total, scores.components, scores.thumbnails):
             await self._group_scored(mb.step, mb.prompt)
@@ -445,7 +495,8 @@ class Driver:
     def _generator_has_work(self, i: int) -> bool:
         if self._stopping:
             return False
-        return not self.sq.empty() or self.book.next_for(self.book.gen_version[i]) is not None
+        scores_sq = not self.overlap and not self.sq.empty()
+        return scores_sq or self.book.next_for(self.book.gen_version[i]) is not None
 
     def _bubble(self, j: int, s: int) -> MicroBatch | None:
         """Trainer ``j`` found UQ empty: generate the next micro-batch now (TAG), or wait."""
@@ -480,28 +531,31 @@ class Driver:
         mb: int,
         version: int | None,
         call: Coroutine[Any, Any, Any],
+        lane: str | None = None,
     ) -> Any:
         """Await an actor call and report it; returns the result's value. ``version`` None:
-        the one the call returns (a generation). Once stopping, only a step's optimizer step
+        the one the call returns (a generation); ``lane``: the name the book and the trace
+        know the call's worker by (default: the actor's worker; a scoring lane's differs). Once stopping, only a step's optimizer step
         and weight sync start: other calls wait here until the run's loops are cancelled."""
         if self._stopping and kind not in (TaskKind.STEP, TaskKind.SYNC):
             if inspect.iscoroutine(call):
                 call.close()  # never sent
             await asyncio.get_running_loop().create_future()
+        lane = lane or actor.worker
         t0 = self.clock()
-        self.book.started(actor.worker, kind, step, mb, t0)
+        self.book.started(lane, kind, step, mb, t0)
         self._inflight += 1
         try:
             res = await call
         finally:
-            self.book.finished(actor.worker)
+            self.book.finished(lane)
             self._inflight -= 1
             if self._stopping and self._inflight == 0:
                 self._quiet.set()
         ver = res.value if version is None else version
         span = self.clock() - t0
         memory = getattr(res, "memory_gb", 0.0)
-        self.accounts.record(kind, actor.worker, step, mb, ver, span, res.t0, res.t1, memory)
+        self.accounts.record(kind, lane, step, mb, ver, span, res.t0, res.t1, memory)
         return res.value
 
     async def _notify(self) -> None:

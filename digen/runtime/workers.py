@@ -1,4 +1,4 @@
-"""The generator and trainer actors: what runs inside the worker processes.
+"""The generator, scorer and trainer actors: what runs inside the worker processes.
 
 Each actor wraps a :class:`~digen.runtime.policy.Policy` on its own device
 (:mod:`digen.runtime.placement`: ``torch.cuda.set_device`` on a GPU) and knows nothing about
@@ -7,8 +7,9 @@ report the wall-clock span of their own work and the process's peak memory so fa
 (:class:`Timed`) so the driver can build the trace and the metrics.
 
 The data plane (:mod:`digen.runtime.store`): ``generate`` keeps the micro-batch's rollout
-and pixels in this process and returns only its version; ``score`` reads the pixels where
-they are (here, or from the trainer that made them, actor to actor); ``update`` takes the
+and pixels in this process and returns only its version; ``score`` (on the
+:class:`ScorerActor` beside each generator, its own thread) reads the pixels where they are
+(here, or from the trainer that made them, actor to actor); ``update`` takes the
 rollout from whichever worker holds it, directly. Between two GPU workers tensors travel
 GPU to GPU (device maps); otherwise the sender stages them on the CPU. Every method moves
 what it receives onto its own device before using it. The driver passes keys, rewards and
@@ -32,12 +33,14 @@ the timing of a run and check that its results do not move.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import torch
@@ -147,6 +150,38 @@ class _Jitter:
             time.sleep(self.rng.uniform(0.0, self.max_s))
 
 
+NOTES_ENV = "DIGEN_NOTES_LOG"
+"""In a worker's environment: the run's log (``trainer.log``), where its notes go."""
+
+
+class _NotesToRunLog(logging.Handler):
+    """digen's notes in a worker process (``logging.getLogger("digen")``: a prompt the text
+    encoder truncates, ...) as lines of the run's log, in the driver's format, naming the
+    worker; appended line by line, so workers and driver share the file."""
+
+    def __init__(self, path: str, worker: str) -> None:
+        super().__init__(logging.INFO)
+        self.path, self.worker = path, worker
+
+    def emit(self, record: logging.LogRecord) -> None:
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        line = {"text": record.getMessage(), "source": record.name, "worker": self.worker}
+        line |= {"event": "note", "level": "info", "timestamp": now}
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError:
+            self.handleError(record)
+
+
+def _notes_to_run_log(worker: str) -> None:
+    """Once per process: send digen's notes to the run's log when the driver named one."""
+    path = os.environ.get(NOTES_ENV)
+    notes = logging.getLogger("digen")
+    if path and not any(isinstance(h, _NotesToRunLog) for h in notes.handlers):
+        notes.addHandler(_NotesToRunLog(path, worker))
+
+
 class _PolicyActor:
     """What both pools share: a policy copy on its device, generation into the store, weights.
 
@@ -165,6 +200,7 @@ class _PolicyActor:
         mesh: Any = None,
     ) -> None:
         _set_threads(cfg.runtime.threads_per_worker)
+        _notes_to_run_log(name)
         self.cfg = cfg
         self.name = name
         self.device = cfg.model.device
@@ -303,29 +339,25 @@ def _unflatten_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
             offset += n
 
 
-class GeneratorActor(_PolicyActor):
-    """Samples trajectories and scores them (rewards run on the generator pool)."""
+def _reward_loop(cfg: DigenConfig, rewards: Sequence[Any] | None) -> RewardLoop:
+    """The run's rewards, set up here once, every score of the run on one event loop."""
+    hooks = list(rewards) if rewards is not None else cfg.rewards
+    return RewardLoop(build_reward(hooks, cfg.train.on_nonfinite))
 
-    def __init__(
-        self,
-        cfg: DigenConfig | dict[str, Any],
-        rewards: Sequence[Any] | None = None,
-        name: str = "generator-0",
-        devices: dict[str, str] | None = None,
-        direct: bool = False,
-    ) -> None:
-        cfg = _pool_config(cfg, "generator", max(index_of(name), 0))
-        super().__init__(cfg, name, trainable=False, devices=devices, direct=direct)
-        # the hooks' setup runs here, once; every score of the run on the same loop
-        self.rewards = RewardLoop(
-            build_reward(
-                list(rewards) if rewards is not None else cfg.rewards, cfg.train.on_nonfinite
-            )
-        )
+
+class _Scoring:
+    """``score`` and ``close``, for whichever actor of a generator's process holds the rewards."""
+
+    name: str
+    rewards: RewardLoop | None
+    _jitter: _Jitter
+    _timed: Callable[[Any, float], Timed]
+    _wire_from: Callable[[str], str | None]
 
     def close(self) -> None:
         """The worker is stopping: the hooks' ``close()``."""
-        self.rewards.close()
+        if self.rewards is not None:
+            self.rewards.close()
 
     def score(
         self,
@@ -337,6 +369,8 @@ class GeneratorActor(_PolicyActor):
         with_thumbnails: bool = False,
     ) -> Timed:
         """Rewards of micro-batch ``(step, mb)``, whose pixels ``holder`` keeps (here or not)."""
+        if self.rewards is None:
+            raise RuntimeError(f"{self.name}: its scoring actor scores (runtime.score_overlap)")
         self._jitter()
         t0 = time.time()
         key = (step, mb)
@@ -353,6 +387,58 @@ class GeneratorActor(_PolicyActor):
             thumbnails=thumbnails(pixels) if with_thumbnails else None,
         )
         return self._timed(scores, t0)
+
+
+class GeneratorActor(_Scoring, _PolicyActor):
+    """Samples trajectories; scores them too, unless its :class:`ScorerActor` does
+    (``runtime.score_overlap``, the default)."""
+
+    def __init__(
+        self,
+        cfg: DigenConfig | dict[str, Any],
+        rewards: Sequence[Any] | None = None,
+        name: str = "generator-0",
+        devices: dict[str, str] | None = None,
+        direct: bool = False,
+    ) -> None:
+        cfg = _pool_config(cfg, "generator", max(index_of(name), 0))
+        super().__init__(cfg, name, trainable=False, devices=devices, direct=direct)
+        self.rewards = None if cfg.runtime.score_overlap else _reward_loop(cfg, rewards)
+
+
+class ScorerActor(_Scoring):
+    """The rewards of one generator's micro-batches, in the generator's process.
+
+    An actor of its own (its own thread), so scoring runs beside generation: a slow reward
+    never holds up the generator's next micro-batch. It reads the pixels its generator left
+    in this process's store, or fetches those a trainer made (TAG). The hooks' ``setup()``
+    runs here once, every score of the run runs on the same event loop
+    (:class:`~digen.algos.rewards.RewardLoop`), and ``close()`` at the stop.
+    """
+
+    def __init__(
+        self,
+        cfg: DigenConfig | dict[str, Any],
+        rewards: Sequence[Any] | None = None,
+        name: str = "generator-0",
+        devices: dict[str, str] | None = None,
+        direct: bool = False,
+    ) -> None:
+        cfg = _pool_config(cfg, "generator", max(index_of(name), 0))
+        _notes_to_run_log(name)
+        self.name = name
+        """The generator this scores for (the process it lives in)."""
+        self.device = cfg.model.device
+        self.devices = devices or {}
+        self.direct = direct
+        self._jitter = _Jitter()
+        self.rewards = _reward_loop(cfg, rewards)
+
+    _timed = _PolicyActor._timed
+    _wire_from = _PolicyActor._wire_from
+
+    def ping(self) -> int:
+        return os.getpid()
 
 
 class TrainerActor(_PolicyActor):

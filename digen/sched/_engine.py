@@ -12,6 +12,11 @@ Rules (they mirror ``digen/runtime/driver.py`` and are documented in ``simulator
 - a free generator scores the head of SQ (micro-batches trainers made) if SQ is non-empty,
   else generates the next micro-batch if the admission rule (:mod:`digen.sched.schedule`)
   admits it, else idles;
+- with scoring overlapped (``score_overlap``), scoring leaves the generators: generator
+  ``i``'s micro-batches queue on its scoring lane ``scorer-i`` (same process, own thread),
+  and the generator is free at once. A free scoring lane takes the head of SQ if any, else
+  the head of its own queue; lanes are not part of the step or the sync (they hold no
+  weights), and a free generator only ever generates;
 - a free trainer updates the head of UQ (the train step's ready micro-batches) if any, else
   it is at a bubble: with an admissible micro-batch left, the policy decides between a TAG
   generation (its result joins SQ) and waiting; a trainer that waits is not asked again
@@ -73,6 +78,8 @@ class Config:
         "cmin",
         "rule",
         "fixed",
+        "S",
+        "L",
     )
 
     def __init__(
@@ -88,6 +95,7 @@ class Config:
         last_step: int | None = None,
         staleness_schedule: str = "fixed",
         max_inflight: int | None = None,
+        score_overlap: bool = False,
     ) -> None:
         for name, v, lo in (
             ("microbatches", microbatches, 1),
@@ -110,7 +118,15 @@ class Config:
         self.W = max_staleness
         self.cap = stale_cap
         self.last_step = 1 << 60 if last_step is None else last_step
-        self.names = worker_names(Pool.GENERATOR, generators) + worker_names(Pool.TRAINER, trainers)
+        self.S = generators if score_overlap else 0
+        """Scoring lanes: one per generator with ``score_overlap``, else none."""
+        self.L = self.n + self.S
+        """Lanes the engine tracks: generators, trainers, then scoring lanes (indices >= n)."""
+        self.names = (
+            worker_names(Pool.GENERATOR, generators)
+            + worker_names(Pool.TRAINER, trainers)
+            + worker_names(Pool.SCORER, self.S)
+        )
         self.rule = Admission(
             max_staleness=max_staleness,
             stale_cap=stale_cap,
@@ -140,6 +156,7 @@ class Engine:
         "wt0",
         "waiting",
         "sq",
+        "tsq",
         "uq",
         "scored",
         "updated",
@@ -159,7 +176,7 @@ class Engine:
     def __init__(
         self, cfg: Config, *, horizon: int, record: bool = False, log: bool = False
     ) -> None:
-        n = cfg.n
+        n = cfg.L
         self.cfg = cfg
         self.horizon = horizon
         """Stop when the version reaches this (the number of steps to run from step 0)."""
@@ -175,6 +192,8 @@ class Engine:
         self.wt0 = [0.0] * n
         self.waiting = [False] * n  # used for trainers only (indices G..n-1)
         self.sq: list[tuple[int, int, int]] = []  # (step, mb, generation version), FIFO
+        self.tsq: list[list[tuple[int, int, int]]] = [[] for _ in range(cfg.S)]
+        """Per scoring lane, what its generator made and it has not started scoring, FIFO."""
         self.uq: dict[int, list[int]] = {}  # step -> ready micro-batch ids, FIFO
         self.scored: dict[tuple[int, int], int] = {}  # (step, group) -> scored, partial only
         self.updated = 0
@@ -210,12 +229,13 @@ class Engine:
             last_step=state.last_step,
             staleness_schedule=state.staleness_schedule,
             max_inflight=state.max_inflight,
+            score_overlap=bool(state.scorers),
         )
         eng = cls(cfg, horizon=state.step + steps)
         now = float(state.now)
         eng.now = now
         eng.version = state.step
-        for i, w in enumerate(state.generators + state.trainers):
+        for i, w in enumerate(state.generators + state.trainers + state.scorers):
             code = _CODE.get(w.kind, -1)
             if code < 0:
                 raise ValueError(f"worker kind {w.kind!r} is not one of {WORKER_KINDS}")
@@ -228,6 +248,7 @@ class Engine:
                 eng.wt0[i] = now
             eng.waiting[i] = w.waiting and i >= cfg.G
         eng.sq = [(s, m, state.step) for s, m in state.sq]
+        eng.tsq = [[(s, m, state.step) for s, m in q] for q in state.to_score]
         eng.uq = {state.step: list(range(state.uq))}
         eng.scored = {(s, g): c for s, g, c in state.partial_groups}
         eng.updated = state.updated
@@ -240,7 +261,7 @@ class Engine:
         """The :class:`SchedState` a policy sees at this stop (``trainer`` is at the bubble)."""
         cfg = self.cfg
         clocks = []
-        for i in range(cfg.n):
+        for i in range(cfg.L):
             k = self.kind[i]
             if k:
                 clocks.append(
@@ -254,9 +275,11 @@ class Engine:
             microbatches=cfg.B,
             step=self.version,
             generators=tuple(clocks[: cfg.G]),
-            trainers=tuple(clocks[cfg.G :]),
+            trainers=tuple(clocks[cfg.G : cfg.n]),
+            scorers=tuple(clocks[cfg.n :]),
             next_mb=(self.fs, self.fm),
             sq=tuple((s, m) for s, m, _ in self.sq),
+            to_score=tuple(tuple((s, m) for s, m, _ in q) for q in self.tsq),
             uq=len(self.uq.get(self.version, ())),
             updated=self.updated,
             partial_groups=tuple(sorted((s, g, c) for (s, g), c in self.scored.items())),
@@ -284,6 +307,7 @@ class Engine:
         c.wt0 = self.wt0[:]
         c.waiting = self.waiting[:]
         c.sq = self.sq[:]
+        c.tsq = [q[:] for q in self.tsq]
         c.uq = {s: q[:] for s, q in self.uq.items()}
         c.scored = self.scored.copy()
         c.updated = self.updated
@@ -393,11 +417,22 @@ class Engine:
         ph = self.phase
         now = self.now
         busy, wstep, wmb, wver, wt0 = self.busy, self.wstep, self.wmb, self.wver, self.wt0
+        sq = self.sq
+        if cfg.S:  # scoring lanes: SQ first, then what their own generator made
+            for i, q in enumerate(self.tsq):
+                x = n + i
+                if kind[x] == IDLE and (sq or q):
+                    s, m, v = sq.pop(0) if sq else q.pop(0)
+                    if self.log is not None:
+                        self.log.append(("start", x, SCORE, s, m, now))
+                    kind[x] = SCORE
+                    wstep[x], wmb[x], wver[x], wt0[x] = s, m, v, now
+                    busy[x] = now + cfg.cs
         if (ph < _WANT_SYNC or (ph == _WANT_SYNC and self._quota_pending())) and IDLE in kind[:G]:
-            sq = self.sq
+            scores_here = not cfg.S
             for i in range(G):
                 if kind[i] == IDLE:
-                    if sq:
+                    if sq and scores_here:
                         s, m, v = sq.pop(0)
                         if self.log is not None:
                             self.log.append(("start", i, SCORE, s, m, now))
@@ -413,7 +448,7 @@ class Engine:
                         busy[i] = now + cfg.cg
                     else:
                         break
-        if ph != _TRAIN or IDLE not in kind[G:]:
+        if ph != _TRAIN or IDLE not in kind[G:n]:
             return -1
         waiting = self.waiting
         v = self.version
@@ -460,8 +495,11 @@ class Engine:
         self.busy[i] = _INF
         self.wstep[i] = -1
         self.wmb[i] = -1
-        if k == GEN:  # scored at once where it was made
-            self._start(i, SCORE, s, m, self.wver[i], self.cfg.cs)
+        if k == GEN:  # scored at once where it was made (or queued on its scoring lane)
+            if self.cfg.S:
+                self.tsq[i].append((s, m, self.wver[i]))
+            else:
+                self._start(i, SCORE, s, m, self.wver[i], self.cfg.cs)
         elif k == TAG:
             self.sq.append((s, m, self.wver[i]))
         elif k == SCORE:
@@ -513,7 +551,7 @@ class Engine:
                     return
                 self.phase = _WANT_SYNC
             elif ph == _WANT_SYNC:
-                if any(kind) or self._quota_pending():
+                if any(kind[:n]) or self._quota_pending():
                     return
                 v = self.version
                 for i in range(n):
@@ -521,7 +559,7 @@ class Engine:
                 self.phase = _SYNCING
                 return
             else:  # _SYNCING
-                if any(kind):
+                if any(kind[:n]):
                     return
                 self.uq.pop(self.version, None)
                 self.version += 1
@@ -548,21 +586,26 @@ class Engine:
         cfg = self.cfg
         now = self.now
         busy, kind, wstep, waiting = self.busy, self.kind, self.wstep, self.waiting
-        G, gs = cfg.G, cfg.gsize
+        G, n, gs = cfg.G, cfg.n, cfg.gsize
         rel = [b - now for b in busy]
         if gs == 1:
+            grp = wstep
             gk = tuple(sorted(zip(rel[:G], kind[:G], wstep[:G])))
-            tk = tuple(sorted(zip(rel[G:], kind[G:], waiting[G:], wstep[G:])))
+            tk = tuple(sorted(zip(rel[G:n], kind[G:n], waiting[G:n], wstep[G:n])))
             sq: tuple = tuple([s for s, _, _ in self.sq])
+            tsq = [tuple([s for s, _, _ in q]) for q in self.tsq]
             parts: tuple = ()
         else:
             grp = [m // gs if m >= 0 else -1 for m in self.wmb]
             gk = tuple(sorted(zip(rel[:G], kind[:G], wstep[:G], grp[:G])))
-            tk = tuple(sorted(zip(rel[G:], kind[G:], waiting[G:], wstep[G:], grp[G:])))
+            tk = tuple(sorted(zip(rel[G:n], kind[G:n], waiting[G:n], wstep[G:n], grp[G:n])))
             sq = tuple([(s, m // gs) for s, m, _ in self.sq])
+            tsq = [tuple([(s, m // gs) for s, m, _ in q]) for q in self.tsq]
             parts = tuple(sorted(self.scored.items()))
+        # a scoring lane and its queue go together (the queue is only ever scored there)
+        sk = tuple(sorted(zip(rel[n:], kind[n:], wstep[n:], grp[n:], tsq)))
         uq = self.uq.get(self.version)
-        return (self.fs, self.fm, self.updated, len(uq) if uq else 0, gk, tk, sq, parts)
+        return (self.fs, self.fm, self.updated, len(uq) if uq else 0, gk, tk, sq, parts, sk)
 
     def lower_bound(self, bound: float = _INF) -> float:
         """A time the current step's sync cannot end before, whatever the TAG decisions.
@@ -571,8 +614,9 @@ class Engine:
 
         - trainers: their running tasks plus every update not started yet, spread evenly
           (then ``step`` and ``sync``);
-        - generators: their running tasks plus every score the step still needs, spread
-          evenly (then one ``update``, ``step`` and ``sync``);
+        - generators (or, with scoring overlapped, the scoring lanes): their running tasks
+          plus every score the step still needs, spread evenly (then one ``update``,
+          ``step`` and ``sync``);
         - everything: all remaining work plus the optimizer step over all workers (then
           ``sync``);
         - the last pending micro-batch: the earliest time all pending generations can be
@@ -586,10 +630,18 @@ class Engine:
         cfg = self.cfg
         now = self.now
         kind, busy, wstep = self.kind, self.busy, self.wstep
-        G, n, B = cfg.G, cfg.n, cfg.B
+        G, n, B, S = cfg.G, cfg.n, cfg.B, cfg.S
         v = self.version
         gsum = 0.0
+        ssum = 0.0
         to_score = 0
+        for x in range(n, n + S):
+            if kind[x]:
+                ssum += busy[x] - now
+        for q in self.tsq:
+            for e in q:
+                if e[0] == v:
+                    to_score += 1
         for i in range(G):
             k = kind[i]
             if k:
@@ -622,11 +674,14 @@ class Engine:
             best = tmax
         best += tail
         if to_score:
-            b = (gsum + to_score * cfg.cs) / G + cfg.cu + tail
+            if S:
+                b = (ssum + to_score * cfg.cs) / S + cfg.cu + tail
+            else:
+                b = (gsum + to_score * cfg.cs) / G + cfg.cu + tail
             if b > best:
                 best = b
-        work = gsum + tsum + pending * cfg.cmin + to_score * cfg.cs + not_started * cfg.cu
-        b = (work + cfg.T * cfg.cstep) / n + cfg.csync
+        work = gsum + tsum + ssum + pending * cfg.cmin + to_score * cfg.cs + not_started * cfg.cu
+        b = (work + cfg.T * cfg.cstep) / (n + S) + cfg.csync
         if b > best:
             best = b
         if 0 < pending <= 2 * n and now + best < bound and cfg.cg > 0 and cfg.ct > 0:
@@ -643,7 +698,10 @@ class Engine:
         G = cfg.G
         rg, rt = 1.0 / cfg.cg, 1.0 / cfg.ct
         avail = sorted(
-            [(b - now if b < _INF else 0.0, rg if i < G else rt) for i, b in enumerate(busy)]
+            [
+                (b - now if b < _INF else 0.0, rg if i < G else rt)
+                for i, b in enumerate(busy[: cfg.n])  # scoring lanes do not generate
+            ]
         )
         first = min(a + 1.0 / r for a, r in avail)
         rate = 0.0

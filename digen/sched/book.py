@@ -101,11 +101,13 @@ class Book:
         admission: Admission,
         first_step: int = 0,
         whole_step: bool = False,
+        score_overlap: bool = False,
     ) -> None:
         """``plan(step)``: the micro-batches of a train step, in hand-out order;
         ``whole_step``: updates wait until every micro-batch of the step is scored (no
         pipelining, or advantages over the whole batch), so for the schedule's model the
-        step is one group."""
+        step is one group; ``score_overlap``: each generator's micro-batches are scored on
+        its scoring lane ``scorer-i`` (its own queue, :attr:`to_score`), not by it."""
         self.plan = plan
         self.whole_step = whole_step
         self.generators, self.trainers = generators, trainers
@@ -121,6 +123,12 @@ class Book:
         """Handed out and neither trained nor dropped (what ``C_gen`` bounds)."""
         self.sq: list[tuple[int, int]] = []
         """Micro-batches made on trainers, waiting for a generator to score them (FIFO)."""
+        self.score_overlap = score_overlap
+        self.to_score: list[deque[tuple[int, int]]] = [
+            deque() for _ in range(generators if score_overlap else 0)
+        ]
+        """Scoring overlapped: per scoring lane, what its generator made and it has not
+        started scoring (FIFO)."""
         self.busy: dict[str, deque[_Task]] = defaultdict(deque)
         """Per worker, the calls sent to it and not finished, oldest (the running one) first."""
         self.waiting: set[int] = set()
@@ -189,10 +197,27 @@ class Book:
         self.record(mb.step).made[mb.mb] = (holder, version)
         if pool_of(holder) == Pool.TRAINER:
             self.sq.append((mb.step, mb.mb))
+        elif self.score_overlap:
+            self.to_score[index_of(holder)].append((mb.step, mb.mb))
 
     def scoring(self, step: int, mb: int) -> None:
         """A generator took ``(step, mb)`` off SQ."""
         self.sq.remove((step, mb))
+
+    def next_to_score(self, lane: int) -> tuple[MicroBatch, str, int] | None:
+        """Scoring lane ``lane`` takes its next micro-batch: the head of SQ, else the head of
+        its own queue. Returns it with its holder and version, or None when there is none."""
+        if self.sq:
+            step, mb = self.sq.pop(0)
+        elif self.to_score[lane]:
+            step, mb = self.to_score[lane].popleft()
+        else:
+            return None
+        rec = self.record(step)
+        return rec.mbs[mb], *rec.made[mb]
+
+    def has_to_score(self, lane: int) -> bool:
+        return bool(self.sq) or bool(self.to_score[lane])
 
     def scored(
         self,
@@ -261,7 +286,11 @@ class Book:
             TaskKind.SCORE: costs.score,
             TaskKind.UPDATE: costs.update,
         }
-        clocks: dict[str, dict[int, WorkerClock]] = {Pool.GENERATOR: {}, Pool.TRAINER: {}}
+        clocks: dict[str, dict[int, WorkerClock]] = {
+            Pool.GENERATOR: {},
+            Pool.TRAINER: {},
+            Pool.SCORER: {},
+        }
         for worker, queue in self.busy.items():
             pool = pool_of(worker)
             # a weight load or optimizer step in the queue is short: the model skips it
@@ -297,8 +326,10 @@ class Book:
             step=self.version,
             generators=tuple(clock(Pool.GENERATOR, i) for i in range(self.generators)),
             trainers=tuple(clock(Pool.TRAINER, j) for j in range(self.trainers)),
+            scorers=tuple(clock(Pool.SCORER, i) for i in range(len(self.to_score))),
             next_mb=self.frontier,
             sq=tuple(self.sq),
+            to_score=tuple(tuple(q) for q in self.to_score),
             uq=len(rec.queued)
             - sum(
                 1

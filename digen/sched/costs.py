@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from digen.sched.schedule import TaskKind, pool_of
+from digen.sched.schedule import Pool, TaskKind, pool_of
 from digen.sched.trace import TraceEvent
 
 __all__ = ["COST_NAMES", "EVENT_COST", "Costs", "OnlineProfiler", "pool_of"]
@@ -209,13 +209,15 @@ class OnlineProfiler:
         """The current estimates as :class:`Costs`, with fallbacks for what is not measured yet.
 
         ``gen`` and ``score`` come from ``generator_pool``, ``gen_tag`` and ``update`` from
-        ``trainer_pool`` (any pool when ``None``). A cost never measured falls back to
+        ``trainer_pool`` (any pool when ``None``); ``score`` from the scoring lanes
+        (``scorer``) when they have measured it, as they do when scoring is overlapped. A cost never measured falls back to
         ``defaults`` when given; otherwise ``gen_tag`` is ``gen * tag_scale`` (a trainer is
         assumed as fast as a generator until a TAG has been timed) and any other unmeasured
         cost is 0 s. ``gen`` or ``update`` unmeasured with no ``defaults`` is an error: a search
         fed zeros would be meaningless (see :meth:`ready`).
         """
-        pool_for = {"gen": generator_pool, "score": generator_pool}
+        scorer = Pool.SCORER if self.seen("score", Pool.SCORER) else generator_pool
+        pool_for = {"gen": generator_pool, "score": scorer}
         pool_for |= {"gen_tag": trainer_pool, "update": trainer_pool}
         out: dict[str, float] = {}
         for name in COST_NAMES:

@@ -58,10 +58,13 @@ class TaskKind(StrEnum):
 
 
 class Pool(StrEnum):
-    """The two worker pools."""
+    """The worker pools, and the scoring lanes (one per generator, in its process)."""
 
     GENERATOR = "generator"
     TRAINER = "trainer"
+    SCORER = "scorer"
+    """With ``runtime.score_overlap``: generator ``i``'s rewards run on ``scorer-i``, beside
+    its generation (same process, own thread), so scoring never holds up the next micro-batch."""
 
 
 DRIVER = "driver"

@@ -96,6 +96,7 @@ def compare_policies(
     max_staleness: int = 1,
     staleness_ratio: float = 0.25,
     node_limit: int = 32,
+    score_overlap: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Simulate every policy, without and with TCSS; one dict entry per policy.
 
@@ -104,10 +105,11 @@ def compare_policies(
     ``max_staleness`` and ``staleness_ratio``). Each entry holds ``makespan``, ``step_time``
     (makespan / steps), ``vs_bound`` (step time over :func:`ideal_bound`), ``tag_count`` and
     ``stale``; BTS entries add ``search_ms`` (mean per decision), ``search_ms_max``,
-    ``decisions`` and ``exact_fraction``.
+    ``decisions`` and ``exact_fraction``. ``score_overlap``: scoring on a lane beside each
+    generator (the runtime's default) or on the generator itself.
     """
     k = trainers if static_k is None else static_k
-    bound = ideal_bound(costs, microbatches, generators, trainers)
+    bound = ideal_bound(costs, microbatches, generators, trainers, score_overlap=score_overlap)
     out: dict[str, dict[str, Any]] = {}
     for suffix, w, r in (("", 0, 0.0), ("+tcss", max_staleness, staleness_ratio)):
         for name, policy in _policies(k, node_limit):
@@ -121,6 +123,7 @@ def compare_policies(
                 mbs_per_group=mbs_per_group,
                 max_staleness=w,
                 staleness_ratio=r,
+                score_overlap=score_overlap,
             )
             out[name + suffix] = _entry(res, policy, bound)
     return out
@@ -137,6 +140,7 @@ def recommend(
     max_staleness: int = 1,
     staleness_ratio: float = 0.25,
     node_limit: int = 32,
+    score_overlap: bool = True,
     on_split: Callable[[int, int, dict[str, dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every generator/trainer split of ``devices`` x every policy, fastest step first.
@@ -165,6 +169,7 @@ def recommend(
             max_staleness=max_staleness,
             staleness_ratio=staleness_ratio,
             node_limit=node_limit,
+            score_overlap=score_overlap,
         )
         if on_split is not None:
             on_split(g, t, table)

@@ -15,6 +15,11 @@ B-1``, then step ``s + 1``). Version ``s`` is the policy during step ``s``.
   by trainers) if SQ is non-empty (scoring first, so trainers get rewards early); else
   generate the next micro-batch if the admission rule (:mod:`digen.sched.schedule`) admits
   it; else idle until something changes.
+- **Scoring overlapped** (``score_overlap``, the runtime's default): scoring moves off the
+  generator onto its scoring lane ``scorer-i`` (same process, own thread), which scores
+  the head of SQ if any, else the head of what its generator made; the generator is free
+  as soon as a generation ends. Scoring lanes hold no weights: they take no part in
+  ``step`` or ``sync``.
 - **Trainer**, whenever free: update the head of UQ if UQ (ready micro-batches of the train
   step) is non-empty; else it is at a *bubble*. If an admissible micro-batch is left, the TAG
   policy decides: insert (the trainer generates it, cost ``gen_tag``; the result joins SQ and
@@ -45,7 +50,7 @@ at a time in that order.
 
 Events use the runtime's format (:class:`~digen.sched.trace.TraceEvent`): kinds ``generate``
 / ``tag`` / ``score`` / ``update`` / ``step`` / ``sync``, workers ``generator-i`` /
-``trainer-j``; ``version`` is the policy version the task used (for ``score``, the version
+``trainer-j`` / ``scorer-i``; ``version`` is the policy version the task used (for ``score``, the version
 that generated the micro-batch; for ``sync``, the version being installed); ``step`` and
 ``sync`` events have ``mb = -1``.
 """
@@ -54,14 +59,18 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from digen.sched._engine import Config, Engine
 from digen.sched.costs import Costs
 from digen.sched.schedule import stale_cap
-from digen.sched.tag import NoTAG, TagPolicy
+from digen.sched.tag import NoTAG, TagPolicy, make_tag_policy
 from digen.sched.trace import Trace, TraceEvent
 
-__all__ = ["SimResult", "ideal_bound", "simulate"]
+if TYPE_CHECKING:
+    from digen.config import DigenConfig
+
+__all__ = ["SimResult", "ideal_bound", "simulate", "simulate_config"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,7 @@ def simulate(
     staleness_ratio: float = 0.0,
     staleness_schedule: str = "fixed",
     max_inflight: int | None = None,
+    score_overlap: bool = False,
 ) -> SimResult:
     """Simulate ``steps`` train steps of ``microbatches`` micro-batches (rules in the module doc).
 
@@ -137,6 +147,7 @@ def simulate(
         last_step=steps - 1,
         staleness_schedule=staleness_schedule,
         max_inflight=max_inflight,
+        score_overlap=score_overlap,
     )
     pol = NoTAG() if policy is None else policy
     pol.reset()
@@ -164,16 +175,62 @@ def simulate(
     )
 
 
-def ideal_bound(costs: Costs, microbatches: int, generators: int, trainers: int) -> float:
+def simulate_config(
+    cfg: DigenConfig,
+    costs: Costs,
+    *,
+    steps: int | None = None,
+    policy: TagPolicy | None | Literal["config"] = "config",
+) -> SimResult:
+    """Simulate the disaggregated run ``cfg`` describes, with ``costs``: its micro-batches,
+    generators and trainers, GAP groups (or the whole step as one group when updates wait for
+    all of it: ``runtime.pipeline=false``, or global advantage statistics), TCSS, ``C_gen``,
+    scoring overlapped or not, and its TAG policy (``policy="config"``; or pass one).
+    ``steps``: default ``cfg.steps``."""
+    from digen.config import max_inflight, microbatches_per_group, step_microbatches, trainer_slots
+
+    rt = cfg.runtime
+    if rt.mode != "disaggregated":
+        raise ValueError(f"only disaggregated runs are simulated; this one is {rt.mode}")
+    mbs = len(step_microbatches(cfg, 0))
+    whole_step = not rt.pipeline or cfg.algo.adv_std == "global"
+    return simulate(
+        costs,
+        mbs,
+        rt.generators,
+        trainer_slots(cfg),
+        make_tag_policy(rt.tag, rt.tag_k) if policy == "config" else policy,
+        steps=cfg.steps if steps is None else steps,
+        mbs_per_group=mbs if whole_step else microbatches_per_group(cfg),
+        max_staleness=rt.max_staleness,
+        staleness_ratio=rt.staleness_ratio,
+        staleness_schedule=rt.staleness_schedule,
+        max_inflight=max_inflight(cfg),
+        score_overlap=rt.score_overlap,
+    )
+
+
+def ideal_bound(
+    costs: Costs,
+    microbatches: int,
+    generators: int,
+    trainers: int,
+    *,
+    score_overlap: bool = False,
+) -> float:
     """``max(total work / workers, critical path)`` for one train step, in seconds.
 
     Total work counts each generation at the cheaper of ``gen`` and ``gen_tag``, plus every
-    score and update, the optimizer step on every trainer and the sync on every worker. The
-    critical path is one micro-batch's chain: generate, score, update, step, sync. No
-    schedule of the step can be shorter than either.
+    score (unless scoring runs on lanes beside the generators, ``score_overlap``: then the
+    scores must fit on the ``generators`` lanes instead) and update, the optimizer step on
+    every trainer and the sync on every worker. The critical path is one micro-batch's
+    chain: generate, score, update, step, sync. No schedule of the step can be shorter.
     """
     b, n = microbatches, generators + trainers
     gen = min(costs.gen, costs.gen_tag)  # type: ignore[type-var]
-    work = b * (gen + costs.score + costs.update) + trainers * costs.step + n * costs.sync
+    scores = 0.0 if score_overlap else b * costs.score
+    work = b * (gen + costs.update) + scores + trainers * costs.step + n * costs.sync
     path = gen + costs.score + costs.update + costs.step + costs.sync
-    return max(work / n, path)
+    # the lanes: every score on them, then one update, the step and the sync after the last
+    lanes = b * costs.score / generators + costs.update + costs.step + costs.sync
+    return max(work / n, path, lanes if score_overlap else 0.0)

@@ -66,6 +66,12 @@ class SchedState:
     """``(step, mb)`` of the next micro-batch to hand out."""
     sq: tuple[tuple[int, int], ...] = ()
     """``(step, mb)`` of every generated micro-batch waiting for scoring, in queue order."""
+    scorers: tuple[WorkerClock, ...] = ()
+    """Scoring overlapped with generation: one entry per generator's scoring lane, by index;
+    empty when generators score what they make themselves."""
+    to_score: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per scoring lane, ``(step, mb)`` of what its generator made and it has not started
+    scoring, in queue order (SQ, made on trainers, is shared by all lanes)."""
     uq: int = 0
     """Micro-batches of the train step ready for update (UQ length; 0 at a bubble)."""
     updated: int = 0
@@ -100,6 +106,13 @@ class SchedState:
             raise ValueError(
                 f"trainer {self.trainer} is not an index of the {len(self.trainers)} trainers"
             )
+        if self.scorers and len(self.scorers) != len(self.generators):
+            raise ValueError(
+                f"{len(self.scorers)} scoring lanes for {len(self.generators)} generators: "
+                "there is one per generator, or none"
+            )
+        if len(self.to_score) != len(self.scorers):
+            raise ValueError("to_score needs one queue per scoring lane")
         if self.mbs_per_group < 1:
             raise ValueError(f"mbs_per_group must be >= 1, got {self.mbs_per_group}")
 

@@ -299,6 +299,7 @@ def _memo_tag(state: SchedState, costs: Costs) -> tuple:
         state.microbatches,
         len(state.generators),
         len(state.trainers),
+        len(state.scorers),
         state.mbs_per_group,
         state.max_staleness,
         state.stale_cap,

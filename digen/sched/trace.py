@@ -10,10 +10,12 @@ Per-step statistics (:meth:`Trace.step_stats`), for the events whose ``step`` fi
 - ``wall_s``: the step window, from the earliest ``t0`` to the latest ``t1`` of those events
   (all workers, the driver included).
 - ``busy_s[w]``: the length of the union of worker ``w``'s task intervals of the step, so
-  overlapping tasks on one worker count once.
+  overlapping tasks on one worker count once. A scoring lane (``scorer-i``, scoring
+  overlapped with generation) is a thread of generator ``i``'s process: its tasks count as
+  generator ``i``'s, so a device busy generating and scoring at once is busy once.
 - ``utilisation = sum(busy_s) / (wall_s * len(workers))``; ``bubble_fraction = 1 -
   utilisation``. By default the workers are every worker seen anywhere in the trace except
-  ``"driver"``, so a worker idle for the whole step counts as idle.
+  ``"driver"`` and the scoring lanes, so a worker idle for the whole step counts as idle.
 - ``ideal_bound_s = max(total_work_s / len(workers), critical_path_s)`` with ``total_work_s =
   sum(busy_s)``. ``critical_path_s`` is, for now, the busiest worker's busy time: a lower
   bound on any chain of tasks the step must run, since one worker runs its tasks one after
@@ -56,7 +58,16 @@ KIND_COLOURS = {
 }
 """One fixed colour per kind, so timelines of different runs read the same."""
 
-_ROLE_RANK = {DRIVER: 0, Pool.GENERATOR: 1, Pool.TRAINER: 2}
+_ROLE_RANK = {DRIVER: 0, Pool.GENERATOR: 1, Pool.SCORER: 1, Pool.TRAINER: 2}
+"""Lane order: the driver, each generator followed by its scoring lane, then trainers."""
+
+
+def device_of(worker: str) -> str:
+    """The worker whose device (and process) ``worker``'s tasks run on: a scoring lane's
+    is its generator's; every other worker's, its own."""
+    if pool_of(worker) == Pool.SCORER:
+        return f"{Pool.GENERATOR}-{index_of(worker)}"
+    return worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,15 +252,19 @@ class Trace:
         evs = [e for e in self.events if e.step == step]
         if not evs:
             raise ValueError(f"the trace has no events for step {step}")
-        counted = [w for w in self.workers() if w != DRIVER] if workers is None else list(workers)
+        if workers is None:
+            counted = [w for w in self.workers() if w != DRIVER and pool_of(w) != Pool.SCORER]
+        else:
+            counted = list(workers)
         if not counted:
             raise ValueError(f"no workers to compute step {step}'s utilisation over")
         t0 = min(e.t0 for e in evs)
         wall = max(e.t1 for e in evs) - t0
         per_worker: dict[str, list[tuple[float, float]]] = {w: [] for w in counted}
         for e in evs:
-            if e.worker in per_worker:
-                per_worker[e.worker].append((e.t0, e.t1))
+            w = e.worker if e.worker in per_worker else device_of(e.worker)
+            if w in per_worker:
+                per_worker[w].append((e.t0, e.t1))
         busy = {w: _union_length(iv) for w, iv in per_worker.items()}
         total = sum(busy.values())
         critical = max(busy.values())
@@ -450,7 +465,7 @@ class Trace:
 def _worker_key(name: str) -> tuple[int, int, tuple[tuple[int, int, str], ...]]:
     role = pool_of(name)
     if role in _ROLE_RANK:
-        return _ROLE_RANK[role], index_of(name), ()
+        return _ROLE_RANK[role], index_of(name), ((int(role == Pool.SCORER), 0, ""),)
     # Anything else after the known roles, in natural order ("x-2" before "x-10").
     parts = tuple(
         (0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p

@@ -150,6 +150,8 @@ class FakeCluster:
         self.world = world
         self.gens = [FakeActor(world, worker_name(Pool.GENERATOR, i)) for i in range(generators)]
         self.trainers = [FakeActor(world, worker_name(Pool.TRAINER, j)) for j in range(trainers)]
+        # scoring actors: in their generator's process (its name), with their own queue
+        self.scorers = [FakeActor(world, gen.worker) for gen in self.gens]
         self.payload = Payload()
         self.released: list[tuple[str, list]] = []
 

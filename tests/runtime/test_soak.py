@@ -59,6 +59,7 @@ def _settings(rng: random.Random) -> list[str]:
             over.append(f"runtime.samples_per_microbatch={rng.choice([1, 2])}")
         if rng.random() < 0.25:
             over += ["algo.name=dancegrpo", "algo.best_of_n=2"]
+        over.append(f"runtime.score_overlap={rng.choice(['true', 'false'])}")
         try:
             cfg = load_config(overrides=over)
         except DigenError:
@@ -199,12 +200,15 @@ async def test_soak_a_stop_at_any_moment_ends_at_a_micro_batch_boundary() -> Non
         world = _world(seed, clock)
         await _drive(cfg, world, clock)
         end = clock.now
+        # the last optimizer step's start: a stop after it lets the run end complete
+        last_step = max(t for t, m in world.starts if m == "step") * 1e3
         stop_at = random.Random(seed).randrange(1, end)
         clock = VirtualClock(LIMIT)
         world = _world(seed, clock)
         results, _ = await _drive(cfg, world, clock, stop_at)
         done = [r.metrics["step"] for r in results]
-        assert done == list(range(len(done))) and len(done) < cfg.steps, (seed, done)
+        assert done == list(range(len(done))), (seed, done)
+        assert len(done) < cfg.steps or stop_at >= last_step, (seed, done, stop_at)
         late = {m for t, m in world.starts if t * 1e3 > stop_at + 1}
         assert late <= {"step", "load_weights"}, (seed, late)
         assert world.running == 0  # what ran when the stop came has finished

@@ -43,6 +43,41 @@ def test_one_generator_one_trainer_no_tag() -> None:
     assert res.step_ends == [10.0] and res.step_times == [10.0]
 
 
+def test_scoring_overlapped_frees_the_generator() -> None:
+    """G = T = 1, B = 2, scoring as slow as generation (2 s).
+
+    Scored by the generator: gen mb0 [0,2], score [2,4], gen mb1 [4,6] (update mb0 [4,7]),
+    score mb1 [6,8], update [8,11], step [11,11.5], sync [11.5,12]. On a scoring lane the
+    generator makes mb1 [2,4] while scorer-0 scores mb0 [2,4]; mb1 is scored [4,6] and
+    updated after mb0 [7,10]: the step ends a second earlier, and the lane takes no sync.
+    """
+    costs = Costs(gen=2, score=2, update=3, step=0.5, sync=0.5)
+    assert simulate(costs, 2, 1, 1, NoTAG()).makespan == 12.0
+    res = simulate(costs, 2, 1, 1, NoTAG(), score_overlap=True)
+    assert res.makespan == 11.0
+    assert timeline(res.events) == [
+        ("generate", "generator-0", 0, 0, 0, 0.0, 2.0),
+        ("generate", "generator-0", 0, 1, 0, 2.0, 4.0),
+        ("score", "scorer-0", 0, 0, 0, 2.0, 4.0),
+        ("update", "trainer-0", 0, 0, 0, 4.0, 7.0),
+        ("score", "scorer-0", 0, 1, 0, 4.0, 6.0),
+        ("update", "trainer-0", 0, 1, 0, 7.0, 10.0),
+        ("step", "trainer-0", 0, -1, 0, 10.0, 10.5),
+        ("sync", "generator-0", 0, -1, 1, 10.5, 11.0),
+        ("sync", "trainer-0", 0, -1, 1, 10.5, 11.0),
+    ]
+    # TAG-made micro-batches go to a lane too, ahead of the generator's own: the trainer
+    # makes mb1 while the generator makes mb0, both done at 2 s; the lane scores mb1 first
+    tagged = simulate(costs, 2, 1, 1, StaticTAG(1), score_overlap=True)
+    assert [
+        (e.kind, e.worker, e.mb, e.t0) for e in tagged.events if e.kind in ("tag", "score")
+    ] == [
+        ("tag", "trainer-0", 1, 0.0),
+        ("score", "scorer-0", 1, 2.0),
+        ("score", "scorer-0", 0, 4.0),
+    ]
+
+
 def test_one_generator_one_trainer_one_tag() -> None:
     """Same case with one TAG: the trainer makes mb1 [0,2]; it is scored after mb0."""
     res = simulate(HAND, 2, 1, 1, StaticTAG(1))
@@ -172,6 +207,14 @@ def test_ideal_bound() -> None:
     # work = 4 * (1 + 0.5 + 0.5) + 1 * 1 + 2 * 1 = 11 over 2 workers = 5.5; path = 4
     assert ideal_bound(c, 4, 1, 1) == 5.5
     assert ideal_bound(c, 1, 1, 1) == 4.0
+    # scoring on lanes: work = 4 * (1 + 0.5) + 1 + 2 = 9 over 2 = 4.5; the lane's 4 scores
+    # then an update, step and sync = 2 + 2.5 = 4.5; path = 4
+    assert ideal_bound(c, 4, 1, 1, score_overlap=True) == 4.5
+    slow = Costs(gen=1, gen_tag=2, score=2, update=0.5, step=1, sync=1)
+    assert ideal_bound(slow, 4, 1, 1, score_overlap=True) == 8 + 2.5  # the lane is the bound
+    # and no simulated schedule beats it
+    assert simulate(slow, 4, 1, 1, NoTAG(), score_overlap=True).makespan >= 10.5
+    assert simulate(c, 4, 1, 1, StaticTAG(2), score_overlap=True).makespan >= 4.5
 
 
 def random_costs(rng: random.Random) -> Costs:
@@ -180,7 +223,7 @@ def random_costs(rng: random.Random) -> Costs:
                  step=q(0, 1), sync=q(0, 1))  # fmt: skip
 
 
-def check_invariants(res, b: int, steps: int, g: int, t: int) -> None:
+def check_invariants(res, b: int, steps: int, g: int, t: int, overlap: bool = False) -> None:
     """Every micro-batch made, scored and updated once; no worker does two things at once."""
     gens = Counter((e.step, e.mb) for e in res.events if e.kind in ("generate", "tag"))
     scores = Counter((e.step, e.mb) for e in res.events if e.kind == "score")
@@ -188,11 +231,13 @@ def check_invariants(res, b: int, steps: int, g: int, t: int) -> None:
     every = Counter((s, m) for s in range(steps) for m in range(b))
     assert gens == scores == ups == every
     assert all(e.worker.startswith("trainer") for e in res.events if e.kind in ("tag", "update"))
-    assert all(e.worker.startswith("generator") for e in res.events if e.kind == "score")
+    scorer = "scorer" if overlap else "generator"
+    assert all(e.worker.startswith(scorer) for e in res.events if e.kind == "score")
     by_worker: dict[str, list[TraceEvent]] = {}
     for e in res.events:
         by_worker.setdefault(e.worker, []).append(e)
-    assert len(by_worker) == g + t
+    assert len(by_worker) == g + t + (len([w for w in by_worker if w.startswith("scorer")]))
+    assert all(int(w.split("-")[1]) < g for w in by_worker if w.startswith("scorer"))
     for evs in by_worker.values():
         for a, nxt in zip(evs, evs[1:]):
             assert nxt.t0 >= a.t1
@@ -216,16 +261,17 @@ def check_invariants(res, b: int, steps: int, g: int, t: int) -> None:
         assert res.step_ends[s] == max(e.t1 for e in sync_evs)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_runs_keep_the_invariants(seed: int) -> None:
+def test_random_runs_keep_the_invariants(seed: int, overlap: bool) -> None:
     rng = random.Random(seed)
     for _ in range(25):
         b, g, t = rng.randint(1, 12), rng.randint(1, 3), rng.randint(1, 3)
         steps = rng.randint(1, 3)
         pol = rng.choice([NoTAG(), StaticTAG(rng.randint(1, 4)), Recorder([True] * 50)])
         res = simulate(random_costs(rng), b, g, t, pol, steps=steps,
-                       mbs_per_group=rng.randint(1, 3))  # fmt: skip
-        check_invariants(res, b, steps, g, t)
+                       mbs_per_group=rng.randint(1, 3), score_overlap=overlap)  # fmt: skip
+        check_invariants(res, b, steps, g, t, overlap)
 
 
 def test_bad_arguments() -> None:

@@ -124,6 +124,28 @@ def test_bts_equals_brute_force_from_the_start(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_bts_equals_brute_force_with_scoring_overlapped(seed: int) -> None:
+    """Scoring on its own lanes: first bubbles and bubbles two steps deep (TCSS on)."""
+    rng = random.Random(3000 + seed)
+    checked = 0
+    for case in range(40):
+        b, g, t = rng.randint(1, 7), rng.randint(1, 3), rng.randint(1, 3)
+        c = random_costs(rng)
+        w, ratio = rng.choice([(0, 0.0), (1, 0.5)])
+        group = rng.choice([1, 2])
+        pol = Capture(case)
+        kw = dict(mbs_per_group=group, max_staleness=w, staleness_ratio=ratio, score_overlap=True)
+        simulate(c, b, g, t, pol, steps=2, **kw)
+        for st in rng.sample(pol.states, min(2, len(pol.states))):
+            assert len(st.scorers) == g
+            bf = brute_force(st, c)
+            res = search(st, c, node_limit=EXACT)
+            assert res.exact and res.makespan == bf.makespan, (case, st)
+            checked += 1
+    assert checked > 40
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_bts_equals_brute_force_mid_run_with_tcss(seed: int) -> None:
     """From bubbles deep in random two-step runs (TCSS on): the search sees stale work too."""
     rng = random.Random(2000 + seed)
