@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -482,6 +483,12 @@ def models() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Draw the BTS schedule to this PNG.",
 )
+@click.option(
+    "--score-overlap/--no-score-overlap",
+    default=True,
+    show_default=True,
+    help="Score beside generation on a lane per generator, as runs do by default.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr (--recommend).")
 def simulate(
@@ -503,6 +510,7 @@ def simulate(
     recommend: bool,
     devices: int | None,
     plot_path: Path | None,
+    score_overlap: bool,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -544,6 +552,7 @@ def simulate(
             mbs_per_group=mbs_per_group,
             max_staleness=max_staleness,
             staleness_ratio=staleness_ratio,
+            score_overlap=score_overlap,
         )
         if recommend:
             if devices is None:
@@ -582,6 +591,7 @@ def simulate(
                 BTS(),
                 steps=steps,
                 mbs_per_group=mbs_per_group,
+                score_overlap=score_overlap,
             )
             sc.plot_simulation(
                 res, plot_path, title=f"simulated BTS: G={generators} T={trainers} B={microbatches}"
@@ -633,6 +643,161 @@ def reward_server(reward: str, port: int, host: str, options_text: str | None) -
     except DigenError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+
+
+@main.command()
+@click.option(
+    "--quick", is_flag=True, help="A few minutes on a 2-core laptop: 64 px, 4 steps, 1 repeat."
+)
+@click.option("--model", default="flux", show_default=True, help=f"{_or(MODEL_NAMES)}.")
+@click.option("--algo", default="flowgrpo", show_default=True, help=f"{_or(ALGO_NAMES)}.")
+@click.option("--size", type=int, help="Image height and width in px [default: 128; --quick 64].")
+@click.option(
+    "--steps", type=int, help="Train steps a run; the first is warm-up [default: 8; --quick 4]."
+)
+@click.option(
+    "--repeats", type=int, help="Runs of every rung, interleaved [default: 3; --quick 1]."
+)
+@click.option(
+    "--workers",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Worker processes in every rung (disaggregated: generators + trainers).",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the results as JSON to this file.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Draw every rung's timeline and the speed-ups to this PNG.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep the runs' directories here [default: a temporary directory, removed].",
+)
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.argument("overrides", nargs=-1)
+def bench(
+    quick: bool,
+    model: str,
+    algo: str,
+    size: int | None,
+    steps: int | None,
+    repeats: int | None,
+    workers: int,
+    json_path: Path | None,
+    plot_path: Path | None,
+    out_dir: Path | None,
+    quiet: bool,
+    debug: bool,
+    overrides: tuple[str, ...],
+) -> None:
+    """Measure the ablation ladder on this machine: colocated (the best of the colocated
+    configurations), naive disaggregated, + pipelining, + GAP, + TSP, + TAG, + TCSS.
+
+    Every rung trains the same model, algorithm, batch and seed on the same worker processes;
+    repetitions are interleaved. OVERRIDES (key=value) apply to every rung.
+    """
+    _quiet_imports()
+    from digen.errors import DigenError
+
+    try:
+        settings = _bench_settings(
+            quick, model, algo, size, steps, repeats, workers, json_path, plot_path, overrides
+        )
+        from digen.runtime import bench as b
+
+        b.rung_configs(settings)  # a setting no rung allows fails here, before any run
+    except DigenError as exc:
+        click.echo(f"error: {str(exc).rstrip('.')}.", err=True)
+        sys.exit(2)
+    _quiet_progress_bars()
+
+    def say(text: str) -> None:
+        if not quiet:
+            click.echo(f"bench: {text}", err=True)
+
+    rungs = len(b.colocated_variants(settings)) + len(b.ladder(settings))
+    say(
+        f"{settings.model} / {settings.algo}, {settings.size} px, {settings.steps} steps, "
+        f"{rungs} runs x {settings.repeats} repeats on {settings.workers} workers"
+    )
+    try:
+        runs = b.run_bench(settings, out_dir=out_dir, progress=say)
+    except KeyboardInterrupt:
+        click.echo("interrupted.", err=True)
+        sys.exit(130)
+    except Exception as exc:
+        if debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        click.echo(f"error: {type(exc).__name__}: {first} (--debug shows the traceback)", err=True)
+        sys.exit(1)
+    command = (
+        f"digen bench --model {settings.model} --algo {settings.algo} --size {settings.size} "
+        f"--steps {settings.steps} --repeats {settings.repeats} --workers {settings.workers}"
+    )
+    command = " ".join([command, *(shlex.quote(o) for o in overrides)])
+    report = b.summarise(settings, runs, command=command)
+    click.echo(b.format_table(report))
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        say(f"wrote {json_path}")
+    if plot_path is not None:
+        b.plot_bench(report, runs, plot_path)
+        say(f"wrote {plot_path}")
+
+
+def _bench_settings(
+    quick, model, algo, size, steps, repeats, workers, json_path, plot_path, overrides
+):
+    """The bench's settings from its options, or one sentence (DigenError) on bad input."""
+    from digen.errors import DigenError
+    from digen.runtime.bench import QUICK, BenchSettings
+
+    if model not in MODEL_NAMES:
+        raise DigenError(f"--model {model!r} is not a model; choose {_or(MODEL_NAMES)}")
+    if algo not in ALGO_NAMES:
+        raise DigenError(f"--algo {algo!r} is not an algorithm; choose {_or(ALGO_NAMES)}")
+    base = dict(QUICK) if quick else {}
+    given = {"size": size, "steps": steps, "repeats": repeats}
+    values = {**base, **{k: v for k, v in given.items() if v is not None}}
+    for name, low in (("size", 16), ("steps", 2), ("repeats", 1)):
+        if name in values and values[name] < low:
+            why = " (the first step is warm-up and not counted)" if name == "steps" else ""
+            raise DigenError(
+                f"--{name} {values[name]} is not allowed: it must be at least {low}{why}"
+            )
+    if values.get("size", 16) % 16:
+        raise DigenError(f"--size {values['size']} is not allowed: it must be a multiple of 16")
+    if workers < 2:
+        raise DigenError(
+            f"--workers {workers} is not allowed: disaggregation needs at least 2 "
+            "(a generator and a trainer)"
+        )
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        if path is not None and not path.parent.is_dir():
+            raise DigenError(f"{flag} {path}: the directory '{path.parent}' does not exist")
+    if plot_path is not None and plot_path.suffix.lower() != ".png":
+        raise DigenError(f"--plot {plot_path} must name a .png file")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return BenchSettings(
+        model=model,
+        algo=algo,
+        workers=workers,
+        cores=max(1, cores or 1),
+        overrides=tuple(overrides),
+        **values,
+    )
 
 
 def _split_done():

@@ -319,15 +319,11 @@ class DigenRunner:
             raise
         finally:
             if outputs and len(trace):
-                trace.write_chrome(outputs.dir / "trace.json")
-                trace.save_jsonl(outputs.dir / "trace.jsonl")
-                _write_profile(trace, outputs.dir / "profile.json")
-                trace.plot_timeline(
-                    outputs.dir / "timeline.png",
-                    title=f"{cfg.model.name} / {cfg.algo.name} / {cfg.runtime.mode}",
-                )
+                _write_trace(trace, outputs.dir, cfg)
                 last = start + max(len(metrics) - 1, 0)
                 trackers.log_image("timeline", outputs.dir / "timeline.png", last)
+            elif not lead and len(trace):  # the lead merges it once every worker has ended
+                trace.save_jsonl(self.out_dir / _rank_trace_name(rank))
             trackers.close()
             if outputs:
                 (outputs.dir / _WORKERS_FILE).unlink(missing_ok=True)
@@ -360,7 +356,8 @@ class DigenRunner:
             from digen.runtime.driver import Driver
 
             rewards = self._reward_objects if self._reward_objects is not None else None
-            return Driver(self.cfg, rewards, self.prompts, trace, resume=ckpt)
+            notes = self.out_dir / "trainer.log"  # the workers' notes join the driver's
+            return Driver(self.cfg, rewards, self.prompts, trace, resume=ckpt, notes=notes)
         from digen.runtime.colocated import ColocatedTrainer, worker_config
 
         return ColocatedTrainer(
@@ -402,6 +399,7 @@ class DigenRunner:
                 p.join(timeout=60)
                 if p.is_alive():
                     p.kill()
+            _merge_rank_traces(self.out_dir, world, self.cfg)
         bad = [(r, p.exitcode) for r, p in enumerate(procs, start=1) if p.exitcode != 0]
         if bad:
             rank, code = bad[0]
@@ -417,6 +415,36 @@ class DigenRunner:
             "out_dir": str(self.out_dir),
             "checkpoint": self._checkpoint,
         }
+
+
+def _write_trace(trace: Trace, out_dir: Path, cfg: DigenConfig) -> None:
+    """The trace outputs of a run: Chrome trace, raw events, measured costs, timeline."""
+    trace.write_chrome(out_dir / "trace.json")
+    trace.save_jsonl(out_dir / "trace.jsonl")
+    _write_profile(trace, out_dir / "profile.json")
+    trace.plot_timeline(
+        out_dir / "timeline.png",
+        title=f"{cfg.model.name} / {cfg.algo.name} / {cfg.runtime.mode}",
+    )
+
+
+def _rank_trace_name(rank: int) -> str:
+    return f"trace-rank-{rank}.jsonl"
+
+
+def _merge_rank_traces(out_dir: Path, world: int, cfg: DigenConfig) -> None:
+    """Data-parallel: add the events of workers 1..W-1 (each left its own file) to the lead's
+    trace, so the run's trace, profile and timeline show every worker."""
+    parts = [out_dir / _rank_trace_name(r) for r in range(1, world)]
+    parts = [p for p in parts if p.is_file()]
+    lead = out_dir / "trace.jsonl"
+    if parts and lead.is_file():
+        trace = Trace.load_jsonl(lead)
+        for p in parts:
+            trace.extend(Trace.load_jsonl(p).events)
+        _write_trace(trace, out_dir, cfg)
+    for p in parts:
+        p.unlink()
 
 
 def _write_profile(trace: Trace, path: Path) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,31 @@ async def test_api_run_is_quiet_and_says_where_it_writes(
     log = [json.loads(line) for line in (result.out_dir / "trainer.log").read_text().splitlines()]
     notes = [e["text"] for e in log if e["event"] == "note"]
     assert len(notes) == 1 and "truncated" in notes[0], notes
+
+
+def test_disaggregated_workers_note_into_the_run_log(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Worker processes' notes (a prompt the text encoders truncate) go to trainer.log, one
+    per worker that encoded it and naming the worker, never to the terminal."""
+    prompts = tmp_path / "long.txt"
+    prompts.write_text(
+        "a very long prompt about a lighthouse on a rocky coast at dusk, waves, gulls\n"
+        "another long prompt about a red bicycle parked by a lamp post in the rain\n"
+    )
+    over = [*SMALL, "steps=1", f"data.prompts={prompts}", "runtime.generators=2"]
+    over += ["runtime.tag=none", "save_every=0"]
+    cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over)
+    capfd.readouterr()
+    asyncio.run(DigenRunner(cfg, out_dir=tmp_path / "out", progress=False).run())
+    err = capfd.readouterr().err
+    assert "truncated" not in err and "Token indices" not in err, err
+    log = [json.loads(x) for x in (tmp_path / "out" / "trainer.log").read_text().splitlines()]
+    notes = [e for e in log if e["event"] == "note"]
+    by = Counter(e.get("worker") for e in notes)
+    # both generators encoded a long prompt; each says so once (trainers take the embeddings)
+    assert by == {"generator-0": 1, "generator-1": 1}, notes
+    assert all("truncated" in e["text"] for e in notes)
 
 
 def test_data_parallel_equals_single_process(tmp_path: Path) -> None:

@@ -231,6 +231,8 @@ def ideal_bound(
     scores = 0.0 if score_overlap else b * costs.score
     work = b * (gen + costs.update) + scores + trainers * costs.step + n * costs.sync
     path = gen + costs.score + costs.update + costs.step + costs.sync
+    if not score_overlap:
+        return max(work / n, path)
     # the lanes: every score on them, then one update, the step and the sync after the last
     lanes = b * costs.score / generators + costs.update + costs.step + costs.sync
-    return max(work / n, path, lanes if score_overlap else 0.0)
+    return max(work / n, path, lanes)

@@ -42,7 +42,15 @@ from digen.sched.schedule import DRIVER, Pool, TaskKind, index_of, pool_of
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["KINDS", "KIND_COLOURS", "StepUsage", "Trace", "TraceEvent"]
+__all__ = [
+    "KINDS",
+    "KIND_COLOURS",
+    "StepUsage",
+    "Trace",
+    "TraceEvent",
+    "device_of",
+    "union_length",
+]
 
 KINDS: tuple[str, ...] = tuple(TaskKind)
 """Task kinds (:class:`~digen.sched.schedule.TaskKind`); ``tag`` is a generation run on a
@@ -265,7 +273,7 @@ class Trace:
             w = e.worker if e.worker in per_worker else device_of(e.worker)
             if w in per_worker:
                 per_worker[w].append((e.t0, e.t1))
-        busy = {w: _union_length(iv) for w, iv in per_worker.items()}
+        busy = {w: union_length(iv) for w, iv in per_worker.items()}
         total = sum(busy.values())
         critical = max(busy.values())
         ideal = max(total / len(counted), critical)
@@ -473,7 +481,7 @@ def _worker_key(name: str) -> tuple[int, int, tuple[tuple[int, int, str], ...]]:
     return 3, 0, parts
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by a set of intervals (overlaps count once)."""
     total = 0.0
     cur_a = cur_b = None

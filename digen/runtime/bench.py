@@ -1,0 +1,625 @@
+"""``digen bench``: the runtime's ablation ladder, measured on this machine.
+
+Every rung trains the same model, algorithm, batch and seed on the same number of worker
+processes (``workers``, two by default), one step at a time:
+
+1. **colocated**: the fastest of the colocated configurations a user would try on these
+   resources (one process with every core's thread; ``workers`` data-parallel processes of
+   ``cores / workers`` threads each); the others are reported beside it;
+2. **naive disaggregated**: one pool generates the whole step, then the other trains on it;
+3. **+ pipelining** (prompt axis): updates start as soon as a group is scored;
+4. **+ GAP**: a group's samples are spread over the generators (the generation axis);
+5. **+ TSP**: trainers batch two timesteps per forward/backward;
+6. **+ TAG**: bubble-triggered search puts idle trainers to generating;
+7. **+ TCSS**: up to half a step's micro-batches may be made one policy version early.
+
+Repetitions are interleaved (every rung once, then every rung again), so a machine that
+drifts (thermals, a neighbour's job) slows all rungs alike. Per rung, from the steps after
+the first (the first pays for warm-up): median and spread of the step time, samples per
+second, speed-ups, utilisation per pool from the run's trace, the bubble fraction, the
+measured step over the ideal bound (``max(total work / workers, critical path)`` from the
+run's own task costs) and the step time the simulator predicts from those same costs.
+
+The measuring (:func:`run_bench`) is separate from the reporting (:func:`format_table`,
+:func:`plot_bench`), and :func:`summarise` is a pure function of the measured runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from digen.sched.schedule import DRIVER, Pool, TaskKind, pool_of
+from digen.sched.trace import KIND_COLOURS, KINDS, Trace, TraceEvent, device_of, union_length
+
+__all__ = [
+    "BenchSettings",
+    "Rung",
+    "RunMeasure",
+    "colocated_variants",
+    "format_table",
+    "ladder",
+    "plot_bench",
+    "QUICK",
+    "rung_configs",
+    "run_bench",
+    "summarise",
+]
+
+COLOCATED = "colocated"
+NAIVE = "naive"
+
+
+@dataclass(frozen=True, slots=True)
+class Rung:
+    """One configuration of the ladder."""
+
+    key: str
+    """Short id (``colocated``, ``naive``, ``pipeline``, ``gap``, ``tsp``, ``tag``, ``tcss``;
+    a colocated variant: ``colocated-<processes>x<threads>``)."""
+    name: str
+    """What the table calls it."""
+    mode: str
+    """``colocated`` or ``disaggregated``."""
+    overrides: tuple[str, ...]
+    """Config overrides on top of the preset and the bench's shared settings."""
+    threads: int | None = None
+    """Colocated: torch threads of the lead process (this one) while the rung runs."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchSettings:
+    """What every rung shares."""
+
+    model: str = "flux"
+    algo: str = "flowgrpo"
+    size: int = 128
+    """Image height and width in pixels."""
+    steps: int = 8
+    """Train steps per run; the first is warm-up and not counted."""
+    repeats: int = 3
+    """Runs of every rung, interleaved."""
+    workers: int = 2
+    """Worker processes in every rung (colocated: data-parallel processes at most;
+    disaggregated: generators + trainers)."""
+    cores: int = 2
+    """CPU threads available in all (one process with all of them is a colocated variant)."""
+    overrides: tuple[str, ...] = ()
+    """The user's own config overrides, applied to every rung before the rung's own."""
+
+    @property
+    def generators(self) -> int:
+        return self.workers - self.workers // 2
+
+    @property
+    def trainers(self) -> int:
+        return self.workers // 2
+
+    @property
+    def threads_per_worker(self) -> int:
+        """Threads of each of ``workers`` processes: the cores shared out evenly."""
+        return max(1, self.cores // self.workers)
+
+
+QUICK: dict[str, int] = {"size": 64, "steps": 4, "repeats": 1}
+"""``--quick``: a few minutes on a two-core laptop (tiny flavour, 64 px, 4 steps, once)."""
+
+
+def colocated_variants(s: BenchSettings) -> list[Rung]:
+    """The colocated configurations a user would try with ``s.cores`` threads and up to
+    ``s.workers`` processes: one process with every thread, and ``workers`` data-parallel
+    processes sharing the threads out (data-parallel workers after the first run with
+    one thread each: :func:`digen.runner._dp_worker`)."""
+    one = Rung(
+        f"colocated-1x{s.cores}",
+        f"colocated, 1 process x {s.cores} threads",
+        COLOCATED,
+        ("train.num_devices=1",),
+        threads=s.cores,
+    )
+    out = [one]
+    if s.workers > 1:
+        out.append(
+            Rung(
+                f"colocated-{s.workers}x1",
+                f"colocated, {s.workers} processes x 1 thread",
+                COLOCATED,
+                (f"train.num_devices={s.workers}",),
+                threads=1,
+            )
+        )
+    return out
+
+
+def ladder(s: BenchSettings) -> list[Rung]:
+    """Rungs 2-7: disaggregated, each adding one technique to the one before."""
+    shared = (
+        f"runtime.generators={s.generators}",
+        f"runtime.trainers={s.trainers}",
+        f"runtime.threads_per_worker={s.threads_per_worker}",
+    )
+    steps = [
+        (
+            NAIVE,
+            "naive disaggregated",
+            ("runtime.pipeline=false", "runtime.tag=none", "runtime.microbatch_axis=prompt"),
+        ),
+        (
+            "pipeline",
+            "+ pipelining (prompt axis)",
+            ("runtime.pipeline=true", "runtime.tag=none", "runtime.microbatch_axis=prompt"),
+        ),
+        (
+            "gap",
+            "+ GAP (generation axis)",
+            ("runtime.tag=none", "runtime.microbatch_axis=generation"),
+        ),
+        ("tsp", "+ TSP (2 timesteps a pass)", ("runtime.tag=none", "runtime.tsp_degree=2")),
+        ("tag", "+ TAG (BTS)", ("runtime.tag=bts",)),
+        (
+            "tcss",
+            "+ TCSS (W=1, ratio 0.5)",
+            ("runtime.max_staleness=1", "runtime.staleness_ratio=0.5"),
+        ),
+    ]
+    rungs, acc = [], list(shared)
+    for key, name, extra in steps:
+        acc = _replace_keys(acc, extra)
+        rungs.append(Rung(key, name, "disaggregated", tuple(acc)))
+    return rungs
+
+
+def _replace_keys(base: Sequence[str], extra: Sequence[str]) -> list[str]:
+    """``base`` overrides with ``extra``'s keys set to ``extra``'s values."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    return [b for b in base if b.split("=", 1)[0] not in keys] + list(extra)
+
+
+def rung_configs(s: BenchSettings) -> dict[str, Any]:
+    """Every rung's resolved config, key -> DigenConfig (a bad setting fails here, before
+    anything runs, with the config's own one-sentence error)."""
+    from digen.config import load_config
+    from digen.presets import preset
+
+    shared = [
+        f"steps={s.steps}",
+        "save_every=0",  # a checkpoint only at the end, outside every timed step
+        f"model.height={s.size}",
+        f"model.width={s.size}",
+        "train.mini_batch_size=null",  # one optimizer step per train step in every rung
+        *s.overrides,
+    ]
+    out = {}
+    for rung in [*colocated_variants(s), *ladder(s)]:
+        base = preset(s.model, s.algo, mode=rung.mode)
+        out[rung.key] = load_config(base=base, overrides=[*shared, *rung.overrides])
+    return out
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RunMeasure:
+    """What one run of one rung measured (steps after the first only)."""
+
+    key: str
+    repeat: int
+    step_times_s: list[float]
+    """From one step's end to the next (:func:`step_ends`)."""
+    reported_step_times_s: list[float]
+    """The metrics rows' ``step_time_s``."""
+    samples_per_step: int
+    utilization: dict[str, float]
+    """Per pool: busy time / (the pool's workers x the window), over the steps after the first."""
+    bubble_fraction: float
+    """1 - busy time of every worker / (workers x the window)."""
+    costs: dict[str, float]
+    """Per-task costs measured in this run (seconds; per micro-batch, per step for step/sync)."""
+    ideal_bound_s: float
+    predicted_step_time_s: float
+    wall_s: float
+    """The whole run, processes' start-up included."""
+    events: list[TraceEvent] = field(default_factory=list, repr=False)
+
+
+def measure_run(rung: Rung, cfg: Any, out_dir: Path, repeat: int) -> RunMeasure:
+    """Run ``cfg`` into ``out_dir`` and measure it."""
+    import torch
+
+    from digen.runner import DigenRunner
+
+    before = torch.get_num_threads()
+    if rung.threads is not None:
+        torch.set_num_threads(rung.threads)
+    t0 = time.perf_counter()
+    try:
+        runner = DigenRunner(cfg, out_dir=out_dir, progress=False, save_weights=False)
+        runner._samples_at = _never  # the bench times steps, not sample grids
+        result = asyncio.run(runner.run())
+    finally:
+        torch.set_num_threads(before)
+    wall = time.perf_counter() - t0
+    rows = result.metrics
+    trace = Trace.load_jsonl(out_dir / "trace.jsonl")
+    return analyse(rung, cfg, rows, trace, repeat=repeat, wall_s=wall)
+
+
+def _never(step: int) -> bool:
+    return False
+
+
+def analyse(
+    rung: Rung, cfg: Any, rows: list[dict[str, Any]], trace: Trace, *, repeat: int, wall_s: float
+) -> RunMeasure:
+    """Measure a finished run from its metrics rows and trace (no processes)."""
+    counted = rows[1:] or rows  # the first step pays for warm-up
+    events = [e for e in trace.events if e.worker != DRIVER]
+    first = counted[0]["step"]
+    util, bubble = utilisation(events, first)
+    costs, bound, predicted = _bound_and_prediction(rung, cfg, events, first)
+    ends = step_ends(events)
+    # step time = from one step's end to the next in the trace, the same rule in every mode
+    # (metrics' step_time_s starts a disaggregated step after the previous step's callbacks
+    # while its workers keep going, a colocated step only when the next step starts)
+    times = [ends[r["step"]] - ends[r["step"] - 1] for r in counted if r["step"] - 1 in ends]
+    return RunMeasure(
+        key=rung.key,
+        repeat=repeat,
+        step_times_s=times or [float(r["step_time_s"]) for r in counted],
+        reported_step_times_s=[float(r["step_time_s"]) for r in counted],
+        samples_per_step=int(counted[0]["samples"]),
+        utilization=util,
+        bubble_fraction=bubble,
+        costs=costs,
+        ideal_bound_s=bound,
+        predicted_step_time_s=predicted,
+        wall_s=wall_s,
+        events=trace.events,
+    )
+
+
+def step_ends(events: Sequence[TraceEvent]) -> dict[int, float]:
+    """Per step, when it ended: its last optimizer step or weight sync, else its last task."""
+    last: dict[int, float] = {}
+    closing: dict[int, float] = {}
+    for e in events:
+        last[e.step] = max(last.get(e.step, e.t1), e.t1)
+        if e.kind in (TaskKind.STEP, TaskKind.SYNC):
+            closing[e.step] = max(closing.get(e.step, e.t1), e.t1)
+    return {s: closing.get(s, last[s]) for s in sorted(last)}
+
+
+def utilisation(events: Sequence[TraceEvent], first: int) -> tuple[dict[str, float], float]:
+    """Per pool, busy time / (the pool's workers x wall), and the bubble fraction over every
+    worker, in the window from the end of step ``first - 1`` to the end of the last step.
+
+    Busy time is the union of a worker process's task intervals clipped to the window (its
+    overlapping tasks count once, a scoring lane's with its generator's; work of a later step
+    run early, as TCSS does, counts where it ran).
+    """
+    ends = step_ends(events)
+    if not ends:
+        return {}, float("nan")
+    lo = ends.get(first - 1, min(e.t0 for e in events))
+    hi = ends[max(ends)]
+    wall = hi - lo
+    by_worker: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        by_worker.setdefault(device_of(e.worker), [])
+        a, b = max(e.t0, lo), min(e.t1, hi)
+        if b > a:
+            by_worker[device_of(e.worker)].append((a, b))
+    busy = {w: union_length(iv) for w, iv in by_worker.items()}
+    pools: dict[str, list[float]] = {}
+    for w, b in busy.items():
+        pools.setdefault(pool_of(w), []).append(b)
+    if wall <= 0:
+        return {p: 1.0 for p in pools}, 0.0
+    util = {p: min(1.0, sum(b) / (len(b) * wall)) for p, b in pools.items()}
+    total = min(1.0, sum(busy.values()) / (len(busy) * wall))
+    return util, 1.0 - total
+
+
+def _bound_and_prediction(
+    rung: Rung, cfg: Any, events: Sequence[TraceEvent], first: int
+) -> tuple[dict[str, float], float, float]:
+    """The run's measured costs (means over the counted steps' tasks), the ideal bound of a
+    step from them, and the predicted step time.
+
+    Disaggregated: :func:`~digen.sched.simulator.simulate_config` replays the run's config
+    with its costs. Colocated: every worker generates, scores and updates its share of the
+    step's micro-batches, then steps the optimizer, so the prediction is
+    ``micro-batches x (generate + score + update) / workers + step``.
+    """
+    from digen.sched.costs import OnlineProfiler
+    from digen.sched.simulator import ideal_bound, simulate_config
+
+    counted = [e for e in events if e.step >= first]
+    prof = OnlineProfiler(method="window", window=1_000_000)  # plain means
+    prof.observe_all(counted)
+    if not prof.ready():
+        prof.observe_all(events)
+    costs = prof.costs()
+    if rung.mode == COLOCATED:
+        world = cfg.train.num_devices
+        samples = cfg.data.train_batch_size * cfg.rollout.n
+        mbs = -(-samples // world // cfg.train.micro_batch_size) * world  # chunks of a step
+        # a colocated worker scores its whole share at once: one score event per step
+        score = costs.score * world / mbs
+        costs = type(costs)(**{**costs.to_dict(), "score": score})
+        chain = costs.gen + costs.score + costs.update
+        predicted = mbs * chain / world + costs.step
+        # ideal_bound's rule with every worker in both roles: all work shared, or one chain
+        bound = max(predicted, chain + costs.step)
+        return costs.to_dict(), bound, predicted
+    from digen.config import step_microbatches, trainer_slots
+
+    mbs = len(step_microbatches(cfg, 0))
+    rt = cfg.runtime
+    bound = ideal_bound(
+        costs, mbs, rt.generators, trainer_slots(cfg), score_overlap=rt.score_overlap
+    )
+    sim = simulate_config(cfg, costs, steps=cfg.steps)
+    times = sim.step_times[first:] or sim.step_times
+    return costs.to_dict(), bound, statistics.median(times)
+
+
+def run_bench(
+    s: BenchSettings,
+    *,
+    out_dir: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, list[RunMeasure]]:
+    """Run every rung ``s.repeats`` times, interleaved; key -> its runs, in ladder order.
+
+    Run directories go under ``out_dir`` (``r<repeat>-<key>``), or a temporary directory
+    that is removed afterwards.
+    """
+    cfgs = rung_configs(s)
+    rungs = [*colocated_variants(s), *ladder(s)]
+    say = progress or (lambda text: None)
+    root = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="digen-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[RunMeasure]] = {r.key: [] for r in rungs}
+    try:
+        for rep in range(s.repeats):
+            for i, rung in enumerate(rungs, 1):
+                say(f"repeat {rep + 1}/{s.repeats}, run {i}/{len(rungs)}: {rung.name} ...")
+                run_dir = root / f"r{rep + 1}-{rung.key}"
+                if run_dir.exists():
+                    shutil.rmtree(run_dir)
+                m = measure_run(rung, cfgs[rung.key], run_dir, rep)
+                runs[rung.key].append(m)
+                say(
+                    f"  {statistics.median(m.step_times_s):.3f} s a step "
+                    f"({m.wall_s:.1f} s with start-up)"
+                )
+    finally:
+        if out_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    return runs
+
+
+# --- reporting ------------------------------------------------------------------------------
+
+
+def summarise(
+    s: BenchSettings, runs: dict[str, list[RunMeasure]], *, command: str | None = None
+) -> dict[str, Any]:
+    """The bench's JSON: ``modes`` (rungs 1-7, rung 1 the fastest colocated variant),
+    ``colocated_variants`` (every one tried), settings, machine and command."""
+    variants = colocated_variants(s)
+    rows = {r.key: _row(r, runs[r.key]) for r in [*variants, *ladder(s)]}
+    best = min((v.key for v in variants), key=lambda k: rows[k]["step_time_s"])
+    colocated = rows[best]["step_time_s"]
+    naive = rows[NAIVE]["step_time_s"]
+    for row in rows.values():
+        row["speedup_vs_colocated"] = colocated / row["step_time_s"]
+        row["speedup_vs_naive"] = naive / row["step_time_s"]
+    first = dict(rows[best], name="colocated (best variant)", key=COLOCATED, variant=best)
+    modes = [first, *(rows[r.key] for r in ladder(s))]
+    for i, m in enumerate(modes, 1):
+        m["rung"] = i
+    return {
+        "modes": modes,
+        "colocated_variants": [dict(rows[v.key], chosen=v.key == best) for v in variants],
+        "settings": asdict(s),
+        "machine": machine_info(),
+        "command": command if command is not None else " ".join(sys.argv),
+        "argv": list(sys.argv),
+    }
+
+
+def _row(rung: Rung, runs: list[RunMeasure]) -> dict[str, Any]:
+    times = [t for m in runs for t in m.step_times_s]
+    step = statistics.median(times)
+    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [step] * 3
+    pools = sorted({p for m in runs for p in m.utilization})
+    predicted = statistics.median(m.predicted_step_time_s for m in runs)
+    bound = statistics.median(m.ideal_bound_s for m in runs)
+    return {
+        "name": rung.name,
+        "key": rung.key,
+        "mode": rung.mode,
+        "overrides": list(rung.overrides),
+        "threads": rung.threads,
+        "step_time_s": step,
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+        "step_time_iqr_s": [q[0], q[2]],
+        "step_times_s": times,
+        "reported_step_time_s": statistics.median(t for m in runs for t in m.reported_step_times_s),
+        "samples_per_s": runs[0].samples_per_step / step,
+        "utilization": {
+            p: statistics.median(m.utilization[p] for m in runs if p in m.utilization)
+            for p in pools
+        },
+        "bubble_fraction": statistics.median(m.bubble_fraction for m in runs),
+        "ideal_bound_s": bound,
+        "bound_ratio": step / bound if bound > 0 else float("nan"),
+        "predicted_step_time_s": predicted,
+        "prediction_error": (predicted - step) / step,
+        "prediction": (
+            "micro-batches x (generate + score + update) / workers + step, from the run's costs"
+            if rung.mode == COLOCATED
+            else "simulate_config with the run's costs"
+        ),
+        "costs": {k: statistics.median(m.costs[k] for m in runs) for k in runs[0].costs},
+        "repeats": len(runs),
+        "run_wall_s": [m.wall_s for m in runs],
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    return {
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.is_available(),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The ladder as a markdown table (the colocated variants not chosen as extra rows)."""
+    head = (
+        "| rung | step s median [min-max] | samples/s | vs colocated | vs naive "
+        "| util gen / trainer | bubble % | bound ratio | predicted s | pred error % |"
+    )
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    extra = [v for v in report["colocated_variants"] if not v["chosen"]]
+    for m in report["modes"]:
+        label = f"{m['rung']}. {m['name']}"
+        if m["key"] == COLOCATED:
+            chosen = next(v for v in report["colocated_variants"] if v["chosen"])
+            label += f": {chosen['name'].removeprefix('colocated, ')}"
+        lines.append(_table_line(label, m))
+    for v in extra:
+        lines.append(_table_line(f"({v['name']})", v))
+    return "\n".join(lines)
+
+
+def _table_line(label: str, m: dict[str, Any]) -> str:
+    u = m["utilization"]
+    if Pool.GENERATOR in u or Pool.TRAINER in u:
+        util = (
+            f"{u.get(Pool.GENERATOR, float('nan')):.2f} / {u.get(Pool.TRAINER, float('nan')):.2f}"
+        )
+    else:  # colocated: every worker does both jobs
+        util = " / ".join(f"{v:.2f}" for v in u.values()) + " (both)"
+    return (
+        f"| {label} | {m['step_time_s']:.3f} [{m['step_time_min_s']:.3f}-{m['step_time_max_s']:.3f}]"
+        f" | {m['samples_per_s']:.1f} | {m['speedup_vs_colocated']:.2f}x"
+        f" | {m['speedup_vs_naive']:.2f}x | {util} | {100 * m['bubble_fraction']:.0f}"
+        f" | {m['bound_ratio']:.2f} | {m['predicted_step_time_s']:.3f}"
+        f" | {100 * m['prediction_error']:+.0f} |"
+    )
+
+
+def plot_bench(
+    report: dict[str, Any],
+    runs: dict[str, list[RunMeasure]],
+    path: str | os.PathLike[str],
+    *,
+    dpi: int = 100,
+) -> Path:
+    """One picture: every rung's timeline (its last run) on one shared time axis, one panel
+    per rung, and a bar chart of the speed-ups over colocated and over naive."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    modes = report["modes"]
+    traces = []
+    for m in modes:
+        key = m.get("variant", m["key"])
+        traces.append([e for e in runs[key][-1].events if e.worker != DRIVER])
+    lanes = [sorted({e.worker for e in evs}, key=_lane_key) for evs in traces]
+    heights = [max(1, len(ln)) for ln in lanes] + [max(3, len(modes) // 2)]
+    fig = Figure(figsize=(16, 1.0 + 0.45 * sum(heights)), dpi=dpi)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(heights), 1, gridspec_kw={"height_ratios": heights})
+    span = max(
+        (max(e.t1 for e in evs) - min(e.t0 for e in evs) for evs in traces if evs), default=1.0
+    )
+    for ax, m, evs, names in zip(axes[:-1], modes, traces, lanes, strict=True):
+        _draw_lanes(ax, evs, names, span)
+        ax.set_title(
+            f"{m['rung']}. {m['name']}: {m['step_time_s']:.3f} s a step", loc="left", fontsize=9
+        )
+        ax.set_xlim(0, span)
+        if ax is not axes[-2]:
+            ax.tick_params(labelbottom=False)
+    axes[-2].set_xlabel("seconds from the run's first task")
+    ax = axes[-1]
+    x = range(len(modes))
+    width = 0.4
+    ax.bar(
+        [i - width / 2 for i in x],
+        [m["speedup_vs_colocated"] for m in modes],
+        width,
+        label="vs colocated",
+        color="#1f77b4",
+    )
+    ax.bar(
+        [i + width / 2 for i in x],
+        [m["speedup_vs_naive"] for m in modes],
+        width,
+        label="vs naive",
+        color="#ff7f0e",
+    )
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(list(x), labels=[f"{m['rung']}. {m['name']}" for m in modes], fontsize=8)
+    ax.set_ylabel("speed-up")
+    ax.legend(fontsize=8, loc="upper left", frameon=False)
+    handles = [Patch(facecolor=KIND_COLOURS[k], label=k) for k in KINDS]
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=dpi)
+    os.replace(tmp, out)
+    return out
+
+
+def _lane_key(worker: str) -> tuple[int, str]:
+    order = {Pool.GENERATOR: 0, Pool.TRAINER: 1}
+    return order.get(pool_of(worker), 2), worker
+
+
+def _draw_lanes(ax: Any, events: list[TraceEvent], workers: list[str], span: float) -> None:
+    """One lane per worker, tasks coloured by kind (short tasks drawn a few pixels wide)."""
+    start = min((e.t0 for e in events), default=0.0)
+    lane = {w: i for i, w in enumerate(workers)}
+    shortest = span * 0.002
+    bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for e in events:
+        bars.setdefault((e.worker, e.kind), []).append((e.t0 - start, max(e.duration, shortest)))
+    for kind in KINDS:
+        for w in workers:
+            if (w, kind) in bars:
+                ax.broken_barh(
+                    bars[(w, kind)], (lane[w] - 0.4, 0.8), facecolors=KIND_COLOURS[kind], lw=0
+                )
+    for end in step_ends(events).values():
+        ax.axvline(end - start, color="black", ls="--", lw=0.8)
+    ax.set_yticks(range(len(workers)), labels=workers, fontsize=8)
+    ax.set_ylim(len(workers) - 0.5, -0.5)

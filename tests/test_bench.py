@@ -1,0 +1,113 @@
+"""`digen bench`: the ladder's JSON is complete and consistent with itself, bad options are
+one sentence. Speed is never asserted here (docs/BENCHMARKS.md holds the measured ladder)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from digen.runtime.bench import utilisation
+from digen.sched.trace import Trace, TraceEvent
+
+RUNGS = ["colocated", "naive", "pipeline", "gap", "tsp", "tag", "tcss"]
+WORDS = ["colocated", "naive", "pipelining", "GAP", "TSP", "TAG", "TCSS"]
+
+
+@pytest.mark.slow
+def test_bench_quick_json_is_complete_and_consistent(tmp_path: Path) -> None:
+    report_path, plot_path, runs = (
+        tmp_path / "bench.json",
+        tmp_path / "bench.png",
+        tmp_path / "runs",
+    )
+    args = ["bench", "--quick", "--size", "32", "--steps", "2", "--quiet"]
+    args += ["--json", str(report_path), "--plot", str(plot_path), "--out", str(runs)]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    report = json.loads(report_path.read_text())
+    modes = report["modes"]
+
+    assert [m["key"] for m in modes] == RUNGS
+    assert [m["rung"] for m in modes] == list(range(1, 8))
+    for m, word in zip(modes, WORDS, strict=True):
+        assert word in m["name"]
+    colocated, naive = modes[0]["step_time_s"], modes[1]["step_time_s"]
+    for m in modes:
+        assert m["step_time_s"] > 0
+        assert m["step_time_min_s"] <= m["step_time_s"] <= m["step_time_max_s"]
+        assert m["speedup_vs_colocated"] == pytest.approx(colocated / m["step_time_s"])
+        assert m["speedup_vs_naive"] == pytest.approx(naive / m["step_time_s"])
+        assert m["samples_per_s"] == pytest.approx(16 / m["step_time_s"])  # 2 prompts x 8
+        assert m["utilization"] and all(0.0 <= u <= 1.0 for u in m["utilization"].values())
+        assert 0.0 <= m["bubble_fraction"] <= 1.0
+        assert m["bound_ratio"] > 0
+        assert m["bound_ratio"] == pytest.approx(m["step_time_s"] / m["ideal_bound_s"])
+        assert m["predicted_step_time_s"] > 0
+        expect = (m["predicted_step_time_s"] - m["step_time_s"]) / m["step_time_s"]
+        assert m["prediction_error"] == pytest.approx(expect)
+    for m in modes[1:]:
+        assert set(m["utilization"]) == {"generator", "trainer"}
+    assert set(modes[0]["utilization"]) == {"worker"}  # colocated workers do both jobs
+
+    # rung 1 is the fastest colocated variant; every variant is reported
+    variants = report["colocated_variants"]
+    assert len(variants) == 2 and sum(v["chosen"] for v in variants) == 1
+    best = next(v for v in variants if v["chosen"])
+    assert best["step_time_s"] == colocated == min(v["step_time_s"] for v in variants)
+    assert modes[0]["variant"] == best["key"]
+    assert report["machine"]["cores"] >= 1 and report["machine"]["torch"]
+    assert report["command"].startswith("digen bench")
+
+    # the data-parallel colocated run traces every worker, not only the first
+    trace = Trace.load_jsonl(runs / "r1-colocated-2x1" / "trace.jsonl")
+    assert {"worker-0", "worker-1"} <= set(trace.workers())
+    assert not list((runs / "r1-colocated-2x1").glob("trace-rank-*"))
+
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = [line for line in res.output.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 + 7 + 1  # header, rule, 7 rungs, the other colocated variant
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "1"], "--steps 1"),
+        (["--size", "40"], "--size 40"),
+        (["--repeats", "0"], "--repeats 0"),
+        (["--model", "nope"], "--model 'nope'"),
+        (["--algo", "nope"], "--algo 'nope'"),
+        (["--workers", "1"], "--workers 1"),
+        (["--plot", "timeline.jpg"], ".png"),
+        (["--json", "no/such/dir/out.json"], "does not exist"),
+        (["runtime.tsp_degree=0"], "runtime.tsp_degree"),
+    ],
+)
+def test_bad_options_are_one_sentence_and_exit_2(args: list[str], message: str) -> None:
+    res = CliRunner().invoke(main, ["bench", "--quick", *args])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    assert lines[0].endswith(".")
+
+
+def _ev(kind: str, worker: str, step: int, t0: float, t1: float) -> TraceEvent:
+    return TraceEvent(kind, worker, step, 0, step, t0, t1)
+
+
+def test_utilisation_counts_the_steps_after_the_first_per_pool() -> None:
+    events = [
+        _ev("generate", "generator-0", 0, 0.0, 1.0),
+        _ev("update", "trainer-0", 0, 1.0, 2.0),
+        _ev("step", "trainer-0", 0, 2.0, 2.0),  # step 0 ends at 2.0: the window starts there
+        _ev("generate", "generator-0", 1, 2.0, 3.0),
+        _ev("score", "generator-0", 1, 2.5, 3.5),  # overlaps its own generate: counted once
+        _ev("update", "trainer-0", 1, 3.5, 4.0),
+        _ev("step", "trainer-0", 1, 4.0, 4.0),
+    ]
+    util, bubble = utilisation(events, first=1)
+    assert util == pytest.approx({"generator": 0.75, "trainer": 0.25})
+    assert bubble == pytest.approx(0.5)
