@@ -60,7 +60,7 @@ Devices = list[str] | None
 """A pool's devices (the loader also takes one comma-separated string)."""
 # Names resolved by digen.algos.rewards without an import (kept here so loading a config
 # needs no torch); a test keeps the two lists equal.
-BUILTIN_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility", "ocr", "http")
+BUILTIN_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility", "ocr", "clip", "http")
 
 
 # --------------------------------------------------------------------------- messages

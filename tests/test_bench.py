@@ -44,6 +44,7 @@ def test_bench_quick_json_is_complete_and_consistent(tmp_path: Path) -> None:
         assert m["samples_per_s"] == pytest.approx(16 / m["step_time_s"])  # 2 prompts x 8
         assert m["utilization"] and all(0.0 <= u <= 1.0 for u in m["utilization"].values())
         assert 0.0 <= m["bubble_fraction"] <= 1.0
+        assert m["overhead_fraction"] >= 0.0
         assert m["bound_ratio"] > 0
         assert m["bound_ratio"] == pytest.approx(m["step_time_s"] / m["ideal_bound_s"])
         assert m["predicted_step_time_s"] > 0
@@ -52,6 +53,8 @@ def test_bench_quick_json_is_complete_and_consistent(tmp_path: Path) -> None:
     for m in modes[1:]:
         assert set(m["utilization"]) == {"generator", "trainer"}
     assert set(modes[0]["utilization"]) == {"worker"}  # colocated workers do both jobs
+    assert modes[0]["overhead_fraction"] == 0.0  # no calls between processes to pay for
+    assert all(m["overhead_fraction"] > 0.0 for m in modes[1:])
 
     # rung 1 is the fastest colocated variant; every variant is reported
     variants = report["colocated_variants"]

@@ -117,7 +117,10 @@ BUILTIN_REWARDS: dict[str, RewardHook] = {
 }
 
 
-_NAMED_CLASSES = {"ocr": "digen.algos.ocr:OcrReward"}
+_NAMED_CLASSES = {
+    "ocr": "digen.algos.ocr:OcrReward",
+    "clip": "digen.algos.clip_score:ClipScore",
+}
 """Built-in rewards that are classes in modules of their own (imported when named)."""
 REWARD_NAMES = (*BUILTIN_REWARDS, *_NAMED_CLASSES, "http")
 """Every reward a config can name without a module path (``http``: a reward server's)."""

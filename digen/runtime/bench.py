@@ -231,6 +231,10 @@ class RunMeasure:
     predicted_step_time_s: float
     wall_s: float
     """The whole run, processes' start-up included."""
+    overhead_fraction: float = 0.0
+    """Disaggregated: time calls spent outside the actors' own work (RPC, pickling, the
+    driver's loop) over the work itself, the median of the counted steps' metrics; 0 for
+    colocated runs, which make no calls."""
     events: list[TraceEvent] = field(default_factory=list, repr=False)
 
 
@@ -268,7 +272,7 @@ def analyse(
     events = [e for e in trace.events if e.worker != DRIVER]
     first = counted[0]["step"]
     util, bubble = utilisation(events, first)
-    costs, bound, predicted = _bound_and_prediction(rung, cfg, events, first)
+    costs, bound, predicted = _bound_and_prediction(rung, cfg, events, first, counted)
     ends = step_ends(events)
     # step time = from one step's end to the next in the trace, the same rule in every mode
     # (metrics' step_time_s starts a disaggregated step after the previous step's callbacks
@@ -286,6 +290,9 @@ def analyse(
         ideal_bound_s=bound,
         predicted_step_time_s=predicted,
         wall_s=wall_s,
+        overhead_fraction=statistics.median(
+            float(r.get("overhead_fraction", 0.0)) for r in counted
+        ),
         events=trace.events,
     )
 
@@ -333,13 +340,19 @@ def utilisation(events: Sequence[TraceEvent], first: int) -> tuple[dict[str, flo
 
 
 def _bound_and_prediction(
-    rung: Rung, cfg: Any, events: Sequence[TraceEvent], first: int
+    rung: Rung,
+    cfg: Any,
+    events: Sequence[TraceEvent],
+    first: int,
+    rows: Sequence[dict[str, Any]] = (),
 ) -> tuple[dict[str, float], float, float]:
     """The run's measured costs (means over the counted steps' tasks), the ideal bound of a
     step from them, and the predicted step time.
 
     Disaggregated: :func:`~digen.sched.simulator.simulate_config` replays the run's config
-    with its costs. Colocated: every worker generates, scores and updates its share of the
+    with its costs, each call's cost plus the overhead the run measured for its kind
+    (``overhead_ms/<kind>`` in ``rows``: RPC, pickling, the driver's loop), which a worker
+    pays between tasks and the bound leaves out. Colocated: every worker generates, scores and updates its share of the
     step's micro-batches, then steps the optimizer, so the prediction is
     ``micro-batches x (generate + score + update) / workers + step``.
     """
@@ -371,7 +384,22 @@ def _bound_and_prediction(
     bound = ideal_bound(
         costs, mbs, rt.generators, trainer_slots(cfg), score_overlap=rt.score_overlap
     )
-    sim = simulate_config(cfg, costs, steps=cfg.steps)
+    over = {
+        kind: statistics.median(r.get(f"overhead_ms/{kind}", 0.0) for r in rows) / 1e3
+        if rows
+        else 0.0
+        for kind in ("generate", "score", "update")
+    }
+    paid = type(costs)(
+        **{
+            **costs.to_dict(),
+            "gen": costs.gen + over["generate"],
+            "gen_tag": costs.gen_tag + over["generate"],
+            "score": costs.score + over["score"],
+            "update": costs.update + over["update"],
+        }
+    )
+    sim = simulate_config(cfg, paid, steps=cfg.steps)
     times = sim.step_times[first:] or sim.step_times
     return costs.to_dict(), bound, statistics.median(times)
 
@@ -467,6 +495,7 @@ def _row(rung: Rung, runs: list[RunMeasure]) -> dict[str, Any]:
             for p in pools
         },
         "bubble_fraction": statistics.median(m.bubble_fraction for m in runs),
+        "overhead_fraction": statistics.median(m.overhead_fraction for m in runs),
         "ideal_bound_s": bound,
         "bound_ratio": step / bound if bound > 0 else float("nan"),
         "predicted_step_time_s": predicted,
@@ -474,7 +503,7 @@ def _row(rung: Rung, runs: list[RunMeasure]) -> dict[str, Any]:
         "prediction": (
             "micro-batches x (generate + score + update) / workers + step, from the run's costs"
             if rung.mode == COLOCATED
-            else "simulate_config with the run's costs"
+            else "simulate_config with the run's costs plus its measured call overhead"
         ),
         "costs": {k: statistics.median(m.costs[k] for m in runs) for k in runs[0].costs},
         "repeats": len(runs),
@@ -501,9 +530,10 @@ def format_table(report: dict[str, Any]) -> str:
     """The ladder as a markdown table (the colocated variants not chosen as extra rows)."""
     head = (
         "| rung | step s median [min-max] | samples/s | vs colocated | vs naive "
-        "| util gen / trainer | bubble % | bound ratio | predicted s | pred error % |"
+        "| util gen / trainer | bubble % | call overhead % | bound ratio | predicted s "
+        "| pred error % |"
     )
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     extra = [v for v in report["colocated_variants"] if not v["chosen"]]
     for m in report["modes"]:
         label = f"{m['rung']}. {m['name']}"
@@ -528,7 +558,7 @@ def _table_line(label: str, m: dict[str, Any]) -> str:
         f"| {label} | {m['step_time_s']:.3f} [{m['step_time_min_s']:.3f}-{m['step_time_max_s']:.3f}]"
         f" | {m['samples_per_s']:.1f} | {m['speedup_vs_colocated']:.2f}x"
         f" | {m['speedup_vs_naive']:.2f}x | {util} | {100 * m['bubble_fraction']:.0f}"
-        f" | {m['bound_ratio']:.2f} | {m['predicted_step_time_s']:.3f}"
+        f" | {100 * m.get('overhead_fraction', 0.0):.1f} | {m['bound_ratio']:.2f} | {m['predicted_step_time_s']:.3f}"
         f" | {100 * m['prediction_error']:+.0f} |"
     )
 

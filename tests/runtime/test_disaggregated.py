@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from digen import DigenRunner, load_config
-from digen.models.registry import MODEL_NAMES
 from digen.presets import preset
 from digen.prompts import PromptSet
 from digen.runtime.driver import Driver
@@ -189,16 +188,16 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
 
 
 # every backbone with MixGRPO, and Flow-GRPO and DanceGRPO each on image and video backbones;
-# the colocated suite runs every pair in-process (tests/test_run.py), these spawn processes
+# the colocated suite runs every pair in-process (tests/test_run.py); these spawn processes,
+# so each model runs once and each algorithm at least once (the runtime is the same for all)
 @pytest.mark.parametrize(
     ("model", "algo"),
     [
-        *((model, "mixgrpo") for model in MODEL_NAMES),
-        ("hunyuanvideo", "dancegrpo"),
-        ("wan", "flowgrpo"),
-        ("flux", "dancegrpo"),
-        ("qwenimage", "flowgrpo"),
+        ("flux", "mixgrpo"),
         ("sd3", "dancegrpo"),
+        ("wan", "flowgrpo"),
+        ("hunyuanvideo", "dancegrpo"),
+        ("qwenimage", "mixgrpo"),
     ],
 )
 def test_digen_run_disaggregated_every_model_and_algo(

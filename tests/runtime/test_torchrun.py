@@ -89,7 +89,7 @@ def test_torchrun_launch_runs_a_disaggregated_step(tmp_path: Path) -> None:
     # run's first trainer bubble makes one of them on trainer-0 (the TAG probe)
     assert done[("generate", "generator-0")] + done[("tag", "trainer-0")] == 2
     assert done[("tag", "trainer-0")] == 1
-    assert done[("score", "generator-0")] == 2
+    assert done[("score", "scorer-0")] == 2  # on the scoring lane beside generator-0
     assert done[("update", "trainer-0")] == 2
     assert done[("step", "trainer-0")] == 1
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
