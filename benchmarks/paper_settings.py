@@ -87,7 +87,9 @@ def _where(path: Path, point: dict[str, Any]) -> str:
     device = "unknown device"
     if report.is_file():
         rep = json.loads(report.read_text())
-        device = rep.get("device_name") or rep.get("device") or device
+        env, plan = rep.get("environment", {}), rep.get("plan", {})
+        kind = "GPU" if env.get("cuda_available") else "CPU, scaled: not a GPU's cost ratios"
+        device = f"{env.get('device_name', device)} ({kind}), {plan.get('flavour', '?')} {plan.get('model', '')}"
     return (
         f"{device}, {point.get('height')}x{point.get('width')} px, {point.get('model.dtype')}, "
         f"{point['inference_steps']} sampling steps, {point['trained_timesteps']} trained"
