@@ -30,6 +30,7 @@ import asyncio
 import datetime as _dt
 import os
 import platform
+import random
 import shutil
 import statistics
 import sys
@@ -40,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from digen.sched.costs import COST_NAMES, EVENT_COST, Costs
 from digen.sched.schedule import DRIVER, Pool, TaskKind, pool_of
 from digen.sched.trace import KIND_COLOURS, KINDS, Trace, TraceEvent, device_of, union_length
 
@@ -339,6 +341,20 @@ def utilisation(events: Sequence[TraceEvent], first: int) -> tuple[dict[str, flo
     return util, 1.0 - total
 
 
+_COLOCATED_PHASES = (("generate", "score"), ("update",), ("step",))
+PREDICTION_DRAWS = 32
+"""Simulations per prediction, each with task costs drawn from the run's own task times."""
+
+
+def _slowest(events: Sequence[TraceEvent], step: int, kinds: tuple[str, ...]) -> float:
+    """The largest time one worker spent on tasks of ``kinds`` in ``step``."""
+    busy: dict[str, float] = {}
+    for e in events:
+        if e.step == step and e.kind in kinds:
+            busy[e.worker] = busy.get(e.worker, 0.0) + e.duration
+    return max(busy.values(), default=0.0)
+
+
 def _bound_and_prediction(
     rung: Rung,
     cfg: Any,
@@ -346,21 +362,24 @@ def _bound_and_prediction(
     first: int,
     rows: Sequence[dict[str, Any]] = (),
 ) -> tuple[dict[str, float], float, float]:
-    """The run's measured costs (means over the counted steps' tasks), the ideal bound of a
+    """The run's measured costs (medians over the counted steps' tasks), the ideal bound of a
     step from them, and the predicted step time.
 
     Disaggregated: :func:`~digen.sched.simulator.simulate_config` replays the run's config
-    with its costs, each call's cost plus the overhead the run measured for its kind
-    (``overhead_ms/<kind>`` in ``rows``: RPC, pickling, the driver's loop), which a worker
-    pays between tasks and the bound leaves out. Colocated: every worker generates, scores and updates its share of the
-    step's micro-batches, then steps the optimizer, so the prediction is
-    ``micro-batches x (generate + score + update) / workers + step``.
+    :data:`PREDICTION_DRAWS` times, each with every cost drawn from the run's own task
+    times (seeded), plus the overhead the run measured for its kind (``overhead_ms/<kind>``
+    in ``rows``: RPC, pickling, the driver's loop), which a worker pays between tasks and
+    the bound leaves out; the prediction is the median step over the draws. Colocated: every worker generates and scores
+    its share of the step, the rewards are gathered, every worker updates its share, and the
+    gradients are all-reduced at the optimizer step, so a step is the sum of its three
+    phases, each as long as its slowest worker (the median over the counted steps).
     """
     from digen.sched.costs import OnlineProfiler
     from digen.sched.simulator import ideal_bound, simulate_config
 
     counted = [e for e in events if e.step >= first]
-    prof = OnlineProfiler(method="window", window=1_000_000)  # plain means
+    # medians, as the step times they are compared with
+    prof = OnlineProfiler(method="median", window=1_000_000)
     prof.observe_all(counted)
     if not prof.ready():
         prof.observe_all(events)
@@ -373,10 +392,16 @@ def _bound_and_prediction(
         score = costs.score * world / mbs
         costs = type(costs)(**{**costs.to_dict(), "score": score})
         chain = costs.gen + costs.score + costs.update
-        predicted = mbs * chain / world + costs.step
+        shared = mbs * chain / world + costs.step
         # ideal_bound's rule with every worker in both roles: all work shared, or one chain
-        bound = max(predicted, chain + costs.step)
-        return costs.to_dict(), bound, predicted
+        bound = max(shared, chain + costs.step)
+        # a step has two barriers, the rewards' gather after scoring and the gradients'
+        # all-reduce at the optimizer step: each phase lasts as long as its slowest worker
+        per_step = [
+            sum(_slowest(counted, s, kinds) for kinds in _COLOCATED_PHASES)
+            for s in sorted({e.step for e in counted})
+        ]
+        return costs.to_dict(), bound, statistics.median(per_step) if per_step else shared
     from digen.config import step_microbatches, trainer_slots
 
     mbs = len(step_microbatches(cfg, 0))
@@ -390,17 +415,26 @@ def _bound_and_prediction(
         else 0.0
         for kind in ("generate", "score", "update")
     }
-    paid = type(costs)(
-        **{
-            **costs.to_dict(),
-            "gen": costs.gen + over["generate"],
-            "gen_tag": costs.gen_tag + over["generate"],
-            "score": costs.score + over["score"],
-            "update": costs.update + over["update"],
+    extra = {"gen": over["generate"], "gen_tag": over["generate"]}
+    extra |= {"score": over["score"], "update": over["update"]}
+    # Task times vary (a TAG here took 0.34-0.44 s), and a step can hinge on whether an
+    # update and a TAG fit inside one generation: simulate with costs drawn from the run's
+    # own task times, and take the median step over the draws.
+    measured: dict[str, list[float]] = {}
+    for e in counted:
+        if e.kind in EVENT_COST:
+            measured.setdefault(EVENT_COST[e.kind], []).append(e.duration)
+    rng = random.Random(0)
+    times: list[float] = []
+    for _ in range(PREDICTION_DRAWS):
+        drawn = {
+            name: rng.choice(measured[name]) if measured.get(name) else getattr(costs, name)
+            for name in COST_NAMES
         }
-    )
-    sim = simulate_config(cfg, paid, steps=cfg.steps)
-    times = sim.step_times[first:] or sim.step_times
+        sim = simulate_config(
+            cfg, Costs(**{k: v + extra.get(k, 0.0) for k, v in drawn.items()}), steps=cfg.steps
+        )
+        times += sim.step_times[first:] or sim.step_times
     return costs.to_dict(), bound, statistics.median(times)
 
 
@@ -501,7 +535,7 @@ def _row(rung: Rung, runs: list[RunMeasure]) -> dict[str, Any]:
         "predicted_step_time_s": predicted,
         "prediction_error": (predicted - step) / step,
         "prediction": (
-            "micro-batches x (generate + score + update) / workers + step, from the run's costs"
+            "per step, the slowest worker's generate + score, update, and step, summed"
             if rung.mode == COLOCATED
             else "simulate_config with the run's costs plus its measured call overhead"
         ),

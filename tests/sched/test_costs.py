@@ -62,6 +62,11 @@ def test_ema_and_window_estimates() -> None:
     assert OnlineProfiler.from_dict({**p.to_dict(), "method": "window"}).estimate(
         "gen"
     ) == pytest.approx(6.0)
+    # the median of the window ignores one slow sample: 3 samples of 4 kept, 30 an outlier
+    m = OnlineProfiler(window=4, method="median")
+    for t in (2.0, 4.0, 30.0):
+        m.observe(ev("generate", "generator-0", 0.0, t))
+    assert m.estimate("gen") == 4.0 and m.costs(defaults=Costs(gen=1, update=1)).gen == 4.0
     assert p.count("gen") == 3 and p.seen("gen") and p.seen("generate")
     assert not p.seen("update") and p.estimate("update") is None
 
@@ -129,7 +134,7 @@ def test_profiler_rejects_bad_settings_and_samples() -> None:
     with pytest.raises(ValueError, match="window"):
         OnlineProfiler(window=0)
     with pytest.raises(ValueError, match="method"):
-        OnlineProfiler(method="median")
+        OnlineProfiler(method="mode")
     with pytest.raises(ValueError, match="unknown cost"):
         OnlineProfiler().add("train", "trainer", 1.0)
     with pytest.raises(ValueError, match="finite"):
