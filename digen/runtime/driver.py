@@ -63,7 +63,6 @@ from digen.sched.schedule import (
     Admission,
     Pool,
     TaskKind,
-    pool_of,
     stale_cap,
     worker_name,
     worker_names,
@@ -152,8 +151,6 @@ class Driver:
             # BTS starts from the cost estimates the run had, not from nothing
             self.accounts.profiler = OnlineProfiler.load(resume.path / PROFILER)
         self.tag_policy = make_tag_policy(rt.tag, rt.tag_k)
-        self.sq: asyncio.Queue[Made] = asyncio.Queue(admission.max_inflight)
-        """Micro-batches made on trainers (TAG), waiting for a generator to score them."""
         self.uq: dict[int, asyncio.Queue[Work | None]] = {}
         """Per train step: scored micro-batches ready to train (None: the step is trained)."""
         self.changed = asyncio.Condition()
@@ -292,8 +289,8 @@ class Driver:
         score it where its pixels are). Scoring overlapped: generate, and leave the scoring
         to :meth:`_scorer_loop`."""
         while True:
-            if not self.overlap and not self.sq.empty():
-                await self._score(i, self.sq.get_nowait())
+            if not self.overlap and (took := self.book.next_to_score()) is not None:
+                await self._score(i, Made(*took))  # SQ: what trainers made, first
             elif (mb := self._hand_out(self.book.gen_version[i])) is not None:
                 made = await self._generate(self.gens[i], mb, TaskKind.GENERATE)
                 if self.overlap:
@@ -315,10 +312,7 @@ class Driver:
                         lambda: not self._stopping and self.book.has_to_score(i)
                     )
                 continue
-            mb, holder, version = took
-            if pool_of(holder) == Pool.TRAINER:
-                self.sq.get_nowait()  # the same one: both queues are in the order made
-            await self._score(i, Made(mb, holder, version))
+            await self._score(i, Made(*took))
 
     async def _trainer_loop(self, j: int, steps: range) -> None:
         """Update what UQ holds; at a bubble, maybe generate (TAG); then the step's end."""
@@ -326,7 +320,7 @@ class Driver:
             uq = self._uq(s)
             while True:
                 if uq.empty() and (mb := self._bubble(j, s)) is not None:
-                    self.sq.put_nowait(await self._generate(self.trainers[j], mb, TaskKind.TAG))
+                    await self._generate(self.trainers[j], mb, TaskKind.TAG)  # onto SQ
                     await self._notify()  # a generator scores it
                     continue
                 work = await uq.get()
@@ -385,8 +379,6 @@ class Driver:
 
     async def _score(self, i: int, made: Made) -> None:
         g, mb, k = self.scorers[i], made.mb, len(made.mb.samples)
-        if (mb.step, mb.mb) in self.book.sq:
-            self.book.scoring(mb.step, mb.mb)
         texts, meta = self.prompts(mb.step)
         thumbs = self._samples_at(mb.step) and mb.mb * k < GRID_SAMPLES
         prompt, data = [texts[mb.prompt]] * k, [meta[mb.prompt]] * k
@@ -495,7 +487,7 @@ class Driver:
     def _generator_has_work(self, i: int) -> bool:
         if self._stopping:
             return False
-        scores_sq = not self.overlap and not self.sq.empty()
+        scores_sq = not self.overlap and self.book.has_to_score()
         return scores_sq or self.book.next_for(self.book.gen_version[i]) is not None
 
     def _bubble(self, j: int, s: int) -> MicroBatch | None:

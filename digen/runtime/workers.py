@@ -38,7 +38,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -182,12 +182,38 @@ def _notes_to_run_log(worker: str) -> None:
         notes.addHandler(_NotesToRunLog(path, worker))
 
 
-class _PolicyActor:
-    """What both pools share: a policy copy on its device, generation into the store, weights.
+class _Placed:
+    """What every actor of a worker process has: its worker's name and device, how peers
+    send it tensors, and its replies' timing.
 
     ``devices``: every worker's device by name, and ``direct``: whether GPU workers exchange
     tensors GPU to GPU (the actor layer was given device maps); both from the cluster.
     """
+
+    def __init__(
+        self, cfg: DigenConfig, name: str, devices: dict[str, str] | None, direct: bool
+    ) -> None:
+        _notes_to_run_log(name)
+        self.name = name
+        self.device = cfg.model.device
+        self.devices = devices or {}
+        self.direct = direct
+        self._jitter = _Jitter()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def _timed(self, value: Any, t0: float) -> Timed:
+        return Timed(value, t0, time.time(), peak_memory_gb(self.device))
+
+    def _wire_from(self, peer: str) -> str | None:
+        """How ``peer`` must send tensors to this worker: as they are, or staged on the CPU."""
+        direct = self.direct and is_cuda(self.device) and is_cuda(self.devices.get(peer, "cpu"))
+        return None if direct else "cpu"
+
+
+class _PolicyActor(_Placed):
+    """What both pools share: a policy copy on its device, generation into the store, weights."""
 
     def __init__(
         self,
@@ -200,29 +226,13 @@ class _PolicyActor:
         mesh: Any = None,
     ) -> None:
         _set_threads(cfg.runtime.threads_per_worker)
-        _notes_to_run_log(name)
+        _Placed.__init__(self, cfg, name, devices, direct)
         self.cfg = cfg
-        self.name = name
-        self.device = cfg.model.device
         if is_cuda(self.device):
             torch.cuda.set_device(torch.device(self.device))
-        self.devices = devices or {}
-        self.direct = direct
         self.policy = Policy(cfg, trainable=trainable, mesh=mesh)
         self.sync_group = None
-        self._jitter = _Jitter()
         STORE.capacity = max_inflight(cfg)  # what the driver lets be generated, untrained
-
-    def ping(self) -> int:
-        return os.getpid()
-
-    def _timed(self, value: Any, t0: float) -> Timed:
-        return Timed(value, t0, time.time(), peak_memory_gb(self.device))
-
-    def _wire_from(self, peer: str) -> str | None:
-        """How ``peer`` must send tensors to this worker: as they are, or staged on the CPU."""
-        direct = self.direct and is_cuda(self.device) and is_cuda(self.devices.get(peer, "cpu"))
-        return None if direct else "cpu"
 
     def join_sync_group(self, port: int, rank: int, size: int, host: str | None = None) -> None:
         """Join the weight-broadcast group (trainer 0 is rank 0; its store at ``host``)."""
@@ -345,14 +355,10 @@ def _reward_loop(cfg: DigenConfig, rewards: Sequence[Any] | None) -> RewardLoop:
     return RewardLoop(build_reward(hooks, cfg.train.on_nonfinite))
 
 
-class _Scoring:
+class _Scoring(_Placed):
     """``score`` and ``close``, for whichever actor of a generator's process holds the rewards."""
 
-    name: str
     rewards: RewardLoop | None
-    _jitter: _Jitter
-    _timed: Callable[[Any, float], Timed]
-    _wire_from: Callable[[str], str | None]
 
     def close(self) -> None:
         """The worker is stopping: the hooks' ``close()``."""
@@ -425,20 +431,8 @@ class ScorerActor(_Scoring):
         direct: bool = False,
     ) -> None:
         cfg = _pool_config(cfg, "generator", max(index_of(name), 0))
-        _notes_to_run_log(name)
-        self.name = name
-        """The generator this scores for (the process it lives in)."""
-        self.device = cfg.model.device
-        self.devices = devices or {}
-        self.direct = direct
-        self._jitter = _Jitter()
+        super().__init__(cfg, name, devices, direct)  # the generator's name: its process
         self.rewards = _reward_loop(cfg, rewards)
-
-    _timed = _PolicyActor._timed
-    _wire_from = _PolicyActor._wire_from
-
-    def ping(self) -> int:
-        return os.getpid()
 
 
 class TrainerActor(_PolicyActor):

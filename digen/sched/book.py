@@ -200,24 +200,22 @@ class Book:
         elif self.score_overlap:
             self.to_score[index_of(holder)].append((mb.step, mb.mb))
 
-    def scoring(self, step: int, mb: int) -> None:
-        """A generator took ``(step, mb)`` off SQ."""
-        self.sq.remove((step, mb))
-
-    def next_to_score(self, lane: int) -> tuple[MicroBatch, str, int] | None:
-        """Scoring lane ``lane`` takes its next micro-batch: the head of SQ, else the head of
-        its own queue. Returns it with its holder and version, or None when there is none."""
+    def next_to_score(self, lane: int | None = None) -> tuple[MicroBatch, str, int] | None:
+        """The next micro-batch to score, taken: the head of SQ, else (scoring lane ``lane``)
+        the head of that lane's own queue; ``lane`` None: a generator scoring its own, which
+        takes only from SQ. Returns it with its holder and version, or None."""
         if self.sq:
             step, mb = self.sq.pop(0)
-        elif self.to_score[lane]:
+        elif lane is not None and self.to_score[lane]:
             step, mb = self.to_score[lane].popleft()
         else:
             return None
         rec = self.record(step)
         return rec.mbs[mb], *rec.made[mb]
 
-    def has_to_score(self, lane: int) -> bool:
-        return bool(self.sq) or bool(self.to_score[lane])
+    def has_to_score(self, lane: int | None = None) -> bool:
+        """Whether :meth:`next_to_score` (``lane``) would take something."""
+        return bool(self.sq) or (lane is not None and bool(self.to_score[lane]))
 
     def scored(
         self,

@@ -83,8 +83,9 @@ def _replay(cfg: Config, log: list[tuple], costs: Costs, seen: list[SchedState])
                 if kind == SCORE and i >= cfg.n:  # a scoring lane: SQ first, then its own
                     took = book.next_to_score(i - cfg.n)
                     assert took is not None and (took[0].step, took[0].mb) == (s, m)
-                elif kind == SCORE and (s, m) in book.sq:
-                    book.scoring(s, m)
+                elif kind == SCORE and (s, m) in book.sq:  # a generator scores SQ's head
+                    took = book.next_to_score()
+                    assert took is not None and (took[0].step, took[0].mb) == (s, m)
                 book.started(names[i], WORKER_KINDS[kind], s, m, now)
         elif op == "finish":
             _, i, kind, s, m, version, now = entry
