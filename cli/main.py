@@ -189,9 +189,11 @@ def run(
                 err=True,
             )
             sys.exit(1)
-        click.echo(f"error: {exc}", err=True)
-        from digen.errors import NonFiniteError
+        from digen.errors import NonFiniteError, RewardError
 
+        # a reward hook or a value that failed mid-run: what the run left, as for a crash
+        ran = isinstance(exc, (RewardError, NonFiniteError)) and (out_dir / "checkpoints").is_dir()
+        click.echo(f"error: {exc}" + (f" {_after_failure(out_dir)}" if ran else ""), err=True)
         sys.exit(1 if isinstance(exc, NonFiniteError) else 2)  # a failure, not bad input
     if result is None:  # a torchrun worker rank: it served until the driver stopped it
         sys.stdout.flush()

@@ -139,6 +139,11 @@ class Cluster:
     async def stop(self) -> None:
         await self.system.stop()
 
+    async def lost(self) -> Exception:
+        """The error of the first worker lost (exited, killed, hung past its heartbeat),
+        once there is one."""
+        return (await self.system.lost()).again()
+
     # --- weights ---------------------------------------------------------------------------
 
     def serve_weights(self, version: int) -> Coroutine[Any, Any, Timed] | None:

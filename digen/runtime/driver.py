@@ -267,6 +267,7 @@ class Driver:
                     tg.create_task(self._trainer_loop(j, steps), name=f"loop-{t.worker}")
                     for j, t in enumerate(self.trainers)
                 ]
+                loops.append(tg.create_task(self._watch_workers(), name="loop-watch"))
                 for s in steps:
                     since = self.clock(), self.cluster.payload  # the previous step's end
                     if not await self._trained_or_stopped(s):
@@ -283,6 +284,11 @@ class Driver:
         except BaseExceptionGroup as group:
             raise _main_error(group) from None
         return results
+
+    async def _watch_workers(self) -> None:
+        """A worker lost while no call to it is running (an idle trainer killed while a
+        generator scores a long reward) ends the run as soon as the watchdog sees it."""
+        raise await self.cluster.lost()
 
     async def _generator_loop(self, i: int) -> None:
         """Score what trainers made first; else generate the next admitted micro-batch (and

@@ -159,6 +159,10 @@ class FakeCluster:
 
     async def stop(self) -> None: ...
 
+    async def lost(self) -> Exception:
+        """Fake workers are never lost between calls: injected failures fail calls."""
+        return await asyncio.get_running_loop().create_future()
+
     def serve_weights(self, version: int) -> None:
         return None
 

@@ -97,10 +97,13 @@ async def test_dead_workers_fail_calls_and_stop_leaves_no_process() -> None:
         # Still running when stop() comes: stop must not wait for it.
         stuck = asyncio.create_task(trainer.call("sleep", 30.0))
 
+        lost = asyncio.create_task(system.lost())  # whoever dies first, call or no call
         pending = asyncio.create_task(g1.call("sleep", 30.0))
         await asyncio.sleep(0.2)  # the call is running in the worker
+        assert not lost.done()
         os.kill(pids["generator-1"], signal.SIGKILL)
         killed_at = time.perf_counter()
+        assert (await asyncio.wait_for(lost, 3.0)).worker == "generator-1"
         with pytest.raises(WorkerDied, match="'generator-1'") as info:
             await asyncio.wait_for(pending, 3.0)
         assert time.perf_counter() - killed_at < 3.0
@@ -118,6 +121,7 @@ async def test_dead_workers_fail_calls_and_stop_leaves_no_process() -> None:
             f"worker 'generator-0' (pid {pids['generator-0']}) died with exit code 3."
         )
         assert sorted(system.dead()) == ["generator-0", "generator-1"]
+        assert (await system.lost()).worker == "generator-1"  # the first stays the first
     finally:
         start = time.perf_counter()
         await system.stop()

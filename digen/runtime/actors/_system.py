@@ -356,6 +356,7 @@ class ActorSystem:
         self._watchdog: asyncio.Task | None = None
         self._stopping: asyncio.Task | None = None
         self._probes: dict[str, asyncio.Task] = {}
+        self._lost: asyncio.Future[WorkerDied] | None = None
         self.startup_s: float | None = None
         self._payload = Payload()
 
@@ -385,7 +386,19 @@ class ActorSystem:
             raise
         self.startup_s = time.perf_counter() - t0
         self._state = "running"
+        self._lost = asyncio.get_running_loop().create_future()
+        for died in self._dead.values():
+            self._lost.set_result(died)
+            break
         self._watchdog = asyncio.create_task(self._watch(), name="digen-actor-watchdog")
+
+    async def lost(self) -> WorkerDied:
+        """Wait for the first worker lost while running (exited, or silent past its
+        heartbeat) and return its error: a caller with no call to that worker in flight
+        learns of it within the watchdog's bound all the same."""
+        if self._lost is None:
+            raise RuntimeError(f"the actor system is {self._state}; it has no workers to watch.")
+        return await asyncio.shield(self._lost)
 
     async def _start(self) -> None:
         family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
@@ -566,9 +579,14 @@ class ActorSystem:
         newly = []
         for name, proc in self._procs.items():
             if name not in self._dead and proc.exitcode is not None:
-                self._dead[name] = WorkerDied(name, proc.pid, proc.exitcode)
+                self._record(name, WorkerDied(name, proc.pid, proc.exitcode))
                 newly.append(name)
         return newly
+
+    def _record(self, worker: str, died: WorkerDied) -> None:
+        self._dead[worker] = died
+        if self._state == "running" and self._lost is not None and not self._lost.done():
+            self._lost.set_result(died)
 
     async def _watch(self) -> None:
         next_beat = time.monotonic()
@@ -599,7 +617,7 @@ class ActorSystem:
                 )
 
     def _mark_dead(self, worker: str, died: WorkerDied) -> None:
-        self._dead[worker] = died
+        self._record(worker, died)
         for fut in self._pending[worker]:
             if not fut.done():
                 fut.set_exception(died.again())
