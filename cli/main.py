@@ -282,6 +282,10 @@ def _run(
         check_model_dir(cfg.model.path, cfg.model.name)
     if launcher == "torchrun" or (launcher == "auto" and _under_torchrun(os.environ)):
         return _run_torchrun(cfg, out_dir, quiet, sample_every)
+    from digen.runtime.checkpoint import check_out_dir
+
+    # a previous run in --out, or a checkpoint of other weights: said before torch loads
+    check_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite, checksums=False)
     _quiet_progress_bars()  # imports diffusers: only once the config is good
     from digen.runner import DigenRunner
 

@@ -37,9 +37,9 @@ from digen.prompts import PromptSet
 from digen.runtime.checkpoint import (
     Checkpoint,
     CheckpointWriter,
-    check_identity,
+    check_out_dir,
     checkpoint_identity,
-    latest_checkpoint,
+    previous_outputs,
 )
 from digen.runtime.outputs import RunOutputs
 from digen.runtime.trackers import Trackers, require
@@ -50,20 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DigenRunner", "RunResult"]
 
-_RUN_OUTPUTS = (
-    "metrics.jsonl",
-    "checkpoints",
-    "samples",
-    "lora",
-    "transformer",
-    "trace.json",
-    "trace.jsonl",
-    "profile.json",
-    "timeline.png",
-    "trainer.log",
-    "tensorboard",
-    "wandb",
-)
 """What a run leaves in its directory (``--overwrite`` removes exactly these)."""
 _WORKERS_FILE = "workers.json"
 """Role -> host and pid of the run's processes, present while the run lives."""
@@ -178,29 +164,14 @@ class DigenRunner:
 
     def _claim_out_dir(self) -> None:
         """Find the checkpoint to resume from, or make sure no earlier run is overwritten."""
-        out, cfg = self.out_dir, self.cfg
+        note = lambda text: print(f"note: {text}", file=sys.stderr)  # noqa: E731
+        self._checkpoint = check_out_dir(
+            self.out_dir, self.cfg, resume=self.resume, overwrite=self.overwrite, warn=note
+        )
         if self.resume:
-            ckpt = latest_checkpoint(out, warn=lambda text: print(f"note: {text}", file=sys.stderr))
-            if ckpt is None:
-                raise DigenError(f"there is no complete checkpoint in '{out}' to resume from.")
-            check_identity(ckpt, cfg)
-            if ckpt.step >= cfg.steps:
-                raise DigenError(
-                    f"the run in '{out}' has already trained {ckpt.step} steps; give a larger "
-                    "--steps (the total) to train more."
-                )
-            self._checkpoint = ckpt
             return
-        previous = [n for n in _RUN_OUTPUTS if (out / n).exists()]
-        if not previous:
-            return
-        if not self.overwrite:
-            raise DigenError(
-                f"'{out}' holds a previous run ({', '.join(previous)}); continue it with "
-                f"--resume {out}, replace it with --overwrite, or choose another --out."
-            )
-        for name in previous:
-            path = out / name
+        for name in previous_outputs(self.out_dir):  # --overwrite
+            path = self.out_dir / name
             if path.is_dir():
                 shutil.rmtree(path)
             else:

@@ -109,3 +109,42 @@ def test_lora_targets_the_backbone_lacks(sd3_dir: Path) -> None:
     assert not any("lora_" in n for n, _ in adapter.transformer.named_parameters())
     with pytest.raises(DigenError, match="its layers are called: .*to_k, to_q, to_v"):
         apply_lora(adapter.transformer, rank=2, alpha=2, targets=["attn"])
+
+
+def test_an_out_dir_that_refuses_the_run_is_said_before_torch_loads(tmp_path: Path) -> None:
+    """A previous run in --out, a checkpoint of other weights, a run already done, nothing
+    to resume: each one sentence and exit 2 from a CLI that cannot import torch, and the
+    run directory is left byte for byte as it was."""
+    import torch
+    import yaml
+
+    from digen import load_config
+    from digen.config import config_to_dict
+    from digen.presets import preset
+    from digen.runtime.checkpoint import CheckpointWriter, checkpoint_identity, write_trainer_state
+
+    out = tmp_path / "run"
+    cfg = load_config(base=preset("sd3", "flowgrpo"), overrides=["steps=4"])
+    out.mkdir()
+    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg)))
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    writer = CheckpointWriter(out, keep=2)
+    tmp = writer.begin(2)
+    write_trainer_state(tmp, {"w": torch.ones(4)}, {"state": {}, "param_groups": []})
+    writer.finish(tmp, 2, 2, checkpoint_identity(cfg), "steps: 4\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    cases = [
+        (["--out", str(out)], f"'{out}' holds a previous run (metrics.jsonl, checkpoints)"),
+        (
+            ["--resume", str(out), "train.lora_rank=4"],
+            "was written with lora_rank = 16, but this run has lora_rank = 4",
+        ),
+        (["--resume", str(out), "--steps", "2"], "has already trained 2 steps"),
+        (["--resume", str(tmp_path / "none")], "holds no run to resume"),
+    ]
+    for args, message in cases:
+        res = _cli_without_torch(*args)
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
+        assert message in res.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

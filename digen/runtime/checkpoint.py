@@ -39,14 +39,18 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from digen.errors import DigenError
 
+if TYPE_CHECKING:  # torch loads where tensors are read or written: a CLI check needs none
+    import torch
+
 __all__ = [
     "PROFILER",
+    "RUN_OUTPUTS",
+    "check_out_dir",
+    "previous_outputs",
     "Checkpoint",
     "CheckpointWriter",
     "check_identity",
@@ -99,6 +103,7 @@ def write_trainer_state(
     optimizer: dict[str, Any],
 ) -> None:
     """Write the trainer's part (weights and optimizer state) into ``directory``, flushed."""
+    import torch
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -114,6 +119,7 @@ def load_trainer_state(
     directory: str | os.PathLike,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(weights, optimizer state)`` of a checkpoint (safe loaders only)."""
+    import torch
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -128,6 +134,7 @@ _W, _OPT, _SEP = "weights", "optimizer", "::"
 def _flat_sharded(model: torch.nn.Module, optimizer: Any, names: list[str]):
     """This member's trained weights and their AdamW state as one flat ``key -> tensor``
     dict (DTensors where sharded), and the optimizer state dict it came from."""
+    import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -273,6 +280,62 @@ def latest_checkpoint(
             return Checkpoint(path, int(state["step"]), int(state["version"]), state["identity"])
         if warn is not None:
             warn(f"checkpoint {path.name} is unusable ({problem}); trying an older one")
+    return None
+
+
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "checkpoints",
+    "samples",
+    "lora",
+    "transformer",
+    "trace.json",
+    "trace.jsonl",
+    "profile.json",
+    "timeline.png",
+    "trainer.log",
+    "tensorboard",
+    "wandb",
+)
+"""What a run writes into its ``out_dir``: any of them there means an earlier run."""
+
+
+def previous_outputs(out_dir: str | os.PathLike) -> list[str]:
+    """The names of :data:`RUN_OUTPUTS` an earlier run left in ``out_dir``."""
+    return [name for name in RUN_OUTPUTS if (Path(out_dir) / name).exists()]
+
+
+def check_out_dir(
+    out_dir: str | os.PathLike,
+    cfg: Any,
+    *,
+    resume: bool,
+    overwrite: bool,
+    warn: Callable[[str], None] | None = None,
+    checksums: bool = True,
+) -> Checkpoint | None:
+    """Whether a run of ``cfg`` may write into ``out_dir``: the checkpoint it resumes from
+    (``resume``), or None for a new run; one sentence (:class:`DigenError`) where it may
+    not. Deletes and imports nothing heavy, so a command line is answered before torch
+    loads (``checksums=False``: sizes only, for that quick answer)."""
+    out = Path(out_dir)
+    if resume:
+        ckpt = latest_checkpoint(out, warn, checksums=checksums)
+        if ckpt is None:
+            raise DigenError(f"there is no complete checkpoint in '{out}' to resume from.")
+        check_identity(ckpt, cfg)
+        if ckpt.step >= cfg.steps:
+            raise DigenError(
+                f"the run in '{out}' has already trained {ckpt.step} steps; give a larger "
+                "--steps (the total) to train more."
+            )
+        return ckpt
+    previous = previous_outputs(out)
+    if previous and not overwrite:
+        raise DigenError(
+            f"'{out}' holds a previous run ({', '.join(previous)}); continue it with "
+            f"--resume {out}, replace it with --overwrite, or choose another --out."
+        )
     return None
 
 
