@@ -76,6 +76,7 @@ class Cluster:
             address=rt.address,
             rpc_timeout_s=rt.rpc_timeout_s,
             heartbeat_s=rt.heartbeat_s,
+            preload=("digen.runtime.workers",),  # torch, diffusers, the backbones: once
         )
         self.gens: list[ActorHandle] = []
         self.scorers: list[ActorHandle] = []

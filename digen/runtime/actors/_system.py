@@ -292,6 +292,34 @@ def _kill_at_exit() -> None:
 # --------------------------------------------------------------------------------------
 
 
+def _start_context(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
+    """The fork server (importing ``preload`` when it starts), or spawn where there is none.
+    Never plain fork: a driver's threads (RPC, OpenMP) do not survive one."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    if preload:
+        ctx.set_forkserver_preload(list(preload))  # no effect once the server runs
+    return ctx
+
+
+class _InheritFd:
+    """A file descriptor of the starting process, handed to the child as it is now (a fork
+    server's children would otherwise write where the server's stdout went)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return (_inherited_fd, (reduction.DupFd(self.fd),))
+
+
+def _inherited_fd(dup: Any) -> int:
+    return dup.detach()
+
+
 class ActorSystem:
     """Owns the RPC world: this process is rank 0 (``"driver"``), each spec a spawned process
     (local launch) or a process an external launcher started (``launch``, see
@@ -310,6 +338,13 @@ class ActorSystem:
     before killing them. Actors live until their worker exits. With external launch the
     rendezvous is ``launch.address:launch.port`` (``address``/``port`` are ignored), nothing
     is spawned or killed, and :meth:`pids` is empty.
+
+    Local workers are forked by a fork server (a clean process, started once per driver
+    process, that has imported ``preload``: the first system's list counts), so the second
+    and later systems of a process start their workers without importing torch and the
+    models again; each worker still gets the driver's environment, working directory,
+    ``sys.path``, stdout and stderr as they are when it starts. Where there is no fork
+    server, workers are spawned.
     """
 
     _active: ActorSystem | None = None
@@ -325,6 +360,7 @@ class ActorSystem:
         stop_timeout_s: float = 5.0,
         launch: ExternalLaunch | None = None,
         heartbeat_s: float = 60.0,
+        preload: Sequence[str] = (),
     ) -> None:
         names = [w.name for w in workers]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -344,6 +380,7 @@ class ActorSystem:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.heartbeat_s = heartbeat_s
+        self.preload = tuple(preload)
         self._heartbeats: dict[str, asyncio.Task] = {}
         self._procs: dict[str, multiprocessing.process.BaseProcess] = {}
         self._pids: dict[str, int] = {}
@@ -479,20 +516,24 @@ class ActorSystem:
                 )
 
     def _spawn(self, env: dict[str, str], url: str, world: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _start_context(self.preload)
         for rank, spec in enumerate(self.workers, start=1):
-            child_env = {**env, "OMP_NUM_THREADS": str(spec.threads), **spec.env}
+            # the whole environment, as a spawned child would inherit it now (a forked one
+            # would have the fork server's), and this process's stdout and stderr as they
+            # are now (a test's capture, a pipe)
+            child_env = {**os.environ, **env, "OMP_NUM_THREADS": str(spec.threads), **spec.env}
             proc = ctx.Process(
                 target=_worker_main,
                 args=(spec, rank, world, url, self.rpc_timeout_s),
+                kwargs={"env": child_env, "stdio": (_InheritFd(1), _InheritFd(2))},
                 name=f"digen-{spec.name}",
                 # Not daemonic: daemonic processes may not start children (DataLoader
                 # workers, compile pools). Exit paths are covered by stop(), the atexit
                 # hook below, and each worker's watch on its parent.
                 daemon=False,
             )
-            with _patched_env(child_env):
-                proc.start()  # returns once the child is exec'd; imports run in parallel
+            with _patched_env(child_env):  # what a fork server starting now imports with
+                proc.start()  # returns once the child exists; its start runs in parallel
             self._procs[spec.name] = proc
             self._pids[spec.name] = proc.pid
 
