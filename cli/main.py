@@ -286,6 +286,10 @@ def _run(
 
     # a previous run in --out, or a checkpoint of other weights: said before torch loads
     check_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite, checksums=False)
+    if cfg.runtime.mode == "disaggregated":
+        from digen.runtime.forkserver import start_fork_server
+
+        start_fork_server()  # the workers' imports, beside the driver's below
     _quiet_progress_bars()  # imports diffusers: only once the config is good
     from digen.runner import DigenRunner
 

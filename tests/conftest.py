@@ -1,4 +1,5 @@
-"""Shared test set-up: a per-session cache for tiny flavours and a small thread budget."""
+"""Shared test set-up: a per-session cache for tiny flavours, a small thread budget, and the
+fork server every run's workers start from."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Start the fork server with the runs' imports now: the first system to start one
+    decides what it imports, and the actor tests' bare systems would import nothing."""
+    from digen.runtime.forkserver import start_fork_server
+
+    start_fork_server()
 
 
 @pytest.fixture(scope="session", autouse=True)

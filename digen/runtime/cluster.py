@@ -22,6 +22,7 @@ import torch
 from digen.config import DigenConfig, config_to_dict
 from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec, active_launch
 from digen.runtime.checkpoint import Checkpoint
+from digen.runtime.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.fsdp import is_sharded
 from digen.runtime.placement import all_devices, device_maps
 from digen.runtime.policy import LossStats
@@ -29,13 +30,6 @@ from digen.runtime.workers import NOTES_ENV, Timed
 from digen.sched.schedule import Pool, worker_names
 
 __all__ = ["Cluster", "TrainerGang"]
-
-_WORKER_ENV = {
-    "TOKENIZERS_PARALLELISM": "false",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "DIFFUSERS_VERBOSITY": "error",
-    "TORCH_CPP_LOG_LEVEL": "ERROR",  # TensorPipe logs every closed pipe at shutdown
-}
 
 
 class Cluster:
@@ -68,7 +62,7 @@ class Cluster:
                 WorkerSpec(
                     name,
                     threads=rt.threads_per_worker,
-                    env=_WORKER_ENV | ({NOTES_ENV: str(notes)} if notes else {}),
+                    env=WORKER_ENV | ({NOTES_ENV: str(notes)} if notes else {}),
                     device_maps=maps.get(name, {}),
                 )
                 for name in self.gen_names + self.trainer_names
@@ -76,7 +70,7 @@ class Cluster:
             address=rt.address,
             rpc_timeout_s=rt.rpc_timeout_s,
             heartbeat_s=rt.heartbeat_s,
-            preload=("digen.runtime.workers",),  # torch, diffusers, the backbones: once
+            preload=PRELOAD,  # torch, diffusers, the backbones: imported once
         )
         self.gens: list[ActorHandle] = []
         self.scorers: list[ActorHandle] = []
