@@ -347,18 +347,15 @@ class DigenRunner:
     # --- data-parallel colocated: W processes, rank 0 is this one ------------------------
 
     def _run_data_parallel(self, world: int) -> RunResult:
-        import torch.multiprocessing as mp
+        from digen.runtime import forkserver
 
         port = _free_port()
-        ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(
-                target=_dp_worker, args=(self._spawn_state(), rank, world, port), daemon=True
-            )
+            forkserver.process(_dp_worker, (self._spawn_state(), rank, world, port), daemon=True)
             for rank in range(1, world)
         ]
         for p in procs:
-            p.start()
+            forkserver.start(p)
         try:
             _init_group(0, world, port, self.cfg, procs)
             try:

@@ -6,10 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -113,14 +109,6 @@ def test_the_learning_rate_schedule() -> None:
     assert {flat.lr_at(s, 11) for s in range(11)} == {1e-3}
 
 
-def _cli(out: Path, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cli.main", "run", "--model", "sd3", "--out", str(out)]
-    cmd += ["--quiet", *args, *COMMON]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ}
-    )
-
-
 _STOP_HOOK = '''
 import os, signal, time
 from digen.algos.rewards import jpeg_incompressibility
@@ -177,41 +165,6 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
         assert torch.equal(resumed.final_state[name], value), name
     want, got = _rows(tmp_path / "whole"), _rows(tmp_path / "split")
     assert [{k: r[k] for k in _SAME} for r in got] == [{k: r[k] for k in _SAME} for r in want]
-
-
-@pytest.mark.slow
-def test_sigterm_stops_with_a_checkpoint_and_resume_finishes_the_run(tmp_path: Path) -> None:
-    """SIGTERM (a scheduler's preemption) mid-run: exit 143 with a checkpoint; --resume
-    finishes the run, whose weights equal an uninterrupted run's, wherever it stopped."""
-    whole = _cli(tmp_path / "whole", "--steps", "6")
-    out, err = whole.communicate(timeout=300)
-    assert whole.returncode == 0, err[-2000:]
-    stopped = _cli(tmp_path / "split", "--steps", "6")
-    metrics = tmp_path / "split" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-        assert stopped.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    stopped.send_signal(signal.SIGTERM)
-    out, err = stopped.communicate(timeout=120)
-    assert stopped.returncode == 143, err[-2000:]
-    assert "--resume" in err
-    done = len(_rows(tmp_path / "split"))
-    assert 1 <= done < 6
-    assert (tmp_path / "split" / "checkpoints" / f"step-{done:06d}").is_dir()
-    resumed = subprocess.run(
-        [sys.executable, "-m", "cli.main", "run", "--resume", str(tmp_path / "split")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert len(_rows(tmp_path / "split")) == 6
-    from safetensors.torch import load_file
-
-    a = load_file(str(tmp_path / "whole" / "checkpoints" / "step-000006" / "weights.safetensors"))
-    b = load_file(str(tmp_path / "split" / "checkpoints" / "step-000006" / "weights.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> None:

@@ -270,7 +270,10 @@ def test_empty_prompt_file(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "has no usable prompts" in res.output
 
 
-def test_ctrl_c_stops_at_a_step_boundary(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_stops_with_a_checkpoint(tmp_path: Path, sig, code: int) -> None:
+    """Ctrl-C, or SIGTERM (a scheduler's preemption), mid-run: the run stops with a
+    checkpoint of the steps done, its weights, and an exit code scripts can tell from done."""
     out = tmp_path / "run"
     env = dict(os.environ)
     cmd = [
@@ -290,9 +293,9 @@ def test_ctrl_c_stops_at_a_step_boundary(tmp_path: Path) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text().strip()):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=240)
-    assert proc.returncode == 130, stderr  # 128 + SIGINT: scripts can tell it from done
+    assert proc.returncode == code, stderr  # 128 + the signal: scripts can tell it from done
     assert f"digen run --resume {out}" in stderr
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["interrupted"] is True and 1 <= summary["steps"] < 50

@@ -1,18 +1,29 @@
-"""The fork server local workers start from, started early.
+"""The fork server every local worker process starts from.
 
-A disaggregated run forks its local workers from a fork server that has imported torch,
-diffusers and the backbones once (:class:`~digen.runtime.actors.ActorSystem` starts it with
-the first workers). :func:`start_fork_server` starts it sooner, while the driver is still
-importing the same modules, so the two imports run side by side on a machine with a core to
-spare. Torch-free: the command line calls it before it imports torch.
+A run's local workers (a disaggregated run's generators and trainers, a colocated run's
+data-parallel ranks) are forked from a fork server: a clean process (never the driver,
+whose RPC and OpenMP threads would not survive a fork) that has imported torch, diffusers
+and the backbones once (:data:`PRELOAD`). The first process started here starts the
+server; :func:`start_fork_server` starts it sooner, while the driver is still importing the
+same modules, so the two imports run side by side on a machine with a core to spare.
+
+:func:`process` gives each child what a spawned one would inherit at its start: the
+environment, working directory, ``sys.path``, stdout and stderr. Where there is no fork
+server (not Linux or macOS), children are spawned. Torch-free: the command line calls
+:func:`start_fork_server` before it imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import multiprocessing.context
 import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-__all__ = ["PRELOAD", "WORKER_ENV", "start_fork_server"]
+__all__ = ["PRELOAD", "WORKER_ENV", "process", "start_fork_server"]
 
 PRELOAD = ("digen.runtime.workers",)
 """What the fork server imports before it forks the first worker."""
@@ -27,18 +38,111 @@ WORKER_ENV = {
 must start with it too."""
 
 
-def start_fork_server() -> None:
-    """Start the fork server now, importing :data:`PRELOAD` in the background; returns at
-    once. Nothing to do where there is no fork server, or once it runs."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return
+def start_fork_server(preload: Sequence[str] = PRELOAD) -> None:
+    """Start the fork server now, importing ``preload`` in the background; returns at once.
+    Nothing to do where there is no fork server, or once it runs (the first start decides
+    what it imports)."""
+    if _context(preload).get_start_method() == "forkserver":
+        _ensure_server(WORKER_ENV)
+
+
+def process(
+    target: Callable[..., Any],
+    args: tuple = (),
+    *,
+    env: dict[str, str] | None = None,
+    name: str | None = None,
+    daemon: bool = False,
+    preload: Sequence[str] = PRELOAD,
+) -> multiprocessing.process.BaseProcess:
+    """A process (not started) that runs ``target(*args)`` forked from the fork server, in
+    the environment ``env`` (default: this one's as it is now), this process's working
+    directory and ``sys.path``, and its stdout and stderr as they are now (a pipe, a test's
+    capture). Start it with :func:`start`."""
+    env = dict(os.environ) if env is None else env
+    stdio = (_InheritFd(1), _InheritFd(2))
+    proc = _context(preload).Process(
+        target=_run, args=(target, args, env, stdio), name=name, daemon=daemon
+    )
+    proc._digen_env = env  # type: ignore[attr-defined]
+    return proc
+
+
+def start(proc: multiprocessing.process.BaseProcess) -> None:
+    """Start a :func:`process`; returns once the child exists. A fork server that starts
+    now imports with the child's environment (some libraries read it as they import)."""
+    env = getattr(proc, "_digen_env", {})
+    if proc._start_method == "forkserver":  # type: ignore[attr-defined]
+        _ensure_server(env)
+    with _patched_env(env):
+        proc.start()
+
+
+def _ensure_server(env: dict[str, str]) -> None:
+    """Start the fork server if it is not running, in ``env``, without this process's
+    stdout and stderr: its children get them from :func:`process`, and a server holding them
+    would keep a reader of this process's output waiting for its own slow exit."""
     from multiprocessing import forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
-    saved = {key: os.environ.get(key) for key in WORKER_ENV}
-    os.environ.update(WORKER_ENV)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        forkserver.ensure_running()
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        with _patched_env(env):
+            forkserver.ensure_running()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+def _context(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    if preload:
+        ctx.set_forkserver_preload(list(preload))  # no effect once the server runs
+    return ctx
+
+
+def _run(target: Callable[..., Any], args: tuple, env: dict[str, str], stdio: tuple) -> Any:
+    """In the child: take the environment and stdout / stderr, then run the target."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, into in zip(stdio, (1, 2), strict=True):
+        if fd != into:
+            os.dup2(fd, into)
+            os.close(fd)
+    return target(*args)
+
+
+class _InheritFd:
+    """A file descriptor of the starting process, handed to the child as it is now (a fork
+    server's children would otherwise write where the server's stdout went)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return (_inherited_fd, (reduction.DupFd(self.fd),))
+
+
+def _inherited_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+@contextlib.contextmanager
+def _patched_env(env: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
     finally:
         for key, value in saved.items():
             if value is None:

@@ -77,10 +77,16 @@ def hook(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(hook: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same run never interrupted, through the API (the command line's config)."""
+    import asyncio
+
+    from digen import DigenRunner, load_config
+
+    args = _args(hook)
+    overrides = [a for a in args if "=" in a]
+    cfg = load_config(None, overrides, {"steps": STEPS}, model="sd3", mode="disaggregated")
     out = tmp_path_factory.mktemp("whole") / "run"
-    proc = _cli("--out", str(out), *_args(hook))
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    asyncio.run(DigenRunner(cfg, out_dir=out, progress=False).run())
     return _weights(out)
 
 

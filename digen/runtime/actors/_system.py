@@ -292,34 +292,6 @@ def _kill_at_exit() -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _start_context(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
-    """The fork server (importing ``preload`` when it starts), or spawn where there is none.
-    Never plain fork: a driver's threads (RPC, OpenMP) do not survive one."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    if preload:
-        ctx.set_forkserver_preload(list(preload))  # no effect once the server runs
-    return ctx
-
-
-class _InheritFd:
-    """A file descriptor of the starting process, handed to the child as it is now (a fork
-    server's children would otherwise write where the server's stdout went)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple:
-        from multiprocessing import reduction
-
-        return (_inherited_fd, (reduction.DupFd(self.fd),))
-
-
-def _inherited_fd(dup: Any) -> int:
-    return dup.detach()
-
-
 class ActorSystem:
     """Owns the RPC world: this process is rank 0 (``"driver"``), each spec a spawned process
     (local launch) or a process an external launcher started (``launch``, see
@@ -516,24 +488,22 @@ class ActorSystem:
                 )
 
     def _spawn(self, env: dict[str, str], url: str, world: int) -> None:
-        ctx = _start_context(self.preload)
+        from digen.runtime import forkserver
+
         for rank, spec in enumerate(self.workers, start=1):
-            # the whole environment, as a spawned child would inherit it now (a forked one
-            # would have the fork server's), and this process's stdout and stderr as they
-            # are now (a test's capture, a pipe)
             child_env = {**os.environ, **env, "OMP_NUM_THREADS": str(spec.threads), **spec.env}
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(spec, rank, world, url, self.rpc_timeout_s),
-                kwargs={"env": child_env, "stdio": (_InheritFd(1), _InheritFd(2))},
+            proc = forkserver.process(
+                _worker_main,
+                (spec, rank, world, url, self.rpc_timeout_s),
+                env=child_env,
                 name=f"digen-{spec.name}",
                 # Not daemonic: daemonic processes may not start children (DataLoader
                 # workers, compile pools). Exit paths are covered by stop(), the atexit
                 # hook below, and each worker's watch on its parent.
                 daemon=False,
+                preload=self.preload,
             )
-            with _patched_env(child_env):  # what a fork server starting now imports with
-                proc.start()  # returns once the child exists; its start runs in parallel
+            forkserver.start(proc)  # returns once the child exists; its start runs in parallel
             self._procs[spec.name] = proc
             self._pids[spec.name] = proc.pid
 

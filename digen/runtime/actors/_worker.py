@@ -46,29 +46,9 @@ _DRIVER_MISSES = 3
 """External launch: a worker exits after this many failed pings of the driver in a row."""
 
 
-def _worker_main(
-    spec: WorkerSpec,
-    rank: int,
-    world: int,
-    url: str,
-    rpc_timeout_s: float,
-    *,
-    env: dict[str, str] | None = None,
-    stdio: tuple[int, int] | None = None,
-) -> None:
-    """A started worker: serve until the driver says stop, or exit with the driver.
-
-    ``env``: the whole environment to run with; ``stdio``: file descriptors to take as
-    stdout and stderr (a forked child has its fork server's otherwise)."""
+def _worker_main(spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float) -> None:
+    """A started worker: serve until the driver says stop, or exit with the driver."""
     exit_with_parent()  # an orphaned worker must not outlive a killed driver
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-    if stdio is not None:
-        for target, fd in zip((1, 2), stdio, strict=True):
-            if fd != target:
-                os.dup2(fd, target)
-                os.close(fd)
     _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=False)
     sys.stdout.flush()
     sys.stderr.flush()
