@@ -76,6 +76,7 @@ from digen import DigenRunner, load_config
 from digen.config import DigenConfig
 from digen.models.registry import MODEL_NAMES
 from digen.presets import preset
+from digen.runtime.forkserver import start_fork_server
 from digen.sched.costs import Costs, OnlineProfiler
 from digen.sched.simulate_cli import load_costs
 
@@ -556,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--curves-only", action="store_true", help="skip the runs (items 1-3)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="a config override")
     args = ap.parse_args(argv)
+    start_fork_server()  # the disaggregated runs' workers import while the first runs run
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no GPU (use --device cpu).", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["PRELOAD", "WORKER_ENV", "process", "start_fork_server"]
+__all__ = ["PRELOAD", "WORKER_ENV", "patched_env", "process", "start", "start_fork_server"]
 
 PRELOAD = ("digen.runtime.workers",)
 """What the fork server imports before it forks the first worker."""
@@ -74,7 +74,7 @@ def start(proc: multiprocessing.process.BaseProcess) -> None:
     env = getattr(proc, "_digen_env", {})
     if proc._start_method == "forkserver":  # type: ignore[attr-defined]
         _ensure_server(env)
-    with _patched_env(env):
+    with patched_env(env):
         proc.start()
 
 
@@ -91,7 +91,7 @@ def _ensure_server(env: dict[str, str]) -> None:
     try:
         os.dup2(null, 1)
         os.dup2(null, 2)
-        with _patched_env(env):
+        with patched_env(env):
             forkserver.ensure_running()
     finally:
         os.dup2(saved[0], 1)
@@ -138,7 +138,9 @@ def _inherited_fd(dup: Any) -> int:
 
 
 @contextlib.contextmanager
-def _patched_env(env: dict[str, str]) -> Iterator[None]:
+def patched_env(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` added for the block: what a process started in it (or a
+    library reading the environment there) sees."""
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:

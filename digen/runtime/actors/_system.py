@@ -45,12 +45,12 @@ from digen.runtime.actors._transport import (
     _is_loopback,
     _joined,
     _loopback_ifname,
-    _patched_env,
     _quiet_rpc_init_warning,
     _rendezvous_url,
     payload_bytes,
 )
 from digen.runtime.actors._worker import _worker_main
+from digen.runtime.forkserver import patched_env
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_:\-]{1,127}")
 _WATCHDOG_PERIOD_S = 0.1
@@ -448,7 +448,7 @@ class ActorSystem:
 
         def join_world() -> None:
             try:
-                with _patched_env(env):
+                with patched_env(env):
                     rpc.init_rpc(
                         DRIVER,
                         rank=0,

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import io
 import ipaddress
-import os
 import pickle
 import sys
 import warnings
@@ -131,21 +130,6 @@ def _backend_options(
     for peer, mapping in (device_maps or {}).items():
         options.set_device_map(peer, mapping)
     return options
-
-
-@contextlib.contextmanager
-def _patched_env(extra: dict[str, str]) -> Iterator[None]:
-    """Spawned children copy ``os.environ`` when they start; this is the only handle on it."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _forget_earlier_worlds() -> None:
