@@ -60,7 +60,7 @@ def process(
     directory and ``sys.path``, and its stdout and stderr as they are now (a pipe, a test's
     capture). Start it with :func:`start`."""
     env = dict(os.environ) if env is None else env
-    stdio = (_InheritFd(1), _InheritFd(2))
+    stdio = tuple(_InheritFd(fd) if _is_open(fd) else None for fd in (1, 2))
     proc = _context(preload).Process(
         target=_run, args=(target, args, env, stdio), name=name, daemon=daemon
     )
@@ -114,10 +114,18 @@ def _run(target: Callable[..., Any], args: tuple, env: dict[str, str], stdio: tu
     os.environ.clear()
     os.environ.update(env)
     for fd, into in zip(stdio, (1, 2), strict=True):
-        if fd != into:
+        if fd is not None and fd != into:
             os.dup2(fd, into)
             os.close(fd)
     return target(*args)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # a parent started with stdout or stderr closed
+        return False
+    return True
 
 
 class _InheritFd:
