@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DigenRunner", "RunResult"]
 
-"""What a run leaves in its directory (``--overwrite`` removes exactly these)."""
 _WORKERS_FILE = "workers.json"
 """Role -> host and pid of the run's processes, present while the run lives."""
 

@@ -297,7 +297,8 @@ RUN_OUTPUTS = (
     "tensorboard",
     "wandb",
 )
-"""What a run writes into its ``out_dir``: any of them there means an earlier run."""
+"""What a run writes into its ``out_dir``: any of them there means an earlier run, and
+``--overwrite`` removes exactly these."""
 
 
 def previous_outputs(out_dir: str | os.PathLike) -> list[str]:

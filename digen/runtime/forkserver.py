@@ -37,6 +37,9 @@ WORKER_ENV = {
 """Environment of every worker; read by those libraries as they import, so the fork server
 must start with it too."""
 
+_server_started = False
+"""Whether this process started the fork server (with its stdout and stderr kept out)."""
+
 
 def start_fork_server(preload: Sequence[str] = PRELOAD) -> None:
     """Start the fork server now, importing ``preload`` in the background; returns at once.
@@ -61,18 +64,18 @@ def process(
     capture). Start it with :func:`start`."""
     env = dict(os.environ) if env is None else env
     stdio = tuple(_InheritFd(fd) if _is_open(fd) else None for fd in (1, 2))
-    proc = _context(preload).Process(
-        target=_run, args=(target, args, env, stdio), name=name, daemon=daemon
-    )
+    ctx = _context(preload)
+    proc = ctx.Process(target=_run, args=(target, args, env, stdio), name=name, daemon=daemon)
     proc._digen_env = env  # type: ignore[attr-defined]
+    proc._digen_forked = ctx.get_start_method() == "forkserver"  # type: ignore[attr-defined]
     return proc
 
 
 def start(proc: multiprocessing.process.BaseProcess) -> None:
     """Start a :func:`process`; returns once the child exists. A fork server that starts
     now imports with the child's environment (some libraries read it as they import)."""
-    env = getattr(proc, "_digen_env", {})
-    if proc._start_method == "forkserver":  # type: ignore[attr-defined]
+    env = proc._digen_env  # type: ignore[attr-defined]
+    if proc._digen_forked:  # type: ignore[attr-defined]
         _ensure_server(env)
     with patched_env(env):
         proc.start()
@@ -82,22 +85,26 @@ def _ensure_server(env: dict[str, str]) -> None:
     """Start the fork server if it is not running, in ``env``, without this process's
     stdout and stderr: its children get them from :func:`process`, and a server holding them
     would keep a reader of this process's output waiting for its own slow exit."""
+    global _server_started
+    if _server_started:  # a server that died since is restarted by the start itself
+        return
     from multiprocessing import forkserver
 
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
+    saved = {fd: os.dup(fd) for fd in (1, 2) if _is_open(fd)}
     null = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(null, 1)
-        os.dup2(null, 2)
+        for fd in saved:
+            os.dup2(null, fd)
         with patched_env(env):
             forkserver.ensure_running()
+        _server_started = True
     finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, null):
-            os.close(fd)
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(null)
 
 
 def _context(preload: Sequence[str]) -> multiprocessing.context.BaseContext:

@@ -396,9 +396,8 @@ class ActorSystem:
         self.startup_s = time.perf_counter() - t0
         self._state = "running"
         self._lost = asyncio.get_running_loop().create_future()
-        for died in self._dead.values():
-            self._lost.set_result(died)
-            break
+        if self._dead:  # lost between forming the world and now
+            self._lost.set_result(next(iter(self._dead.values())))
         self._watchdog = asyncio.create_task(self._watch(), name="digen-actor-watchdog")
 
     async def lost(self) -> WorkerDied:
