@@ -833,6 +833,7 @@ def entry() -> None:
     """The ``digen`` program: :func:`main`, then, with every output written, flushed and
     closed, an exit that skips the interpreter's teardown of torch and the model libraries
     (two to three seconds of nothing after a run)."""
+    _open_closed_stdio()
     try:
         main()
         code: Any = 0
@@ -843,10 +844,32 @@ def entry() -> None:
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
+    forkserver = sys.modules.get("digen.runtime.forkserver")
+    if forkserver is not None:  # no process of the run outlives the command
+        forkserver.stop_fork_server()
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
+
+
+def _open_closed_stdio() -> None:
+    """A program started with stdin, stdout or stderr closed (``>&-``) gets ``/dev/null``
+    there, as daemons do: otherwise the first file or socket opened takes that number, and
+    the event loop's library aborts when it closes a descriptor it takes for stdio."""
+    for fd, mode in ((0, os.O_RDONLY), (1, os.O_WRONLY), (2, os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, mode)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        name = ("stdin", "stdout", "stderr")[fd]
+        if getattr(sys, name) is None:  # Python leaves it None when the fd was closed
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -495,24 +495,25 @@ def _free_port() -> int:
 
 def _catch_signals(runner: DigenRunner):
     """First SIGINT (Ctrl-C) or SIGTERM (what schedulers send before preemption): stop at
-    the next micro-batch boundary, with a checkpoint. A second one: the usual way out at
-    once."""
+    the next micro-batch boundary, with a checkpoint. A second one: :func:`_hard_exit`."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return None
     caught = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.getsignal(sig) for sig in caught}
+    signalled: list[int] = []
 
     def handler(signum, frame):
+        if signalled:
+            _hard_exit(signum)
+        signalled.append(signum)
         runner.request_stop(signal.Signals(signum).name)
         print(
             f"\n{signal.Signals(signum).name}: stopping at the next micro-batch with a checkpoint "
             "(again to abort)",
             file=sys.stderr,
         )
-        for sig in caught:
-            signal.signal(sig, previous[sig])
 
     for sig in caught:
         signal.signal(sig, handler)
@@ -522,6 +523,26 @@ def _catch_signals(runner: DigenRunner):
             signal.signal(sig, previous[sig])
 
     return restore
+
+
+def _hard_exit(signum: int) -> None:
+    """The second signal: kill every worker process of the run by pid, stop the fork server
+    and exit the process (128 + the signal's number), from the handler itself. Nothing it
+    could wait on runs first: not the event loop's cancellation (``asyncio.run`` turns a
+    SIGINT into a cancelled task, whose clean-up may wait for the very call that hangs), not a
+    ``finally`` or a worker's reply. Checkpoints already written stay whole: each is written
+    under a temporary name and renamed once complete."""
+    from digen.runtime import forkserver
+
+    with contextlib.suppress(Exception):
+        print(f"{signal.Signals(signum).name} again: aborting now.", file=sys.stderr)
+    forkserver.kill_started()
+    with contextlib.suppress(Exception):
+        forkserver.stop_fork_server()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(128 + signum)
 
 
 def save_interval(cfg: DigenConfig) -> int:

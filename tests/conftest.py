@@ -24,3 +24,38 @@ def _tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tiny flavours are built once per session and loaded back through ``from_pretrained``."""
     if "DIGEN_CACHE" not in os.environ:
         os.environ["DIGEN_CACHE"] = str(tmp_path_factory.mktemp("digen-cache"))
+
+
+class RunMark:
+    """An environment marked with a value of its own: every process a command started in it
+    inherits the mark (its fork server and workers too), so :meth:`left` finds any of them
+    still alive -- with no pid list to trust -- once the command has returned."""
+
+    def __init__(self) -> None:
+        import uuid
+
+        self.value = uuid.uuid4().hex
+        self.env = {**os.environ, "DIGEN_TEST_RUN_MARK": self.value}
+
+    def left(self) -> list[int]:
+        """Pids of live (not zombie) processes carrying the mark."""
+        from pathlib import Path
+
+        needle = f"DIGEN_TEST_RUN_MARK={self.value}".encode()
+        pids = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                environ = (proc / "environ").read_bytes()
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if needle in environ.split(b"\0") and state != "Z":
+                pids.append(int(proc.name))
+        return pids
+
+
+@pytest.fixture
+def run_mark() -> RunMark:
+    return RunMark()

@@ -271,11 +271,14 @@ def test_empty_prompt_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_ctrl_c_or_sigterm_stops_with_a_checkpoint(tmp_path: Path, sig, code: int) -> None:
+def test_ctrl_c_or_sigterm_stops_with_a_checkpoint(
+    tmp_path: Path, sig, code: int, run_mark
+) -> None:
     """Ctrl-C, or SIGTERM (a scheduler's preemption), mid-run: the run stops with a
-    checkpoint of the steps done, its weights, and an exit code scripts can tell from done."""
+    checkpoint of the steps done, its weights, and an exit code scripts can tell from done;
+    when the command returns, no process of its run (fork server included) is left."""
     out = tmp_path / "run"
-    env = dict(os.environ)
+    env = run_mark.env
     cmd = [
         sys.executable,
         "-m",
@@ -296,6 +299,7 @@ def test_ctrl_c_or_sigterm_stops_with_a_checkpoint(tmp_path: Path, sig, code: in
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == code, stderr  # 128 + the signal: scripts can tell it from done
+    assert run_mark.left() == []
     assert f"digen run --resume {out}" in stderr
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["interrupted"] is True and 1 <= summary["steps"] < 50
@@ -305,6 +309,22 @@ def test_ctrl_c_or_sigterm_stops_with_a_checkpoint(tmp_path: Path, sig, code: in
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert yaml.safe_load((out / "config.yaml").read_text())["steps"] == 50
     assert config_to_dict(load_config(out / "config.yaml"))["steps"] == 50
+
+
+def test_a_run_with_its_stdout_closed_runs(tmp_path: Path, run_mark) -> None:
+    """``digen run >&-`` (a daemon's way of starting it): the run completes with its outputs,
+    and once the command returns no process of the run is left."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "cli.main", "run", "--out", str(out), "--steps", "1", *SMALL]
+    line = " ".join(f"'{a}'" for a in cmd)
+    res = subprocess.run(
+        ["bash", "-c", f"exec {line} >&-"], env=run_mark.env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert run_mark.left() == []
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0]
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 
 @pytest.mark.slow

@@ -20,10 +20,20 @@ import multiprocessing
 import multiprocessing.context
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["PRELOAD", "WORKER_ENV", "patched_env", "process", "start", "start_fork_server"]
+__all__ = [
+    "PRELOAD",
+    "WORKER_ENV",
+    "kill_started",
+    "patched_env",
+    "process",
+    "start",
+    "start_fork_server",
+    "stop_fork_server",
+]
 
 PRELOAD = ("digen.runtime.workers",)
 """What the fork server imports before it forks the first worker."""
@@ -39,6 +49,9 @@ must start with it too."""
 
 _server_started = False
 """Whether this process started the fork server (with its stdout and stderr kept out)."""
+
+_started: weakref.WeakSet[multiprocessing.process.BaseProcess] = weakref.WeakSet()
+"""Every process :func:`start` started and that is still referenced: what a hard exit kills."""
 
 
 def start_fork_server(preload: Sequence[str] = PRELOAD) -> None:
@@ -79,6 +92,38 @@ def start(proc: multiprocessing.process.BaseProcess) -> None:
         _ensure_server(env)
     with patched_env(env):
         proc.start()
+    _started.add(proc)
+
+
+def kill_started() -> list[int]:
+    """SIGKILL every process :func:`start` started that is still running; their pids. Fit
+    for a signal handler: it only polls and sends signals, nothing waits."""
+    killed = []
+    for proc in list(_started):
+        pid = proc.pid
+        if pid is None or proc.exitcode is not None:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, 9)
+            killed.append(pid)
+    return killed
+
+
+def stop_fork_server() -> None:
+    """Stop the fork server this process started and wait until it has exited, so a command
+    that returns leaves no process of its run behind (the server would otherwise notice its
+    parent's exit a second or so later). The next :func:`start` starts a new one."""
+    global _server_started
+    if not _server_started:
+        return
+    from multiprocessing import forkserver
+
+    # multiprocessing has no public stop; its own tests stop the server this way
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(OSError, ChildProcessError):
+            stop()
+    _server_started = False
 
 
 def _ensure_server(env: dict[str, str]) -> None:

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,8 +59,10 @@ def _args(hook: Path) -> list[str]:
     return [*args, "train.lr=1e-3", f"rewards=[{{name: '{hook}:HoldAt'}}]"]
 
 
-def _cli(*args: str, hold_at: int = -1, mark: Path | None = None) -> subprocess.Popen:
-    env = {**os.environ, "HOLD_AT": str(hold_at), "HOLD_MARK": str(mark or "")}
+def _cli(
+    *args: str, hold_at: int = -1, mark: Path | None = None, env: dict | None = None
+) -> subprocess.Popen:
+    env = {**(env or os.environ), "HOLD_AT": str(hold_at), "HOLD_MARK": str(mark or "")}
     cmd = [sys.executable, "-m", "cli.main", "run", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -100,11 +103,14 @@ def _per_step() -> int:
     return len(step_microbatches(cfg, 0))
 
 
-def _hold_at_step_2(hook: Path, out: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
+def _hold_at_step_2(
+    hook: Path, out: Path, *extra: str, env: dict | None = None
+) -> tuple[subprocess.Popen, dict]:
     """Start a run and wait until it holds in step 2's first scoring call, with the
     checkpoint of its first two steps written."""
     mark = out.parent / "held"
-    proc = _cli("--out", str(out), *_args(hook), *extra, hold_at=2 * _per_step(), mark=mark)
+    hold_at = 2 * _per_step()
+    proc = _cli("--out", str(out), *_args(hook), *extra, hold_at=hold_at, mark=mark, env=env)
     deadline = time.monotonic() + 300
     second = out / "checkpoints" / "step-000002"
     while not ((out / "workers.json").is_file() and mark.is_file() and second.is_dir()):
@@ -168,26 +174,38 @@ def test_a_lost_worker_stops_the_run_naming_it_and_resume_finishes_it_exactly(
     assert all(torch.equal(got[k], uninterrupted[k]) for k in got)
 
 
-def test_a_second_ctrl_c_exits_at_once_leaving_no_process(tmp_path: Path, hook: Path) -> None:
+def test_a_second_ctrl_c_exits_at_once_leaving_no_process(
+    tmp_path: Path, hook: Path, run_mark
+) -> None:
     """The first signal waits for the calls running -- here a reward that does not return --
-    to reach a micro-batch boundary; a second one exits at once, with no worker left and
-    the checkpoints written so far intact."""
+    to reach a micro-batch boundary; a second one exits at once, whatever the driver is
+    doing, with no process of the run left and the checkpoints written so far intact."""
     out, sig = tmp_path / "run", signal.SIGINT
-    proc, workers = _hold_at_step_2(hook, out)
+    proc, workers = _hold_at_step_2(hook, out, env=run_mark.env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
     proc.send_signal(sig)
-    time.sleep(2.0)
-    assert proc.poll() is None  # still waiting for the held reward
+    deadline = time.monotonic() + 120
+    while not any("again to abort" in line for line in lines):  # the first one was handled
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.05)
+    time.sleep(1.0)  # the driver now waits for the held reward (two signals pending at
+    assert proc.poll() is None  # once would count as one)
     t0 = time.monotonic()
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    proc.wait(timeout=120)
     took = time.monotonic() - t0
+    reader.join(timeout=60)
+    err = "".join(lines)
     assert proc.returncode == 130, err[-3000:]
-    assert "again to abort" in err
-    assert took < 30  # not the reward's ten minutes
-    deadline = time.monotonic() + 10
-    while any(_alive(w["pid"]) for w in workers.values()) and time.monotonic() < deadline:
+    assert "again to abort" in err and "SIGINT again: aborting now." in err
+    assert took < 60  # not the reward's ten minutes
+    deadline = time.monotonic() + 60  # SIGKILLed workers die as soon as they are scheduled
+    while run_mark.left() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [r for r, w in workers.items() if _alive(w["pid"])]  # no orphan
+    assert run_mark.left() == []  # workers and fork server: no orphan
+    assert not [r for r, w in workers.items() if _alive(w["pid"])]
     from digen.runtime.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(out)  # checksums verified
