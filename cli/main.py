@@ -16,6 +16,7 @@ workers named by :func:`role_for_rank` (docs/RUNTIME.md, "Multi-node with torchr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -61,6 +62,56 @@ def _or(names: tuple[str, ...]) -> str:
 @click.version_option(package_name="digen")
 def main() -> None:
     """digen: disaggregated RL post-training for diffusion and flow-matching models."""
+    _check_torch()
+
+
+def _check_torch() -> None:
+    """One sentence, exit 2, when the installed torch is older than the floor in digen's own
+    requirements (read from the installed package, not imported: this is quick)."""
+    from importlib import metadata
+
+    floor = next(
+        (
+            r.split(">=", 1)[1].split(",")[0].split(";")[0].strip()
+            for r in _requires("digen")
+            if r.replace(" ", "").startswith("torch>=")
+        ),
+        None,
+    )
+    try:
+        installed = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        installed = None
+    if floor is None or installed is None:
+        return  # a source checkout without metadata; an import error will say it
+    if _release(installed) < _release(floor):
+        click.echo(
+            f"error: digen needs torch {floor} or newer (FSDP2's sum reduction and the Hugging "
+            f"Face checkpoint reader and writer), but torch {installed} is installed; install "
+            f"a newer one first (pip install 'torch>={floor}').",
+            err=True,
+        )
+        sys.exit(2)
+
+
+def _requires(package: str) -> list[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.requires(package) or []
+    except metadata.PackageNotFoundError:
+        return []
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``2.13.0+cpu`` -> ``(2, 13, 0)``."""
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 @main.command(context_settings={"ignore_unknown_options": False})
@@ -270,6 +321,13 @@ def _run(
         cli.setdefault("data", {})["prompts"] = str(prompts)
     if resume:
         cfg = load_config(out_dir / "config.yaml", overrides, base=cli, preset=False)
+        code = [r.name for r in cfg.rewards if ":" in r.name]  # file.py:fn, module:fn
+        if code:
+            click.echo(
+                f"note: resuming loads the reward hooks its config names, running their code "
+                f"in this run's processes: {', '.join(code)}.",
+                err=True,
+            )
     else:
         cfg = load_config(
             config_path, overrides, base=cli, model=model, algo=algo, mode=mode, preset=True
@@ -628,12 +686,51 @@ def simulate(
     default=None,
     help="Keyword arguments for a reward that is a class, as YAML/JSON: '{model_dir: /m}'.",
 )
-def reward_server(reward: str, port: int, host: str, options_text: str | None) -> None:
+@click.option(
+    "--max-body-mib", type=int, default=256, show_default=True, help="Largest request body, MiB."
+)
+@click.option(
+    "--max-samples", type=int, default=256, show_default=True, help="Most samples a request."
+)
+@click.option(
+    "--max-frames", type=int, default=256, show_default=True, help="Most frames a sample."
+)
+@click.option(
+    "--max-pixels",
+    type=int,
+    default=1 << 26,
+    show_default=True,
+    help="Most pixels a request (samples x frames x height x width), checked before decoding.",
+)
+@click.option(
+    "--max-concurrent",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Requests read, decoded and scored at once.",
+)
+@click.option(
+    "--max-queued",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Requests waiting for a slot; one more is answered 429.",
+)
+@click.option(
+    "--debug",
+    is_flag=True,
+    help="Send a failing reward's error text to the client, not only the log.",
+)
+def reward_server(
+    reward: str, port: int, host: str, options_text: str | None, debug: bool, **limits: int
+) -> None:
     """Serve a reward over HTTP (POST /score, GET /health); see docs/REWARD_SERVER.md."""
+    import logging
+
     import yaml
 
     from digen.errors import DigenError
-    from digen.reward_server import serve
+    from digen.reward_server import ServerLimits, serve
 
     try:
         options = yaml.safe_load(options_text) if options_text else {}
@@ -649,8 +746,12 @@ def reward_server(reward: str, port: int, host: str, options_text: str | None) -
     def ready(url: str) -> None:
         click.echo(f"serving reward {reward!r} on {url} (GET /health); Ctrl-C stops it")
 
+    # The server's log (a failing reward's traceback, undecodable requests) goes to stderr.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("digen.reward_server").addHandler(handler)
     try:
-        asyncio.run(serve(reward, host, port, ready, options))
+        asyncio.run(serve(reward, host, port, ready, options, ServerLimits(**limits), debug))
     except DigenError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

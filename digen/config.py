@@ -576,7 +576,7 @@ class RuntimeConfig:
     shard_size: int | None = None
     """hsdp: trainers per sharding group (the GPUs of a node); None = the visible GPUs, at most the trainers. Must divide the trainer count."""
     generator_devices: Devices = None
-    """Devices of the generator pool (e.g. [cuda:0, cuda:1] or "cuda:0,cuda:1"); worker i takes entry i mod len. None: model.device, and with model.device = cuda the visible GPUs split between the pools."""
+    """Devices of the generator pool (e.g. [cuda:0, cuda:1] or "cuda:0,cuda:1"; a bare cuda is cuda:0); worker i takes entry i mod len. None: model.device, and with model.device = cuda the visible GPUs split between the pools."""
     trainer_devices: Devices = None
     """Devices of the trainer pool, as generator_devices."""
     generator_dtype: str | None = None
@@ -640,6 +640,8 @@ class RuntimeConfig:
                         devices,
                         "name devices such as cpu, cuda or cuda:1, one per entry",
                     )
+            if devices:  # a bare cuda in a device list is the first GPU, as torch reads it
+                setattr(self, f"{pool}_devices", ["cuda:0" if d == "cuda" else d for d in devices])
         _positive(p, "sync_bucket_mb", self.sync_bucket_mb)
         _at_least(p, "threads_per_worker", self.threads_per_worker, 1)
         _choice(_key(p, "microbatch_axis"), self.microbatch_axis, MICROBATCH_AXES)

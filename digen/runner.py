@@ -132,6 +132,8 @@ class DigenRunner:
         self._checkpoint: Checkpoint | None = None
         self._stop: str | None = None
         self._backend_now: Any = None
+        self._placement_notes: list[str] = []
+        """What the placement of a data-parallel run's group says for the log."""
         """The lead worker's backend while it runs (what a stop request reaches)."""
 
     def request_stop(self, reason: str = "stop") -> None:
@@ -185,6 +187,8 @@ class DigenRunner:
         log, log_fh = _open_log(outputs.log_path if outputs else None)
         if outputs:
             outputs.write_config(config_to_dict(cfg))
+        for note in self._placement_notes if lead else ():
+            log.info("note", text=note)
         if lead and cfg.runtime.mode == "disaggregated" and cfg.algo.adv_std == "global":
             note = (
                 "algo.adv_std = global divides advantages by one std over the whole batch, so "
@@ -202,7 +206,8 @@ class DigenRunner:
             steps=cfg.steps,
             world=world,
         )
-        trace = Trace()
+        # events go to trace.jsonl as they finish; memory holds only the steps under way
+        trace = Trace(path=outputs.trace_path) if outputs else Trace()
         metrics: list[dict[str, Any]] = []
         interrupted = False
         weights = None
@@ -346,21 +351,35 @@ class DigenRunner:
     # --- data-parallel colocated: W processes, rank 0 is this one ------------------------
 
     def _run_data_parallel(self, world: int) -> RunResult:
-        from digen.runtime import forkserver
+        from datetime import timedelta
 
-        port = _free_port()
+        from digen.runtime import forkserver
+        from digen.runtime.colocated import worker_config
+        from digen.runtime.groups import destroy_default_group, pinned_to_loopback, tcp_store
+        from digen.runtime.placement import check_groups, colocated_groups
+
+        devices = [worker_config(self.cfg, r).model.device for r in range(world)]
+        self._placement_notes = check_groups(self.cfg, colocated_groups(self.cfg, devices))
+        timeout = timedelta(seconds=self.cfg.runtime.rpc_timeout_s)
+        # the store takes a free port on loopback as it binds; the workers are told which
+        store = tcp_store(LOCAL_HOST, 0, world, lead=True, timeout=timeout)
         procs = [
-            forkserver.process(_dp_worker, (self._spawn_state(), rank, world, port), daemon=True)
+            forkserver.process(
+                _dp_worker, (self._spawn_state(), rank, world, store.port), daemon=True
+            )
             for rank in range(1, world)
         ]
         for p in procs:
             forkserver.start(p)
         try:
-            _init_group(0, world, port, self.cfg, procs)
-            try:
-                result = asyncio.run(self._run_worker(0, world))
-            finally:
-                _destroy_group()
+            # NCCL may connect at its first collective: the pin lasts the run, then the
+            # caller's environment is as it was
+            with pinned_to_loopback(LOCAL_HOST):
+                _init_group(0, world, store, self.cfg, procs)
+                try:
+                    result = asyncio.run(self._run_worker(0, world))
+                finally:
+                    destroy_default_group()
         finally:  # on a failure too: no worker outlives the run
             for p in procs:
                 p.join(timeout=60)
@@ -382,6 +401,10 @@ class DigenRunner:
             "out_dir": str(self.out_dir),
             "checkpoint": self._checkpoint,
         }
+
+
+LOCAL_HOST = "127.0.0.1"
+"""Where a colocated data-parallel run's workers meet: this machine, on loopback only."""
 
 
 def _write_trace(trace: Trace, out_dir: Path, cfg: DigenConfig) -> None:
@@ -441,29 +464,36 @@ def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
         save_weights=False,
     )
     runner._checkpoint = state["checkpoint"]  # rank 0 found it; every worker loads it
-    _init_group(rank, world, port, runner.cfg)
+    from datetime import timedelta
+
+    from digen.runtime.groups import destroy_default_group, loopback_env, tcp_store
+
+    for key, value in loopback_env(LOCAL_HOST).items():  # this process is the run's own
+        os.environ.setdefault(key, value)
+    timeout = timedelta(seconds=runner.cfg.runtime.rpc_timeout_s)
+    store = tcp_store(LOCAL_HOST, port, world, lead=False, timeout=timeout)
+    _init_group(rank, world, store, runner.cfg)
     try:
         asyncio.run(runner._run_worker(rank, world))
     finally:
-        _destroy_group()
+        destroy_default_group()
 
 
 def _init_group(
-    rank: int, world: int, port: int, cfg: DigenConfig, workers: Sequence[Any] = ()
+    rank: int, world: int, store: Any, cfg: DigenConfig, workers: Sequence[Any] = ()
 ) -> None:
-    """The colocated workers' group: NCCL when they are on GPUs, gloo otherwise. The lead
-    (rank 0, holding the worker processes ``workers``) waits until each has reported in, and
-    fails at once, naming it, if one exits before (it would otherwise wait for half an hour)."""
+    """The colocated workers' default group over ``store`` (gloo, or on GPUs NCCL with gloo
+    beside it). The lead (rank 0, holding the worker processes
+    ``workers``) waits until each has reported in, and fails at once, naming it, if one
+    exits before (it would otherwise wait for half an hour)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from digen.runtime.colocated import worker_config
-    from digen.runtime.placement import group_backend
+    from digen.runtime.groups import init_default_group
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     devices = [worker_config(cfg, r).model.device for r in range(world)]
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False)
     if rank:
         store.set(f"digen-up-{rank}", "1")
     while rank == 0:
@@ -477,20 +507,7 @@ def _init_group(
                         f"data-parallel worker {r} exited with code {p.exitcode} while "
                         "starting (its error is printed above)."
                     ) from None
-    dist.init_process_group(group_backend(devices), store=store, rank=rank, world_size=world)
-
-
-def _destroy_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    init_default_group(store, rank, world, devices, cfg.runtime.rpc_timeout_s)
 
 
 def _catch_signals(runner: DigenRunner):

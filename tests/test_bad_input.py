@@ -148,3 +148,51 @@ def test_an_out_dir_that_refuses_the_run_is_said_before_torch_loads(tmp_path: Pa
         assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
         assert message in res.stderr
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize(("installed", "refused"), [("2.5.1", True), ("2.13.0+cpu", False)])
+def test_a_torch_older_than_the_floor_is_one_sentence(
+    monkeypatch: pytest.MonkeyPatch, installed: str, refused: bool
+) -> None:
+    """The floor is digen's own requirement (pyproject), read from the installed metadata."""
+    import importlib.metadata
+
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: installed if name == "torch" else real(name)
+    )
+    res = CliRunner().invoke(main, ["models"])
+    if refused:
+        assert res.exit_code == 2
+        assert res.output.strip() == (
+            "error: digen needs torch 2.9 or newer (FSDP2's sum reduction and the Hugging Face "
+            "checkpoint reader and writer), but torch 2.5.1 is installed; install a newer one "
+            "first (pip install 'torch>=2.9')."
+        )
+    else:
+        assert res.exit_code == 0 and "flux" in res.output
+
+
+def test_resume_says_which_reward_hooks_its_config_loads(tmp_path: Path) -> None:
+    """A resumed run's config.yaml may name code (``file.py:fn``, ``module:fn``): the
+    command says so before anything loads it."""
+    import yaml
+
+    from digen import load_config
+    from digen.config import config_to_dict
+
+    out = tmp_path / "run"
+    out.mkdir()
+    rewards = "rewards=[{name: jpeg_incompressibility}, {name: '/hooks/mine.py:score'}]"
+    cfg = load_config(overrides=[rewards])
+    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg)))
+    res = _cli_without_torch("--resume", str(out))
+    assert (
+        "note: resuming loads the reward hooks its config names, running their code in this "
+        "run's processes: /hooks/mine.py:score." in res.stderr
+    ), res.stderr
+    assert "jpeg_incompressibility" not in res.stderr.split("note:")[1].splitlines()[0]

@@ -101,3 +101,49 @@ def test_a_run_scored_by_clip_completes(clip_dir: Path, tmp_path: Path) -> None:
     )
     row = result.metrics[0]
     assert -1.0 <= row["reward_mean"] <= 1.0 and row["reward_std"] > 0
+
+
+def test_rewards_score_on_the_device_of_their_worker(clip_dir: Path) -> None:
+    """Every thread a worker's rewards run on (the loop's, and the executor's where plain
+    hooks run) is on the worker's device; ``device: worker`` (CLIP's default) means it."""
+    import asyncio
+    import threading
+
+    from digen.algos.clip_score import ClipScore
+    from digen.algos.rewards import RewardLoop, build_reward, scoring_on, worker_device
+
+    seen = []
+
+    class Where:
+        async def setup(self) -> None:
+            seen.append(("setup", worker_device()))
+
+        def __call__(self, samples, prompts, metadata):  # plain: runs on the executor
+            seen.append(("call", worker_device(), threading.current_thread().name))
+            return [0.0] * len(prompts)
+
+    loop = RewardLoop(build_reward([Where()]), device="cuda:1")  # no GPU needed to say so
+    try:
+        loop.score(_samples(1), ["a red cube"])
+    finally:
+        loop.close()
+    assert seen[0] == ("setup", "cuda:1")
+    assert seen[1][:2] == ("call", "cuda:1") and seen[1][2].startswith("digen-reward")
+    assert worker_device() == "cpu"  # this thread scores for no worker
+
+    # a colocated worker scores on its own loop, its plain hooks on that loop's executor
+    async def colocated() -> list[str]:
+        with scoring_on("cuda:3"):
+            return [worker_device(), await asyncio.to_thread(worker_device)]
+
+    assert asyncio.run(colocated()) == ["cuda:3", "cuda:3"]
+    assert worker_device() == "cpu"
+
+    clip = ClipScore(str(clip_dir))
+    assert clip.device == "worker"
+    loop = RewardLoop(build_reward([clip]), device="cpu")
+    try:
+        loop.score(_samples(1), ["a red cube"])
+    finally:
+        loop.close()
+    assert clip.device == "cpu"

@@ -4,13 +4,21 @@ every failure named with its URL, one keep-alive session, and the real `digen re
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import json
+import logging
+import random
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
+import time
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,15 +29,16 @@ import pytest
 import torch
 from aiohttp import web
 from click.testing import CliRunner
+from PIL import Image
 
 from cli.main import main
 from digen import DigenRunner
-from digen.algos.http_reward import HttpReward, decode_request, encode_request
+from digen.algos.http_reward import HttpReward, RequestTooLarge, decode_request, encode_request
 from digen.algos.rewards import jpeg_incompressibility, load_hook
 from digen.config import load_config
 from digen.errors import ConfigError, RewardError
 from digen.presets import preset
-from digen.reward_server import make_app
+from digen.reward_server import GATE, ServerLimits, make_app
 
 ROOT = Path(__file__).resolve().parents[1]
 JPEG = "jpeg_incompressibility"
@@ -66,6 +75,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def png_header(width: int, height: int, data: bytes = b"") -> str:
+    """A base64 PNG whose header claims ``width`` x ``height`` over ``data`` (its IDAT)."""
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        crc = zlib.crc32(kind + payload)
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
+    return base64.b64encode(png).decode()
+
+
+def png_request(images: list, batch: int | None = None) -> dict:
+    batch = len(images) if batch is None else batch
+    return {"format": "png", "prompts": ["a"] * batch, "metadata": [{}] * batch, "images": images}
+
+
+async def _until(condition, what: str, within_s: float = 60.0) -> None:
+    """Wait (generously: the suite runs on loaded machines) until ``condition()`` holds."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {within_s:g} s for {what}"
+        await asyncio.sleep(0.01)
+
+
+def one_sentence(error: str) -> None:
+    assert error.endswith(".") and "\n" not in error and error.count(". ") == 0, error
+
+
 # --------------------------------------------------------------------------- wire format
 
 
@@ -98,10 +136,24 @@ def test_jpeg_is_lossy_in_transit_but_keeps_the_shape() -> None:
         ({"format": "png", "prompts": ["a"], "metadata": [{}], "images": ["%%"]}, "base64"),
         ({"format": "png", "prompts": ["a"], "metadata": [{}], "images": ["aGk="]}, "not a PNG"),
         (
-            {"format": "raw", "prompts": [], "metadata": [], "shape": [1, 1, 2, 2, 3],
+            {"format": "raw", "prompts": ["a"], "metadata": [{}], "shape": [1, 1, 2, 2, 3],
              "dtype": "uint8", "data": "AAAA"},
             "data holds 3 bytes but shape [1, 1, 2, 2, 3] needs 12",
         ),
+        (  # a header that reads well over pixel data that does not
+            png_request([png_header(4, 4, b"not zlib")]),
+            "images[0] is not a valid PNG or JPEG image (it cannot be decoded)",
+        ),
+        (  # a chunk checksum that does not match: PIL raises SyntaxError
+            png_request([png_header(4, 4)[:-8] + "AAAAAAAA"]),
+            "images[0] is not",
+        ),
+        (  # an image format other than PNG and JPEG is never handed to its decoder
+            png_request([base64.b64encode(b"GIF89a" + bytes(20)).decode()]),
+            "images[0] is not a PNG or JPEG image",
+        ),
+        ({"format": "raw", "prompts": [], "metadata": [], "shape": [True, 1, 1, 1, 3],
+          "dtype": "uint8", "data": ""}, "is not [B, F, H, W, 3]"),
         (
             {"format": "raw", "prompts": [], "metadata": [], "shape": [1, 1, 1, 1, 3],
              "dtype": "uint8", "data": "AAAA"},
@@ -112,6 +164,46 @@ def test_jpeg_is_lossy_in_transit_but_keeps_the_shape() -> None:
 def test_malformed_requests_are_named(body, says: str) -> None:
     with pytest.raises(ValueError, match=re.escape(says)):
         decode_request(body)
+
+
+def gif() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="GIF")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_real_gif_is_refused_too() -> None:
+    with pytest.raises(ValueError, match=r"^images\[0\] is not a PNG or JPEG image$"):
+        decode_request(png_request([gif()]))
+
+
+def test_limits_are_checked_on_the_headers_before_any_pixel_is_decoded() -> None:
+    x = samples(3, frames=2)  # 3 x 2 x 32 x 32 = 6144 pixels
+    body = json.loads(encode_request(x, *texts(3), "png"))
+    y, _, _ = decode_request(body, max_samples=3, max_frames=2, max_pixels=6144)
+    assert torch.equal(x, y)
+    with pytest.raises(
+        RequestTooLarge, match=r"has 6144 pixels .* over the server's limit of 6143;"
+    ):
+        decode_request(body, max_pixels=6143)
+    with pytest.raises(RequestTooLarge, match=r"^the request has 3 samples, over .* limit of 2;"):
+        decode_request(body, max_samples=2)
+    with pytest.raises(RequestTooLarge, match=r"^a sample has 2 frames, over .* limit of 1$"):
+        decode_request(body, max_frames=1)
+    # A header claiming 9000 x 9000 over no pixel data: refused on its header alone (decoding
+    # it would fail differently), and PIL's own bomb guard, past ours, is a 413 too.
+    claims = png_request([png_header(9000, 9000)])
+    with pytest.raises(RequestTooLarge, match=r"has 81000000 pixels"):
+        decode_request(claims, max_pixels=1 << 26)
+    with pytest.raises(ValueError, match="cannot be decoded") as err:
+        decode_request(claims)
+    assert not isinstance(err.value, RequestTooLarge)
+    with pytest.raises(RequestTooLarge, match=r"^images\[0\] is larger than the server decodes"):
+        decode_request(png_request([png_header(100_000, 100_000)]))
+    raw = {"format": "raw", "prompts": ["a"], "metadata": [{}], "shape": [1, 2, 40_000, 40_000, 3],
+           "dtype": "uint8", "data": "not even base64"}  # fmt: skip
+    with pytest.raises(RequestTooLarge, match=r"has 3200000000 pixels"):
+        decode_request(raw, max_pixels=1 << 26)
 
 
 # --------------------------------------------------------------------------- config
@@ -133,6 +225,27 @@ def test_from_spec_needs_a_url_and_checks_its_options() -> None:
         HttpReward.from_spec(spec(retry=3))
     r = HttpReward.from_spec(spec(format="raw", concurrency=2, batch_size=3, request_timeout_s=5))
     assert (r.format, r.concurrency, r.batch_size, r.request_timeout_s) == ("raw", 2, 3, 5.0)
+    assert r.max_response_bytes == 8 << 20
+    r = HttpReward.from_spec(spec(max_response_bytes=4096, concurrency=None, batch_size=None))
+    assert (r.max_response_bytes, r.concurrency, r.batch_size) == (4096, 4, None)
+
+
+@pytest.mark.parametrize("value", [None, 0, -1.5, float("inf"), "5"])
+def test_a_request_timeout_cannot_be_turned_off(value) -> None:
+    spec = SimpleNamespace(url="http://127.0.0.1:1/score", options={"request_timeout_s": value})
+    says = (
+        f"config key 'rewards.0.options.request_timeout_s' has value {value!r}; use a positive "
+        "number of seconds (default 300); a request cannot wait without a limit."
+    )
+    with pytest.raises(ConfigError) as err:
+        HttpReward.from_spec(spec, "rewards.0")
+    assert str(err.value) == says
+    with pytest.raises(ConfigError, match=r"^the http reward's request_timeout_s has value"):
+        HttpReward("http://127.0.0.1:1/score", request_timeout_s=value)
+    with pytest.raises(ConfigError, match=r"'rewards\.0\.options\.max_response_bytes' has value 0"):
+        HttpReward.from_spec(
+            SimpleNamespace(url=spec.url, options={"max_response_bytes": 0}), "rewards.0"
+        )
 
 
 def test_reward_http_url_shorthand_replaces_the_rewards() -> None:
@@ -222,6 +335,11 @@ async def test_server_answers_health_and_400_and_runs_the_hooks_lifecycle() -> N
     ("path", "says"),
     [
         ("/fails", r"answered HTTP 500: reward 'boom' raised ValueError: no model loaded\."),
+        (
+            "/quiet",
+            r"answered HTTP 500: reward 'boom' failed; the reward server's log has the "
+            r"details\.$",
+        ),
         ("/odd", r"answered HTTP 500: reward 'odd' returned str, not one number per sample\."),
         ("/garbage", r"answered with something that is not JSON: '<html>oops</html>'\."),
         ("/short", r"returned 1 rewards for 2 samples\."),
@@ -244,13 +362,14 @@ async def test_every_failure_raises_one_sentence_naming_the_url(path: str, says:
         return handler
 
     app = web.Application()
-    app.add_subapp("/fails", make_app(boom, "boom"))
+    app.add_subapp("/fails", make_app(boom, "boom", debug=True))
+    app.add_subapp("/quiet", make_app(boom, "boom"))
     app.add_subapp("/odd", make_app(lambda samples, prompts, metadata: "high", "odd"))
     app.router.add_post("/garbage", answer("<html>oops</html>"))
     app.router.add_post("/short", answer('{"rewards": [1.0]}'))
     app.router.add_post("/slow", slow)
     async with serving(app) as base:
-        url = f"{base}{path}" + ("/score" if path in ("/fails", "/odd") else "")
+        url = f"{base}{path}" + ("/score" if path in ("/fails", "/quiet", "/odd") else "")
         # only /slow may time out: every other answer must be read, however loaded the machine
         reward = HttpReward(url, request_timeout_s=0.3 if path == "/slow" else 60.0)
         with pytest.raises(RewardError, match=re.escape(f"reward server {url} ") + says) as err:
@@ -274,15 +393,223 @@ async def test_a_server_that_is_down_is_named() -> None:
         await reward.close()
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_an_answer_over_max_response_bytes_is_refused(streamed: bool) -> None:
+    async def huge(request):
+        body = json.dumps({"rewards": [1.0, 2.0], "padding": "x" * 5000}).encode()
+        if not streamed:
+            return web.Response(body=body, content_type="application/json")
+        response = web.StreamResponse()  # chunked: no length to check up front
+        await response.prepare(request)
+        for i in range(0, len(body), 100):
+            await response.write(body[i : i + 100])
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/score", huge)
+    async with serving(app) as base:
+        url = f"{base}/score"
+        small = HttpReward(url, max_response_bytes=1000, request_timeout_s=60)
+        with pytest.raises(RewardError) as err:
+            await small(samples(2), *texts(2))
+        assert str(err.value) == (
+            f"reward server {url} answered with more than 1000 bytes (options.max_response_bytes)."
+        )
+        assert small.statistics()["failed"] == 1
+        roomy = HttpReward(url, max_response_bytes=6000, request_timeout_s=60)
+        assert await roomy(samples(2), *texts(2)) == [1.0, 2.0]
+
+
+def test_server_limits_are_checked_in_one_sentence() -> None:
+    assert ServerLimits().max_body_bytes == 256 << 20
+    with pytest.raises(ConfigError) as err:
+        ServerLimits(max_pixels=0)
+    assert str(err.value) == (
+        "the reward server's max_pixels (--max-pixels) has value 0; use a whole number of at "
+        "least 1."
+    )
+    with pytest.raises(ConfigError, match=r"max_queued \(--max-queued\) has value 2\.5"):
+        ServerLimits(max_queued=2.5)
+
+
+class Held:
+    """A plain reward that blocks its thread until released, counting calls at once."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.running = self.most = 0
+
+    def __call__(self, samples, prompts, metadata):
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            assert self.release.wait(120), "the test never released the reward"
+            return [0.5] * len(prompts)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+@pytest.mark.asyncio
+async def test_the_server_scores_max_concurrent_at_once_queues_max_queued_and_refuses_more() -> (
+    None
+):
+    hook = Held()
+    app = make_app(hook, "held", ServerLimits(max_concurrent=2, max_queued=1))
+    gate = app[GATE]
+    body = encode_request(samples(2), *texts(2), "raw")
+    async with serving(app) as base, aiohttp.ClientSession() as http:
+
+        async def post() -> tuple[int, dict]:
+            async with http.post(f"{base}/score", data=body) as r:
+                return r.status, await r.json()
+
+        held = [asyncio.create_task(post()) for _ in range(3)]
+        try:
+            await _until(
+                lambda: hook.running == 2 and gate.statistics()["waiting"] == 1,
+                "two requests in the reward and one waiting",
+            )
+            status, answer = await post()
+            assert status == 429
+            assert answer["error"] == (
+                "the server is busy with 2 requests and 1 waiting (--max-concurrent 2, "
+                "--max-queued 1); try again later."
+            )
+        finally:
+            hook.release.set()
+        assert await asyncio.gather(*held) == [(200, {"rewards": [0.5, 0.5]})] * 3
+    assert hook.most == 2
+    stats = gate.statistics()
+    assert (stats["scored"], stats["busy"], stats["inside"], stats["waiting"]) == (3, 1, 0, 0)
+
+
+@pytest.mark.asyncio
+async def test_hostile_requests_get_400_or_413_in_one_sentence_and_the_server_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def boom(samples, prompts, metadata):
+        raise ValueError("secret path /srv/models/judge.pt not found")
+
+    limits = ServerLimits(max_body_mib=1, max_samples=4, max_frames=3, max_pixels=20_000)
+    app = make_app(load_hook(JPEG), JPEG, limits)
+    app.add_subapp("/boom", make_app(boom, "boom"))
+    over = b"x" * ((1 << 20) + 1)
+
+    async def chunked():  # no Content-Length: the limit is met while reading
+        for i in range(0, len(over), 1 << 16):
+            yield over[i : i + (1 << 16)]
+
+    deep = ("[" * 100_000 + "]" * 100_000).encode()
+    cases = [
+        (over, 413, "the request body is over the server's limit of 1 MiB;"),
+        (chunked, 413, "the request body is over the server's limit of 1 MiB;"),
+        (png_request([png_header(100_000, 100_000)]), 413, "larger than the server decodes"),
+        (png_request([png_header(200, 101)]), 413, "has 20200 pixels (samples x frames x"),
+        (png_request([png_header(20, 20)] * 5), 413, "has 5 samples, over the server's limit"),
+        (png_request([[png_header(2, 2)] * 4]), 413, "a sample has 4 frames, over"),
+        (png_request([png_header(4, 4, b"not zlib")]), 400, "it cannot be decoded"),
+        (png_request([gif()]), 400, "images[0] is not a PNG or JPEG image"),
+        (deep, 400, "malformed request: its JSON is nested too deeply"),
+        (b'{"format": "\xff\xfe"}', 400, "malformed request: its body is not UTF-8 text."),
+        (b'{"shape": [' + b"9" * 5000 + b"]}", 400, "its JSON holds a number too long to read."),
+        (b"{not json", 400, "the request body is not JSON"),
+    ]
+    async with serving(app) as base, aiohttp.ClientSession() as http:
+        for body, status, says in cases:
+            data = body() if callable(body) else body
+            data = json.dumps(data).encode() if isinstance(data, dict) else data
+            data = io.BytesIO(data) if isinstance(data, bytes) else data  # a length, no copy
+            async with http.post(f"{base}/score", data=data) as r:
+                error = (await r.json())["error"]
+                assert (r.status, says in error) == (status, True), (says, error)
+                one_sentence(error)
+        with caplog.at_level(logging.ERROR, logger="digen.reward_server"):
+            async with http.post(
+                f"{base}/boom/score", data=encode_request(samples(2), *texts(2))
+            ) as r:
+                error = (await r.json())["error"]
+        assert r.status == 500
+        assert error == "reward 'boom' failed; the reward server's log has the details."
+        assert "secret path" in caplog.text  # the detail is in the log, not in the answer
+        assert await HttpReward(f"{base}/score")(samples(1, size=16), *texts(1)) == (
+            jpeg_incompressibility(samples(1, size=16), *texts(1)).tolist()
+        )
+    stats = app[GATE].statistics()
+    assert (stats["too_large"], stats["malformed"], stats["scored"]) == (6, 6, 1)
+
+
+def _mutated(rng: random.Random, good: list[dict]) -> bytes:
+    """A request a careless or hostile client might send: a valid one, damaged at random."""
+    body = json.loads(json.dumps(rng.choice(good)))
+    kind = rng.randrange(6)
+    if kind in (0, 5):  # damage the bytes of one frame
+        frames, f = body["images"][rng.randrange(2)], rng.randrange(2)
+        png = bytearray(base64.b64decode(frames[f]))
+        for _ in range(rng.randint(1, 6)):
+            png[rng.randrange(len(png))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            png = png[: rng.randrange(len(png))]
+        frames[f] = base64.b64encode(bytes(png)).decode()
+    elif kind == 1:  # a field of the wrong kind
+        odd = [None, -1, 2**70, "x", [], [[]], {}, 1.5, True, ["AAAA"], [[png_header(9, 9)]]]
+        body[rng.choice(list(body))] = rng.choice(odd)
+    elif kind == 2:  # a raw request with a random shape
+        shape = [rng.choice([0, 1, 2, 9])] + [rng.choice([0, 1, 3, 10**6]) for _ in range(3)]
+        shape.append(rng.choice([3, 4]))
+        body = {"format": "raw", "prompts": ["a"] * shape[0], "metadata": [{}] * shape[0],
+                "shape": shape, "dtype": "uint8", "data": "AAAA"}  # fmt: skip
+    text = bytearray(json.dumps(body).encode())
+    if kind == 3:  # damage the JSON itself
+        for _ in range(rng.randint(1, 4)):
+            text[rng.randrange(len(text))] = rng.randrange(256)
+    elif kind == 4:
+        text = text[: rng.randrange(len(text))]
+    return bytes(text)
+
+
+@pytest.mark.asyncio
+async def test_fuzzed_requests_never_get_a_500_and_every_refusal_is_one_sentence() -> None:
+    """200 damaged PNG, JPEG and raw requests, seeded: each is scored, or refused 400 / 413
+    in one sentence, and none reaches the catch-all for errors nobody named."""
+    rng = random.Random(7)
+    limits = ServerLimits(max_samples=8, max_pixels=1 << 16)
+    app = make_app(load_hook(JPEG), JPEG, limits)
+    x = samples(2, frames=2, size=16)
+    good = [json.loads(encode_request(x, *texts(2), fmt)) for fmt in ("png", "jpeg")]
+    statuses: dict[int, int] = {}
+    async with serving(app) as base, aiohttp.ClientSession() as http:
+        for _ in range(200):
+            async with http.post(f"{base}/score", data=_mutated(rng, good)) as r:
+                answer = await r.json()
+            statuses[r.status] = statuses.get(r.status, 0) + 1
+            if r.status == 200:
+                assert len(answer["rewards"]) in (0, 1, 2, 3)
+            else:
+                assert r.status in (400, 413), answer
+                assert "it could not be decoded" not in answer["error"]  # the catch-all's
+                one_sentence(answer["error"])
+        async with http.get(f"{base}/health") as r:
+            assert r.status == 200
+    assert set(statuses) == {200, 400, 413}, statuses  # every path was taken
+    stats = app[GATE].statistics()
+    assert stats["scored"] + stats["malformed"] + stats["too_large"] == 200
+    assert (stats["scored"], stats["too_large"]) == (statuses.get(200, 0), statuses.get(413, 0))
+
+
 # --------------------------------------------------------------------------- the real command
 
 
-@pytest.fixture(scope="module")
-def cli_server() -> Iterator[str]:
-    """A real `digen reward-server --reward jpeg_incompressibility --port 0` process: yields
-    its score URL."""
+@contextlib.contextmanager
+def cli_process(*args: str, stderr: list[str] | None = None) -> Iterator[str]:
+    """A real `digen reward-server ARGS --port 0` process on 127.0.0.1: yields its score URL;
+    ``stderr`` gets what it wrote there once it stopped."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "reward-server", "--reward", JPEG, "--port", "0"],
+        [sys.executable, "-m", "cli.main", "reward-server", *args, "--port", "0"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -290,13 +617,23 @@ def cli_server() -> Iterator[str]:
     )
     try:
         line = proc.stdout.readline()
-        found = re.search(r"on (http://\S+/score) ", line)
+        found = re.search(r"on (http://127\.0\.0\.1:\d+/score) ", line)
         assert found, line + proc.stderr.read()
         yield found.group(1)
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
+    if stderr is not None:
+        stderr.append(err)
     assert proc.returncode == 0, err  # a clean stop: the hook's close() ran
+
+
+@pytest.fixture(scope="module")
+def cli_server() -> Iterator[str]:
+    """A real `digen reward-server --reward jpeg_incompressibility --port 0` process: yields
+    its score URL."""
+    with cli_process("--reward", JPEG) as url:
+        yield url
 
 
 @pytest.mark.asyncio
@@ -316,13 +653,49 @@ async def test_the_cli_server_scores_like_the_in_process_reward(cli_server: str)
 
 def test_cli_bad_input_is_one_sentence_and_exit_2(cli_server: str) -> None:
     taken = cli_server.rsplit(":", 1)[1].split("/")[0]
-    for reward, port, says in (
+    for reward, port, says, *more in (
         (JPEG, taken, f"cannot listen on 127.0.0.1:{taken}: address already in use."),
         ("nope", "0", "reward 'nope' is neither a built-in"),
+        (JPEG, "0", "max_samples (--max-samples) has value 0; use a whole", "--max-samples", "0"),
+        (JPEG, "0", "max_body_mib (--max-body-mib) has value -1;", "--max-body-mib", "-1"),
     ):
-        res = CliRunner().invoke(main, ["reward-server", "--reward", reward, "--port", port])
+        args = ["reward-server", "--reward", reward, "--port", port, *more]
+        res = CliRunner().invoke(main, args)
         assert res.exit_code == 2 and says in res.stderr, res.output
         assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1
+
+
+_FAILING_HOOK = """
+def judge(samples, prompts, metadata):
+    if prompts[0] == "fail":
+        raise ValueError("no model loaded")
+    return [0.25] * len(prompts)
+"""
+
+
+@pytest.mark.asyncio
+async def test_the_cli_passes_its_limits_and_debug_to_the_server(tmp_path: Path) -> None:
+    hook = tmp_path / "judge.py"
+    hook.write_text(_FAILING_HOOK)
+    stderr: list[str] = []
+    limits = ["--max-samples", "2", "--max-pixels", "5000", "--max-body-mib", "1"]
+    cases = [
+        (samples(3, size=8), ["a"] * 3, 413, "has 3 samples, over the server's limit of 2;"),
+        (samples(2, size=64), ["a"] * 2, 413, "the request has 8192 pixels"),
+        (samples(1, size=16), ["fail"], 500, f"{hook}:judge' raised ValueError: no model loaded."),
+    ]
+    with cli_process("--reward", f"{hook}:judge", *limits, "--debug", stderr=stderr) as url:
+        async with aiohttp.ClientSession() as http:
+            for x, prompts, status, says in cases:
+                body = encode_request(x, prompts, [{}] * len(prompts))
+                async with http.post(url, data=body) as r:
+                    error = (await r.json())["error"]
+                assert (r.status, says in error) == (status, True), error
+            async with http.post(url, data=io.BytesIO(b" " * ((1 << 20) + 1))) as r:
+                assert r.status == 413
+        assert await HttpReward(url)(samples(2, size=16), ["a", "b"], [{}, {}]) == [0.25, 0.25]
+    # the detail goes to the server's log too, with its traceback
+    assert "ValueError: no model loaded" in stderr[0] and "Traceback" in stderr[0]
 
 
 def test_a_run_scored_through_the_server_equals_one_scored_in_process(

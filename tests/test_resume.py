@@ -45,6 +45,11 @@ def test_stopped_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path: Path, mo
     whole = _run(_cfg(mode, 3, extra), tmp_path / "whole")
     first = _run(_cfg(mode, 2, extra), tmp_path / "split")
     assert first.checkpoint == tmp_path / "split" / "checkpoints" / "step-000002"
+    # what a full disk or a crash left unfinished goes at the next start
+    junk = tmp_path / "split" / "checkpoints" / ".tmp-step-000007"
+    junk.mkdir()
+    (junk / "weights.safetensors").write_bytes(b"\0" * 64)
+    (tmp_path / "split" / ".tmp-lora").mkdir()
     resumed = _run(_cfg(mode, 3, extra), tmp_path / "split", resume=True)
     assert resumed.first_step == 2 and len(resumed.metrics) == 1
     assert whole.final_state.keys() == resumed.final_state.keys()
@@ -58,6 +63,7 @@ def test_stopped_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path: Path, mo
     # the newest two checkpoints are kept
     names = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir())
     assert names == ["step-000002", "step-000003"]
+    assert not (tmp_path / "split" / ".tmp-lora").exists()
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path) -> None:

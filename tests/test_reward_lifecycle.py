@@ -9,6 +9,7 @@ import json
 import math
 import os
 import textwrap
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -67,6 +68,95 @@ async def test_a_timeout_counts_as_a_failure_and_the_last_one_fails_the_batch(
     with pytest.raises(RewardError, match=r"'slow' took longer than its timeout_s of 0.05 s"):
         await reward(*_batch())
     assert hook.calls == 2 and time.perf_counter() - t0 < 5
+
+
+class Stuck:
+    """A plain hook that blocks its thread until released, counting calls at once."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.lock = threading.Lock()
+        self.calls = self.running = self.most = self.finished = 0
+
+    def __call__(self, samples, prompts, metadata):
+        with self.lock:
+            self.calls += 1
+            self.running += 1
+            self.most = max(self.most, self.running)
+        self.entered.set()
+        try:
+            assert self.release.wait(120), "the test never released the hook"
+            return [float(s.float().mean()) for s in samples]
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.finished += 1
+
+
+async def _until(condition, what: str, within_s: float = 60.0) -> None:
+    """Wait (generously: the suite runs on loaded machines) until ``condition()`` holds."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {within_s:g} s for {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_a_plain_hook_that_outlives_its_timeout_is_not_retried_beside_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("digen.algos.rewards.RETRY_BACKOFF_S", 0.01)
+    hook = Stuck()
+    reward = build_reward([RewardFn("stuck", hook, timeout_s=0.5, retries=3)])
+    try:
+        # The first call blocks until released, so it times out whatever the machine's load.
+        with pytest.raises(RewardError) as err:
+            await reward(*_batch())
+        assert str(err.value) == (
+            "the previous call of reward hook 'stuck' is still running after its timeout_s "
+            "of 0.5 s, so it is not retried."
+        )
+        assert (hook.calls, hook.most, hook.finished) == (1, 1, 0)
+        # The next batch does not start a second copy either.
+        with pytest.raises(RewardError, match=r"not called for this batch\.$"):
+            await reward(*_batch())
+        assert hook.calls == 1
+    finally:
+        hook.release.set()
+    await _until(lambda: hook.finished == 1, "the stuck call to return")
+    got = await reward(*_batch())  # its thread returned: the hook is called again
+    assert got.total.tolist() == [0.0, 1.0]
+    assert (hook.calls, hook.most, hook.finished) == (2, 1, 2)
+
+
+@pytest.mark.asyncio
+async def test_a_stuck_plain_hook_with_on_error_drop_scores_nan_without_a_second_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("digen.algos.rewards.RETRY_BACKOFF_S", 0.01)
+    hook = Stuck()
+    reward = build_reward([RewardFn("stuck", hook, timeout_s=0.5, retries=2, on_error="drop")])
+    try:
+        for _ in range(3):  # three batches while the first call is stuck: all left out
+            got = await reward(*_batch())
+            assert all(math.isnan(v) for v in got.total.tolist())
+        assert (hook.calls, hook.most) == (1, 1)
+    finally:
+        hook.release.set()
+    await _until(lambda: hook.finished == 1, "the stuck call to return")
+
+
+@pytest.mark.asyncio
+async def test_concurrent_calls_of_a_plain_hook_wait_their_turn() -> None:
+    hook = Stuck()
+    reward = build_reward([RewardFn("stuck", hook)])
+    batches = [asyncio.create_task(reward(*_batch())) for _ in range(3)]
+    await _until(hook.entered.is_set, "the first call to start")
+    hook.release.set()
+    got = await asyncio.gather(*batches)
+    assert [g.total.tolist() for g in got] == [[0.0, 1.0]] * 3
+    assert (hook.calls, hook.most) == (3, 1)
 
 
 @pytest.mark.asyncio

@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from digen.sched.trace import KIND_COLOURS, KINDS, StepUsage, Trace, TraceEvent
+from digen.sched.trace import (
+    KIND_COLOURS,
+    KINDS,
+    StepUsage,
+    Trace,
+    TraceEvent,
+    TraceStatistics,
+)
 
 T = 1000.0  # traces need not start at 0; exports are relative to the first event
 
@@ -192,6 +199,45 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     path.write_text(path.read_text() + '\n{"kind": "oops"}\n')
     with pytest.raises(ValueError, match=r"trace.jsonl:12"):
         Trace.load_jsonl(path)
+
+
+@pytest.mark.parametrize("own_file", [True, False])
+def test_closed_steps_leave_memory_and_stay_in_the_file(tmp_path: Path, own_file: bool) -> None:
+    path = tmp_path / "run" / "trace.jsonl"
+    if own_file:
+        path.parent.mkdir()
+        path.write_text("an earlier run's trace\n")
+    tr = Trace(path=path if own_file else None)
+    tr.extend(small_trace().events)
+    ref = small_trace()
+    assert tr.statistics() == TraceStatistics(events=9, held=9, open_steps=2)
+    want = tr.step_stats(0)
+    assert want == ref.step_stats(0)
+    tr.close_step(0)
+    assert tr.statistics() == TraceStatistics(events=9, held=2, open_steps=1)  # step 1's
+    if own_file:  # every event, in recording order, flushed once the step closed
+        lines = path.read_text().splitlines()
+        assert [TraceEvent.from_dict(json.loads(x)) for x in lines] == ref.events
+    assert tr.step_stats(0) == want  # a closed step's statistics, read from the file
+    assert tr.step_stats(1) == ref.step_stats(1)
+
+    # an event of a closed step goes to the file only; one of a new step is held
+    tr.record("sync", "generator-1", 0, -1, 1, T + 7.5, T + 8)
+    tr.record("generate", "generator-0", 2, 0, 2, T + 11, T + 13)
+    ref.record("sync", "generator-1", 0, -1, 1, T + 7.5, T + 8)
+    ref.record("generate", "generator-0", 2, 0, 2, T + 11, T + 13)
+    assert tr.statistics() == TraceStatistics(events=11, held=3, open_steps=2)
+    assert len(tr) == 11 and tr.events == ref.events and tr.steps() == [0, 1, 2]
+    assert (tr.start, tr.end, tr.workers()) == (ref.start, ref.end, ref.workers())
+    assert tr.step_stats(0).busy_s["generator-1"] == 0.5
+    assert tr.to_chrome() == ref.to_chrome()
+    assert tr.step_boundaries() == ref.step_boundaries()
+
+    saved = tr.save_jsonl(path)  # the trace's own file is complete as it is
+    assert Trace.load_jsonl(saved).events == ref.events
+    assert len(saved.read_text().splitlines()) == 11
+    other = tr.save_jsonl(tmp_path / "copy.jsonl")  # elsewhere: sorted by start, as ever
+    assert other.read_text() == ref.save_jsonl(tmp_path / "ref.jsonl").read_text()
 
 
 # -- plot ---------------------------------------------------------------------------------

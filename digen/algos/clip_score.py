@@ -32,14 +32,15 @@ __all__ = ["ClipScore"]
 class ClipScore:
     """Reward hook ``(samples [B, F, H, W, 3] uint8, prompts, metadata) -> B floats``.
 
-    ``model_dir``: the CLIP checkpoint; ``device``: where the model runs (``cpu`` or a GPU of
-    the generator's process); ``batch_size``: images per forward pass.
+    ``model_dir``: the CLIP checkpoint; ``device``: where the model runs: ``worker`` (the
+    default), the device of the worker that scores (its GPU, or the CPU), or a device such as
+    ``cpu`` or ``cuda:1``; ``batch_size``: images per forward pass.
     """
 
     def __init__(
         self,
         model_dir: str,
-        device: str = "cpu",
+        device: str = "worker",
         scale: float = 1.0,
         clip_negative: bool = False,
         batch_size: int = 32,
@@ -67,6 +68,10 @@ class ClipScore:
 
     def _load(self) -> tuple[Any, Any, Any]:
         with self._lock:
+            if self.device == "worker":  # on a thread of the scoring worker: its device
+                from digen.algos.rewards import worker_device
+
+                self.device = worker_device()
             if self._parts is None:
                 from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
                 from transformers.utils import logging as hf_logging

@@ -19,12 +19,18 @@ module (``encode_request`` / ``decode_request``, ``encode_response`` / ``decode_
 The answer is HTTP 200 with ``{"rewards": [B numbers]}`` (other keys, e.g. ``components``,
 are ignored; NaN / Infinity pass through as Python's ``json`` writes them, so
 ``train.on_nonfinite`` decides), or an HTTP error status with ``{"error": "one sentence"}``
-(400: a malformed request; 500: the reward failed).
+(400: a malformed request; 413: a request over the server's limits; 429: the server is
+busy; 500: the reward failed).
+
+:func:`decode_request` takes the server's limits (samples, frames a sample, pixels a request)
+and checks them on the image headers, before any image is decoded.
 
 Guarantees: ``setup()`` opens one keep-alive ``aiohttp.ClientSession`` for the run (at most
 ``concurrency`` connections); a call sends its requests concurrently, at most ``concurrency``
-in flight, and returns B floats in sample order. Every failure (server unreachable, an HTTP
-error status, a request timeout, a body that is not the JSON above, a wrong count) raises a
+in flight, and returns B floats in sample order. Every request has a time limit
+(``request_timeout_s``, never unlimited) and every answer a size limit
+(``max_response_bytes``). Every failure (server unreachable, an HTTP error status, a request
+timeout, an answer too large, a body that is not the JSON above, a wrong count) raises a
 :class:`~digen.errors.RewardError` whose one sentence names the URL; a failure is never a
 score. Whole calls are not retried here: the reward runner's ``timeout_s`` / ``retries`` do.
 """
@@ -34,11 +40,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import io
 import json
 import math
 import numbers
 import os
+import struct
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,6 +62,7 @@ from digen.errors import ConfigError, RewardError
 __all__ = [
     "FORMATS",
     "HttpReward",
+    "RequestTooLarge",
     "decode_request",
     "decode_response",
     "encode_request",
@@ -62,7 +72,14 @@ __all__ = [
 FORMATS = ("png", "jpeg", "raw")
 JPEG_QUALITY = 95
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
-_OPTIONS = ("format", "concurrency", "batch_size", "request_timeout_s")
+DEFAULT_MAX_RESPONSE_BYTES = 8 << 20
+"""An answer is B numbers: 8 MiB is some 300k of them."""
+_OPTIONS = ("format", "concurrency", "batch_size", "request_timeout_s", "max_response_bytes")
+_IMAGE_FORMATS = ("PNG", "JPEG")  # the only decoders PIL may pick for a request's images
+
+
+class RequestTooLarge(ValueError):
+    """A well-formed request over one of the server's limits (its answer is HTTP 413)."""
 
 
 # --------------------------------------------------------------------------- wire format
@@ -116,18 +133,69 @@ def _b64(text: Any, where: str) -> bytes:
         raise ValueError(f"{where} is not valid base64") from None
 
 
-def _decode_frame(text: Any, where: str) -> np.ndarray:
+def _open_frame(text: Any, where: str) -> Image.Image:
+    """The image of one base64 frame, opened lazily: its header read, no pixel decoded."""
+    data = _b64(text, where)
     try:
-        with Image.open(io.BytesIO(_b64(text, where))) as image:
-            return np.asarray(image.convert("RGB"))  # [H, W, 3]
-    except (UnidentifiedImageError, OSError):
+        return Image.open(io.BytesIO(data), formats=_IMAGE_FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        # PIL's own guard (a warning it may be told to raise): past it, as past ours.
+        raise RequestTooLarge(
+            f"{where} is larger than the server decodes (over {Image.MAX_IMAGE_PIXELS} pixels)"
+        ) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, struct.error):
         raise ValueError(f"{where} is not a PNG or JPEG image") from None
 
 
-def decode_request(body: Any) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
+def _decode_frame(image: Image.Image, where: str) -> np.ndarray:
+    try:
+        return np.asarray(image.convert("RGB"))  # [H, W, 3]
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error):
+        # A header that read well over data that does not (truncated, corrupt, bad checksum).
+        raise ValueError(
+            f"{where} is not a valid PNG or JPEG image (it cannot be decoded)"
+        ) from None
+
+
+def _check_limits(
+    batch: int,
+    frames: int,
+    pixels: int,
+    max_samples: int | None,
+    max_frames: int | None,
+    max_pixels: int | None,
+) -> None:
+    """RequestTooLarge when a request of ``batch`` samples, ``frames`` in its longest, and
+    ``pixels`` in all is over a limit (None: no limit)."""
+    hint = "; send fewer samples a request (the http reward's options.batch_size)"
+    if max_samples is not None and batch > max_samples:
+        raise RequestTooLarge(
+            f"the request has {batch} samples, over the server's limit of {max_samples}{hint}"
+        )
+    if max_frames is not None and frames > max_frames:
+        raise RequestTooLarge(
+            f"a sample has {frames} frames, over the server's limit of {max_frames}"
+        )
+    if max_pixels is not None and pixels > max_pixels:
+        raise RequestTooLarge(
+            f"the request has {pixels} pixels (samples x frames x height x width), over the "
+            f"server's limit of {max_pixels}{hint}"
+        )
+
+
+def decode_request(
+    body: Any,
+    *,
+    max_samples: int | None = None,
+    max_frames: int | None = None,
+    max_pixels: int | None = None,
+) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
     """``(samples [B, F, H, W, 3] uint8, prompts, metadata)`` from a parsed request body.
 
-    Raises ValueError with one sentence (no closing period) naming what is malformed.
+    ``max_samples`` (B), ``max_frames`` (F) and ``max_pixels`` (B x F x H x W) bound what is
+    decoded: they are checked on the shape, or on the images' headers, before any pixel is.
+    Raises :class:`RequestTooLarge` for a request over a limit and ValueError for a malformed
+    one, each with one sentence (no closing period) naming what is wrong.
     """
     if not isinstance(body, dict):
         raise ValueError(f"the request must be a JSON object, not {type(body).__name__}")
@@ -139,6 +207,7 @@ def decode_request(body: Any) -> tuple[torch.Tensor, list[str], list[dict[str, A
         raise ValueError("prompts must be a list of strings")
     if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
         raise ValueError("metadata must be a list of JSON objects")
+    limits = (max_samples, max_frames, max_pixels)
     if fmt == "raw":
         shape, dtype = body.get("shape"), body.get("dtype")
         if dtype != "uint8":
@@ -146,41 +215,58 @@ def decode_request(body: Any) -> tuple[torch.Tensor, list[str], list[dict[str, A
         if (
             not isinstance(shape, list)
             or len(shape) != 5
-            or not all(isinstance(n, int) and n >= 0 for n in shape)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
             or shape[-1] != 3
         ):
             raise ValueError(f"shape {shape!r} is not [B, F, H, W, 3]")
+        _check_counts(shape[0], prompts, metadata)
+        _check_limits(shape[0], shape[1], math.prod(shape[:4]), *limits)
         data = _b64(body.get("data"), "data")
         if len(data) != math.prod(shape):
             raise ValueError(
                 f"data holds {len(data)} bytes but shape {shape} needs {math.prod(shape)}"
             )
-        array = np.frombuffer(data, dtype=np.uint8).reshape(shape)  # [B, F, H, W, 3]
+        array = np.frombuffer(data, dtype=np.uint8).reshape(shape).copy()  # [B, F, H, W, 3]
     else:
         images = body.get("images")
         if not isinstance(images, list):
             raise ValueError("images must be a list with one entry per sample")
-        samples = []
-        for i, entry in enumerate(images):
-            frames = entry if isinstance(entry, list) else [entry]
+        entries = [entry if isinstance(entry, list) else [entry] for entry in images]
+        _check_counts(len(entries), prompts, metadata)
+        for i, frames in enumerate(entries):
             if not frames:
                 raise ValueError(f"images[{i}] has no frames")
-            decoded = [_decode_frame(f, f"images[{i}]") for f in frames]
-            samples.append(decoded)
-        for i, frames in enumerate(samples):
-            if len(frames) != len(samples[0]) or any(
-                f.shape != samples[0][0].shape for f in frames
-            ):
-                raise ValueError(f"images[{i}] differs from images[0] in size or frame count")
-        array = np.stack([np.stack(s) for s in samples]) if samples else np.zeros((0, 1, 0, 0, 3))
-        array = array.astype(np.uint8, copy=False)  # [B, F, H, W, 3]
-    batch = array.shape[0]
+        # Counts first (free), then every header (cheap), then the pixels.
+        longest = max((len(frames) for frames in entries), default=0)
+        _check_limits(len(entries), longest, 0, *limits)
+        with contextlib.ExitStack() as opened:
+            samples = []
+            for i, frames in enumerate(entries):
+                samples.append(
+                    [opened.enter_context(_open_frame(f, f"images[{i}]")) for f in frames]
+                )
+            sizes = [[image.size for image in frames] for frames in samples]  # (W, H) each
+            pixels = sum(w * h for frames in sizes for w, h in frames)
+            _check_limits(len(entries), longest, pixels, *limits)
+            for i, frames in enumerate(sizes):
+                if len(frames) != len(sizes[0]) or any(size != sizes[0][0] for size in frames):
+                    raise ValueError(f"images[{i}] differs from images[0] in size or frame count")
+            width, height = sizes[0][0] if sizes else (0, 0)
+            array = np.empty(
+                (len(samples), len(sizes[0]) if sizes else 1, height, width, 3), np.uint8
+            )
+            for i, frames in enumerate(samples):  # array: [B, F, H, W, 3]
+                for j, image in enumerate(frames):
+                    array[i, j] = _decode_frame(image, f"images[{i}]")  # [H, W, 3]
+    return torch.from_numpy(array), prompts, metadata
+
+
+def _check_counts(batch: int, prompts: list[str], metadata: list[dict[str, Any]]) -> None:
     if len(prompts) != batch or len(metadata) != batch:
         raise ValueError(
             f"the request has {batch} samples but {len(prompts)} prompts and "
             f"{len(metadata)} metadata objects"
         )
-    return torch.from_numpy(array.copy()), prompts, metadata
 
 
 def encode_response(rewards: Sequence[float]) -> dict[str, Any]:
@@ -204,21 +290,29 @@ def decode_response(body: Any, batch: int) -> list[float]:
 # --------------------------------------------------------------------------- client
 
 
-def _option(key: str, options: Mapping[str, Any], name: str, default: Any) -> Any:
-    """An integer option of at least 1, or a positive number of seconds; None keeps the default
-    behaviour (the whole batch in one request, no time limit)."""
-    value = options.get(name, default)
-    seconds = name.endswith("_s")
-    if value is None:
+def _checked(name: str, value: Any, where: str) -> Any:
+    """Option ``name``'s value if allowed: a whole number of at least 1 (``batch_size`` may be
+    None: the whole batch in one request), or for ``request_timeout_s`` a positive, finite
+    number of seconds (never None: no request waits without a limit). Else a ConfigError
+    naming ``where`` (the config key, or the argument)."""
+    seconds = name == "request_timeout_s"
+    if value is None and name == "batch_size":
         return None
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
         or value <= 0
         or (not seconds and value != int(value))
     ):
-        what = "a positive number of seconds" if seconds else "a whole number of at least 1"
-        raise ConfigError(f"config key '{key}.options.{name}' has value {value!r}; use {what}.")
+        if seconds:
+            what = (
+                f"a positive number of seconds (default {DEFAULT_REQUEST_TIMEOUT_S:g}); "
+                "a request cannot wait without a limit"
+            )
+        else:
+            what = "a whole number of at least 1"
+        raise ConfigError(f"{where} has value {value!r}; use {what}.")
     return float(value) if seconds else int(value)
 
 
@@ -232,15 +326,26 @@ class HttpReward:
         format: str = "png",  # noqa: A002 -- the option's name in the config
         concurrency: int = 4,
         batch_size: int | None = None,
-        request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         """``url``: the server's score endpoint (``http://host:port/score``); the rest as the
-        options of :meth:`from_spec`."""
+        options of :meth:`from_spec` (a bad value raises ConfigError naming the argument)."""
         self.url = url
         self.format = format
-        self.concurrency = concurrency
-        self.batch_size = batch_size
-        self.request_timeout_s = request_timeout_s
+        checked = {
+            name: _checked(name, value, f"the http reward's {name}")
+            for name, value in (
+                ("concurrency", concurrency),
+                ("batch_size", batch_size),
+                ("request_timeout_s", request_timeout_s),
+                ("max_response_bytes", max_response_bytes),
+            )
+        }
+        self.concurrency: int = checked["concurrency"]
+        self.batch_size: int | None = checked["batch_size"]
+        self.request_timeout_s: float = checked["request_timeout_s"]
+        self.max_response_bytes: int = checked["max_response_bytes"]
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of setup()
         self._limit = asyncio.Semaphore(concurrency)  # requests in flight through _session
@@ -252,7 +357,10 @@ class HttpReward:
 
         ``spec.url`` is required; ``spec.options`` may set ``format`` (png, jpeg or raw;
         default png), ``concurrency`` (requests in flight, default 4), ``batch_size`` (samples
-        per request, default the whole batch) and ``request_timeout_s`` (default 300).
+        per request, default the whole batch), ``request_timeout_s`` (seconds a request may
+        take, default 300; it cannot be turned off) and ``max_response_bytes`` (the largest
+        answer read, default 8 MiB). A key set to null takes its default, except
+        ``request_timeout_s``, which is refused.
         """
         url = spec.url
         if not url:
@@ -279,13 +387,19 @@ class HttpReward:
                 f"config key '{key}.options.format' has value {fmt!r}; use one of "
                 f"{', '.join(FORMATS)}."
             )
-        return cls(
-            str(url),
-            format=fmt,
-            concurrency=_option(key, options, "concurrency", 4) or 4,
-            batch_size=_option(key, options, "batch_size", None),
-            request_timeout_s=_option(key, options, "request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S),
-        )
+        defaults = {
+            "concurrency": 4,
+            "batch_size": None,
+            "request_timeout_s": DEFAULT_REQUEST_TIMEOUT_S,
+            "max_response_bytes": DEFAULT_MAX_RESPONSE_BYTES,
+        }
+        values = {}
+        for name, default in defaults.items():
+            value = options.get(name, default)
+            if value is None and name != "request_timeout_s":
+                value = default
+            values[name] = _checked(name, value, f"config key '{key}.options.{name}'")
+        return cls(str(url), format=fmt, **values)
 
     def _new_session(self) -> aiohttp.ClientSession:
         self._stats["sessions"] += 1
@@ -398,11 +512,12 @@ class HttpReward:
         headers = {"Content-Type": "application/json"}
         try:
             async with session.post(self.url, data=body, headers=headers) as response:
-                return response.status, await response.read()
+                return response.status, await self._read(response)
         except TimeoutError:
-            limit = self.request_timeout_s
-            within = f"within {limit:g} s (options.request_timeout_s)" if limit else "in time"
-            raise RewardError(f"reward server {self.url} did not answer {within}.") from None
+            raise RewardError(
+                f"reward server {self.url} did not answer within {self.request_timeout_s:g} s "
+                "(options.request_timeout_s)."
+            ) from None
         except aiohttp.ClientConnectorError as exc:
             err = exc.os_error  # asyncio's text repeats the address; errno says it plainly
             reason = os.strerror(err.errno).lower() if (err.errno or 0) > 0 else err.strerror or err
@@ -411,6 +526,23 @@ class HttpReward:
             raise RewardError(
                 f"reward server {self.url} failed: {type(exc).__name__}: {exc or 'no detail'}."
             ) from exc
+
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
+        """The answer's body, refused past ``max_response_bytes`` (counted decompressed)."""
+        limit = self.max_response_bytes
+        too_large = RewardError(
+            f"reward server {self.url} answered with more than {limit} bytes "
+            "(options.max_response_bytes)."
+        )
+        if response.content_length is not None and response.content_length > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in response.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 def _snippet(raw: bytes, limit: int = 120) -> str:

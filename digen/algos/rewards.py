@@ -21,11 +21,20 @@ where a hook opens an HTTP session or loads a model. Each reward may have a time
 call, retries with back-off, and a policy for a call that still fails (``on_error``): stop
 the run, or leave out the groups of that batch and count them. A failure is never turned
 into a zero reward.
+
+A plain hook runs one call at a time: a second call waits for the first. Its thread cannot
+be stopped, so a call that outlives its timeout keeps running; until it returns, the hook
+is neither retried nor called again (those calls fail at once, naming it), so copies of a
+stuck hook never pile up.
+
+Loading a hook runs its code: ``module:function`` imports the module and
+``path/to/file.py:function`` executes the file, in every process that scores.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -36,8 +45,9 @@ import numbers
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +59,8 @@ from digen.config import RewardSpec
 from digen.errors import RewardError
 
 __all__ = [
+    "scoring_on",
+    "worker_device",
     "BUILTIN_REWARDS",
     "CompositeReward",
     "RewardFn",
@@ -302,6 +314,52 @@ def _to_scores(name: str, result: Any, batch: int, drop: bool = False) -> torch.
     return scores
 
 
+class _StillRunning(Exception):
+    """A plain hook's earlier call is still running on its thread (its caller gave up on it)."""
+
+
+class _OneCall:
+    """One call at a time of one plain hook, on a worker thread.
+
+    ``running`` is held by the worker thread for as long as the hook runs, so it outlives a
+    caller that timed out or was cancelled; the per-loop ``asyncio.Lock`` makes the callers
+    of one event loop wait their turn. A caller holding its loop's lock that still finds
+    ``running`` held has met a call whose caller gave up on it.
+    """
+
+    __slots__ = ("_turns", "running")
+
+    def __init__(self) -> None:
+        self.running = threading.Lock()
+        self._turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return _OneCall, ()  # a hook sent to another process starts with no call running
+
+    def turn(self) -> asyncio.Lock:
+        """The lock the callers on the running loop queue on."""
+        return self._turns.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+
+    async def call(self, fn: RewardHook, *args: Any) -> Any:
+        """``fn(*args)`` on a worker thread, never beside another call of it."""
+
+        def run() -> Any:
+            # Taken here, on the thread, so a job cancelled before it starts holds nothing.
+            if not self.running.acquire(blocking=False):
+                raise _StillRunning
+            try:
+                return fn(*args)
+            finally:
+                self.running.release()
+
+        async with self.turn():
+            if self.running.locked():
+                raise _StillRunning
+            return await asyncio.to_thread(run)
+
+
 @dataclass(frozen=True, slots=True)
 class RewardFn:
     """One named, weighted reward hook, with how its calls may fail."""
@@ -319,6 +377,8 @@ class RewardFn:
     on_error: str = "fail"
     """After the last try: ``fail`` raises; ``drop`` scores the batch NaN (its groups are
     left out of training and counted)."""
+    _calls: _OneCall = field(default_factory=_OneCall, init=False, repr=False, compare=False)
+    """A plain hook's one call at a time (an async one is cancelled at its timeout)."""
 
     async def score(
         self,
@@ -335,6 +395,19 @@ class RewardFn:
                     self._call(samples, prompts, metadata), self.timeout_s
                 )
                 break
+            except _StillRunning as exc:
+                # Another try would only wait on (or pile onto) the call that is stuck.
+                if self.on_error == "drop":
+                    return torch.full((samples.shape[0],), math.nan)
+                if attempt and self.timeout_s is not None:
+                    raise RewardError(
+                        f"the previous call of reward hook {self.name!r} is still running after "
+                        f"its timeout_s of {self.timeout_s:g} s, so it is not retried."
+                    ) from exc
+                raise RewardError(
+                    f"the previous call of reward hook {self.name!r} is still running after it "
+                    "timed out or was cancelled, so it is not called for this batch."
+                ) from exc
             except Exception as exc:
                 if isinstance(exc, TimeoutError):
                     why = f"took longer than its timeout_s of {self.timeout_s:g} s"
@@ -357,7 +430,10 @@ class RewardFn:
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]],
     ) -> Any:
-        return await call_hook(self.fn, samples, prompts, metadata)
+        if _is_async(self.fn):
+            return await self.fn(samples, prompts, metadata)
+        result = await self._calls.call(self.fn, samples, prompts, metadata)
+        return await result if inspect.isawaitable(result) else result
 
 
 async def call_hook(
@@ -502,21 +578,64 @@ class CompositeReward:
         return asyncio.run(self(samples, prompts, metadata))
 
 
+_SCORING = threading.local()
+_RUN_DEVICE: list[str] = []
+"""The device a colocated worker scores on while its run lasts (:func:`scoring_on`)."""
+
+
+def worker_device() -> str:
+    """The device of the worker the calling thread scores for: what a model reward's
+    ``device: worker`` option means. The device of the :class:`RewardLoop` whose thread this
+    is (its loop's or its executor's), else of the colocated run under way in this process
+    (:func:`scoring_on`), else ``cpu``."""
+    return getattr(_SCORING, "device", None) or (_RUN_DEVICE[-1] if _RUN_DEVICE else "cpu")
+
+
+def _enter_device(device: str) -> None:
+    """This thread scores for a worker on ``device``; on a GPU it is the thread's current
+    CUDA device too (each thread has its own, ``cuda:0`` until set)."""
+    _SCORING.device = device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(torch.device(device))
+
+
+@contextlib.contextmanager
+def scoring_on(device: str) -> Iterator[None]:
+    """Rewards scored in this process inside the block, on any thread, score for a worker
+    on ``device`` (a colocated worker scores in its own process, on its own loop)."""
+    _RUN_DEVICE.append(device)
+    try:
+        yield
+    finally:
+        _RUN_DEVICE.pop()
+
+
 class RewardLoop:
     """A :class:`CompositeReward` living on an event loop of its own, in a thread, for a
     whole run: for scoring from threads that have no loop (an actor's).
 
     The hooks' ``setup()`` runs once when it is made, every :meth:`score` runs on that one
     loop (so a session or model a hook opened stays usable), and :meth:`close` runs their
-    ``close()`` and ends the thread.
+    ``close()`` and ends the thread. Every thread it runs hooks on (the loop's and its
+    executor's, where plain hooks run) is on ``device``, the worker's (:func:`worker_device`).
     """
 
-    def __init__(self, reward: CompositeReward) -> None:
+    def __init__(self, reward: CompositeReward, device: str = "cpu") -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         self.reward = reward
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="digen-rewards", daemon=True
+        self._loop.set_default_executor(
+            ThreadPoolExecutor(
+                thread_name_prefix="digen-reward", initializer=_enter_device, initargs=(device,)
+            )
         )
+
+        def run() -> None:
+            _enter_device(device)
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="digen-rewards", daemon=True)
         self._thread.start()
         self._closed = False
         try:

@@ -441,12 +441,19 @@ class DiffusionAdapter(ABC):
         call only and go back to the CPU after it: the same embeddings, and no accelerator
         memory held by the encoders between calls (at the cost of two copies per call).
         """
+        return self.encode_each([list(prompts)])[0]
+
+    @torch.no_grad()
+    def encode_each(self, batches: Sequence[Sequence[str]]) -> list[PromptEmbeds]:
+        """:meth:`encode_prompts` of each batch of prompts in turn (each its own encoder pass,
+        so its bits do not depend on the other batches), with offloaded text encoders moved
+        to the device once for all of them."""
         encoders = self.text_encoders() if self.offload_text_encoders else []
         for encoder in encoders:
             encoder.to(self.device)
         try:
             with caught_truncation(self.pipe) as cuts:  # else a warning per prompt on stderr
-                embeds = self._encode_prompts(prompts)
+                embeds = [self._encode_prompts(list(batch)) for batch in batches]
         finally:
             for encoder in encoders:
                 encoder.to("cpu")

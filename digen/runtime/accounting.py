@@ -4,7 +4,8 @@ Every actor call the driver makes is reported here once it returns (:meth:`Accou
 it becomes a trace event (for ``trace.json`` and the timeline), feeds the online profiler the
 TAG search plans with, and adds to its step's work and call overhead. At the end of a step,
 :meth:`Accounts.step_result` turns the step's book-keeping record into the metrics row and
-the sample grid the runner writes.
+the sample grid the runner writes, and closes the step in the trace: what the accounts hold
+is the steps under way, whatever the length of the run.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class Accounts:
         for stats in rec.stats_in_order():  # a fixed order: the metrics repeat bit for bit
             loss.add(stats)
         acc = self._steps.pop(s, _Step())
+        usage = self.trace.step_stats(s, self.workers)
+        self.trace.close_step(s)  # its events stay in the trace's file only
         metrics = step_metrics(
             step=s,
             rewards=rewards,
@@ -111,7 +114,7 @@ class Accounts:
             busy_s=acc.busy_s,
             optimizer_s=optimizer_s,
             sync_s=sync_s,
-            usage=self.trace.step_stats(s, self.workers),
+            usage=usage,
             overhead=acc.overhead,
             driver_mb=driver_mb,
             stale=rec.stale,

@@ -23,14 +23,18 @@ Nothing else is state: prompts, initial noise, SDE noise and window choices are 
 ``(seed, step, ...)``, and the learning rate is a function of the step
 (``train.lr_schedule``), so the step number restores them.
 
-A checkpoint is written under a temporary name, each file flushed to disk (``fsync``), then
-renamed into place: a crash leaves either the whole checkpoint or none of it. Only the newest
-``keep_checkpoints`` stay. :func:`latest_checkpoint` takes the newest one whose manifest
-checks out, and says why it skipped any other.
+A checkpoint is written under a temporary name (``.tmp-step-NNNNNN``), each file and
+directory flushed to disk (``fsync``), then renamed into place (:func:`publish`, which the
+run's final weights go through too): a crash at any point leaves a complete one. Only the
+newest ``keep_checkpoints`` stay, older ones deleted once the new one is on disk.
+:func:`latest_checkpoint` takes the newest one whose manifest checks out, and says why it
+skipped any other. What a crash or a full disk left unfinished is cleared at the next start
+of a run in that directory (:func:`tidy_out_dir`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -59,6 +63,9 @@ __all__ = [
     "is_sharded_checkpoint",
     "load_sharded_state",
     "load_trainer_state",
+    "publish",
+    "staging_for",
+    "tidy_out_dir",
     "write_sharded_state",
     "write_trainer_state",
 ]
@@ -72,6 +79,10 @@ MANIFEST = "manifest.json"
 PROFILER = "profiler.json"
 """Disaggregated runs: the online profiler's cost estimates, so BTS resumes informed."""
 _PREFIX = "step-"
+_STAGING = ".tmp-"
+"""Prefix of a directory being written: ``.tmp-<name>`` beside ``<name>``."""
+_ASIDE = ".old-"
+"""Prefix of the directory a new one replaces, between the two renames of :func:`publish`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,47 +229,107 @@ class CheckpointWriter:
         self.root = Path(out_dir) / "checkpoints"
         self.keep = keep
 
+    def _final(self, step: int) -> Path:
+        return self.root / f"{_PREFIX}{step:06d}"
+
     def staging(self, step: int) -> Path:
         """Where the checkpoint after ``step`` completed steps is written before it is
         complete (every worker that writes a part knows it)."""
-        return self.root / f".tmp-{_PREFIX}{step:06d}"
+        return _staged(self._final(step))
 
     def begin(self, step: int) -> Path:
         """A fresh temporary directory for the checkpoint after ``step`` completed steps;
         the trainers write their part there (:func:`write_trainer_state` or
         :func:`write_sharded_state`), then :meth:`finish`."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.staging(step)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        return tmp
+        return staging_for(self._final(step))
 
     def finish(
         self, tmp: Path, step: int, version: int, identity: dict[str, Any], config_yaml: str
     ) -> Path:
-        """Add the run's state, config and manifest to ``tmp`` and move it into place."""
-        final = self.root / f"{_PREFIX}{step:06d}"
-        state = {"step": step, "version": version, "identity": identity}
-        _write_synced(tmp / STATE, json.dumps(state, indent=1) + "\n")
-        _write_synced(tmp / "config.yaml", config_yaml)
-        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-        manifest = {
-            "step": step,
-            "files": {
-                n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files
-            },
-        }
-        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-        _fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(self.root)
+        """Add the run's state, config and manifest to ``tmp`` and move it into place
+        (:func:`publish`: a checkpoint of the same step is replaced, never first deleted);
+        then the checkpoints beyond the newest ``keep`` go. Should this fail (a full disk),
+        ``tmp`` is removed and the checkpoints on disk are as they were."""
+        try:
+            state = {"step": step, "version": version, "identity": identity}
+            _write_synced(tmp / STATE, json.dumps(state, indent=1) + "\n")
+            _write_synced(tmp / "config.yaml", config_yaml)
+            files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+            manifest = {
+                "step": step,
+                "files": {
+                    n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
+                    for n in files
+                },
+            }
+            _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            final = publish(tmp, self._final(step))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self._prune()
         return final
 
     def _prune(self) -> None:
         for old in _step_dirs(self.root)[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def staging_for(final: str | os.PathLike) -> Path:
+    """A fresh, empty directory beside ``final`` (``.tmp-<name>``) to write it in, before
+    :func:`publish` moves it into place."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _staged(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def publish(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
+    """Move the finished directory ``tmp`` to ``final`` so that a crash at any point leaves
+    a complete one on disk.
+
+    Every file and directory of ``tmp`` is flushed (``fsync``); a ``final`` already there
+    is renamed aside (``.old-<name>``), ``tmp`` renamed into its place and the parent
+    directory flushed; only then is the old one deleted. Should the second rename fail, the
+    old one is put back at once; should the process die between the two, the next start of
+    a run puts it back (:func:`tidy_out_dir`).
+    """
+    tmp, final = Path(tmp), Path(final)
+    _fsync_tree(tmp)
+    _settle(final)  # an old one an earlier crash left aside: back in place first
+    old = _aside(final)
+    if final.exists():
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old.exists() and not final.exists():
+            with contextlib.suppress(OSError):  # else the next start puts it back
+                os.replace(old, final)
+        raise
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def tidy_out_dir(out_dir: str | os.PathLike) -> None:
+    """Clear what a crash or a full disk left unfinished in a run's directory: a directory
+    :func:`publish` had moved aside with nothing in its place goes back (else it is
+    deleted), and every temporary one (``.tmp-*``: a checkpoint, the final weights) is
+    deleted. Nothing complete is touched."""
+    out = Path(out_dir)
+    finals = [out / name for name in RUN_OUTPUTS]
+    root = out / "checkpoints"
+    if root.is_dir():
+        for p in root.iterdir():
+            for prefix in (_STAGING, _ASIDE):
+                if p.name.startswith(prefix + _PREFIX):
+                    finals.append(root / p.name.removeprefix(prefix))
+    for final in finals:
+        _settle(final)
+        shutil.rmtree(_staged(final), ignore_errors=True)
 
 
 def latest_checkpoint(
@@ -317,10 +388,12 @@ def check_out_dir(
 ) -> Checkpoint | None:
     """Whether a run of ``cfg`` may write into ``out_dir``: the checkpoint it resumes from
     (``resume``), or None for a new run; one sentence (:class:`DigenError`) where it may
-    not. Deletes and imports nothing heavy, so a command line is answered before torch
-    loads (``checksums=False``: sizes only, for that quick answer)."""
+    not. Imports nothing heavy, so a command line is answered before torch loads
+    (``checksums=False``: sizes only, for that quick answer), and deletes nothing but what
+    an earlier run left unfinished (:func:`tidy_out_dir`), where this run may go ahead."""
     out = Path(out_dir)
     if resume:
+        tidy_out_dir(out)  # first: a checkpoint a crash left aside is back in place
         ckpt = latest_checkpoint(out, warn, checksums=checksums)
         if ckpt is None:
             raise DigenError(f"there is no complete checkpoint in '{out}' to resume from.")
@@ -337,6 +410,7 @@ def check_out_dir(
             f"'{out}' holds a previous run ({', '.join(previous)}); continue it with "
             f"--resume {out}, replace it with --overwrite, or choose another --out."
         )
+    tidy_out_dir(out)
     return None
 
 
@@ -380,6 +454,27 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
+def _staged(final: Path) -> Path:
+    return final.with_name(_STAGING + final.name)
+
+
+def _aside(final: Path) -> Path:
+    return final.with_name(_ASIDE + final.name)
+
+
+def _settle(final: Path) -> None:
+    """A directory :func:`publish` moved aside from ``final``: back in place where nothing
+    replaced it, else deleted."""
+    old = _aside(final)
+    if not old.exists():
+        return
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(old, final)
+        _fsync_dir(final.parent)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:
@@ -398,6 +493,14 @@ def _write_synced(path: Path, text: str) -> None:
 def _fsync(path: Path) -> None:
     with path.open("rb") as fh:
         os.fsync(fh.fileno())
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root``, ``root`` last."""
+    for here, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(Path(here) / name)
+        _fsync_dir(Path(here))
 
 
 def _fsync_dir(path: Path) -> None:

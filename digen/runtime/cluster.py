@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -24,7 +25,8 @@ from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec, active_la
 from digen.runtime.checkpoint import Checkpoint
 from digen.runtime.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.fsdp import is_sharded
-from digen.runtime.placement import all_devices, device_maps
+from digen.runtime.groups import listen
+from digen.runtime.placement import all_devices, check_groups, device_maps, run_groups
 from digen.runtime.policy import LossStats
 from digen.runtime.workers import NOTES_ENV, Timed
 from digen.sched.schedule import Pool, worker_names
@@ -53,6 +55,8 @@ class Cluster:
         self.gen_names = worker_names(Pool.GENERATOR, rt.generators)
         self.trainer_names = worker_names(Pool.TRAINER, rt.trainers)
         self.devices = all_devices(cfg)
+        for note in check_groups(cfg, run_groups(cfg, self.devices)):  # refuses a bad one
+            logging.getLogger("digen").info(note)
         # GPU to GPU between workers where every end is a GPU; under an external launcher
         # each rank picks its GPU itself, so tensors are staged through the CPU there
         self.direct = active_launch() is None
@@ -89,8 +93,9 @@ class Cluster:
         if rt.trainers > 1 or rt.weight_sync == "broadcast":
             lead = self.trainer_names[0]
             host = await self.system.run(lead, _reachable_host, self.system.address)
-            dp_port = await self.system.run(lead, _free_port, host)
-            sync_port = await self.system.run(lead, _free_port, host)
+            # bound (on that address only) and held there until its store takes it over
+            dp_port = await self.system.run(lead, listen, host)
+            sync_port = await self.system.run(lead, listen, host)
         from digen.runtime.workers import GeneratorActor, ScorerActor, TrainerActor
 
         where = {"devices": self.devices, "direct": self.direct}
@@ -244,9 +249,3 @@ def _reachable_host(peer: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return peer
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]

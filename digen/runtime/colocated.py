@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from digen.algos.grpo import score_groups, step_terms
-from digen.algos.rewards import CompositeReward
+from digen.algos.rewards import CompositeReward, scoring_on
 from digen.algos.rollout import Rollout
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
@@ -82,10 +82,7 @@ class ColocatedTrainer:
         mesh = None
         if self.sharded and policy is None:
             kind = "cuda" if is_cuda(cfg.model.device) else "cpu"
-            shard = rt.shard_size
-            if rt.trainer_parallel == "hsdp" and shard is None:
-                shard = min(world, torch.cuda.device_count()) if kind == "cuda" else world
-            mesh = make_mesh(rt.trainer_parallel, world, kind, shard)
+            mesh = make_mesh(rt.trainer_parallel, world, kind, rt.shard_size)
         self.policy = policy or Policy(cfg, trainable=True, mesh=mesh)
         self.trace = trace
         self.worker = f"worker-{rank}"
@@ -95,11 +92,16 @@ class ColocatedTrainer:
         self._stop_asked = False
 
     async def __aenter__(self) -> ColocatedTrainer:
+        self._scoring = contextlib.ExitStack()
+        self._scoring.enter_context(scoring_on(self.cfg.model.device))  # device: worker
         await self.reward.setup()  # once for the run, on the loop that scores
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.reward.close()
+        try:
+            await self.reward.close()
+        finally:
+            self._scoring.close()
 
     @property
     def version(self) -> int:
@@ -286,6 +288,10 @@ class ColocatedTrainer:
             optimizer_s += time.perf_counter() - t_opt
         t_train = time.perf_counter() - t0 - optimizer_s
         stats = self._reduce_stats(stats)
+        usage = None
+        if self.trace is not None:  # the step's events leave memory (they are in the file)
+            usage = self.trace.step_stats(step, [self.worker])
+            self.trace.close_step(step)
 
         metrics = step_metrics(
             step=step,
@@ -303,7 +309,7 @@ class ColocatedTrainer:
             },
             optimizer_s=optimizer_s,
             sync_s=0.0,
-            usage=self.trace.step_stats(step, [self.worker]) if self.trace else None,
+            usage=usage,
             memory_gb=dict.fromkeys(("generator", "trainer"), peak_memory_gb(cfg.model.device)),
             reward_latency_s={c: [t] for c, t in scored.latency_s.items()},
         )

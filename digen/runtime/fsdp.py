@@ -44,6 +44,7 @@ __all__ = [
     "is_sharded",
     "local",
     "lockstep_chunks",
+    "hsdp_shard_size",
     "make_mesh",
     "shard_transformer",
 ]
@@ -63,12 +64,36 @@ def make_mesh(kind: str, world: int, device_type: str, shard_size: int | None = 
 
     if kind == "fsdp":
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    size = shard_size or world
+    size = shard_size or hsdp_shard_size(world, device_type)
     if world % size:
         raise ValueError(f"runtime.shard_size={size} does not divide the {world} trainers")
     return init_device_mesh(
         device_type, (world // size, size), mesh_dim_names=("replicate", "shard")
     )
+
+
+def hsdp_shard_size(world: int, device_type: str) -> int:
+    """HSDP's default sharding group: the trainers of one node (torchrun's
+    ``LOCAL_WORLD_SIZE``, else the GPUs this node shows), capped at ``world``. When that is
+    every trainer, HSDP is plain FSDP: the run's log says so (``runtime.shard_size`` sets it)."""
+    import logging
+    import os
+
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None:
+        size = int(local)
+    elif device_type == "cuda" and torch.cuda.is_available():
+        size = torch.cuda.device_count()
+    else:
+        size = world
+    size = max(1, min(world, size))
+    if size == world:
+        logging.getLogger("digen").info(
+            f"runtime.trainer_parallel=hsdp over {world} trainers of one node shards over all "
+            "of them, as fsdp does (no replicas); set runtime.shard_size to shard in smaller "
+            "groups and replicate across them"
+        )
+    return size
 
 
 def block_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,10 +1,13 @@
 """What a run leaves in its output directory.
 
 ``config.yaml`` (fully resolved), ``metrics.jsonl`` (one JSON object per step), sample grids
-``samples/step_XXXX.png``, ``trainer.log`` (structured log lines) and the final weights: a
-LoRA adapter in the diffusers / peft format (``lora/``) or a full transformer (``transformer/``).
+``samples/step_XXXX.png``, ``trainer.log`` (structured log lines), the trace (``trace.jsonl``,
+:mod:`digen.sched.trace`) and the final weights: a LoRA adapter in the diffusers / peft format
+(``lora/``) or a full transformer (``transformer/``).
 Every file is written whole (temp file + rename) or appended line by line, so an interrupted
-run never leaves a half-written file behind.
+run never leaves a half-written file behind; the final weights, like a checkpoint, are written
+under a temporary name, flushed to disk and moved into place by
+:func:`~digen.runtime.checkpoint.publish`, which deletes the ones they replace only after.
 """
 
 from __future__ import annotations
@@ -149,6 +152,12 @@ class RunOutputs:
     @property
     def log_path(self) -> Path:
         return self.dir / "trainer.log"
+
+    @property
+    def trace_path(self) -> Path:
+        """The run's trace file, which a :class:`~digen.sched.trace.Trace` appends each task
+        to as it finishes (``Trace(path=outputs.trace_path)``)."""
+        return self.dir / "trace.jsonl"
 
     def write_config(self, cfg_dict: dict[str, Any]) -> None:
         import yaml

@@ -10,9 +10,14 @@
   tensors to the CPU before they leave (:func:`wire_device`), and every actor method moves
   what it receives onto its own device before using it. The driver holds no device: what
   reaches it is always on the CPU.
-- A process group is NCCL when all its members are on CUDA, gloo otherwise
-  (:func:`group_backend`); a mixed group (CPU generators, GPU trainers) stages through the
-  CPU.
+- A process group is NCCL when each of its members is on a GPU of its own, gloo otherwise
+  (:func:`group_backend`): a mixed group (CPU generators, GPU trainers) stages through the
+  CPU, and so does a group with two members on one GPU, which NCCL refuses at its first
+  collective (the run's log says so). A sharded trainer group (FSDP,
+  HSDP) cannot fall back -- gloo has no reduce-scatter on GPUs -- so such a placement is
+  refused before any worker starts (:func:`check_groups`, which also gives the log's notes). A default process group on GPUs
+  is NCCL with gloo beside it (:func:`default_group_backend`), for the small CPU tensors a
+  run's control values travel in.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 import os
 import resource
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from digen.sched.schedule import Pool, worker_name
@@ -30,8 +36,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "all_devices",
+    "Group",
+    "check_groups",
+    "colocated_groups",
+    "default_group_backend",
     "device_maps",
     "group_backend",
+    "run_groups",
+    "shared_gpus",
     "is_cuda",
     "peak_memory_gb",
     "pool_devices",
@@ -112,9 +124,101 @@ def wire_device(own: str, peer: str) -> str | None:
 
 
 def group_backend(devices: Iterable[str]) -> str:
-    """``nccl`` when every member is on CUDA, else ``gloo`` (staged through the CPU)."""
+    """``nccl`` when every member is on a GPU of its own, else ``gloo`` (CPU members, or two
+    members on one GPU: gloo carries GPU tensors through the host)."""
     devices = list(devices)
-    return "nccl" if devices and all(is_cuda(d) for d in devices) else "gloo"
+    if devices and all(is_cuda(d) for d in devices) and not shared_gpus(devices):
+        return "nccl"
+    return "gloo"
+
+
+def default_group_backend(devices: Iterable[str]) -> str:
+    """The backend of a default process group (``init_process_group``): on GPUs NCCL for
+    GPU tensors with gloo for CPU ones (flags, loss statistics, gathered rewards), else
+    gloo."""
+    return "cpu:gloo,cuda:nccl" if group_backend(devices) == "nccl" else "gloo"
+
+
+def shared_gpus(devices: Iterable[str]) -> list[str]:
+    """The GPUs that more than one of ``devices`` names (``cuda`` counts as ``cuda:0``)."""
+    seen: dict[str, int] = {}
+    for d in devices:
+        if is_cuda(d):
+            seen[_indexed(d)] = seen.get(_indexed(d), 0) + 1
+    return sorted(d for d, n in seen.items() if n > 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A process group of a run: its name in messages and its members' devices."""
+
+    name: str
+    members: dict[str, str]
+    """member (a worker's name, or a colocated rank) -> device"""
+    sharded: bool = False
+    """FSDP / HSDP over it: it cannot fall back to gloo on GPUs (no reduce-scatter there)."""
+
+    @property
+    def backend(self) -> str:
+        return group_backend(self.members.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{w} on {d}" for w, d in self.members.items())
+
+
+def run_groups(cfg: DigenConfig, devices: Mapping[str, str]) -> list[Group]:
+    """The process groups of a disaggregated run, from every worker's device
+    (:func:`all_devices`): the trainers' group (data-parallel, or their device mesh) when
+    there are several, and the weight-broadcast group of trainer 0 and the generators."""
+    rt = cfg.runtime
+    sharded = rt.trainer_parallel in ("fsdp", "hsdp")
+    trainers = {w: d for w, d in devices.items() if w.startswith(Pool.TRAINER.value)}
+    groups = []
+    if len(trainers) > 1:
+        groups.append(Group(f"trainers' {rt.trainer_parallel} group", trainers, sharded))
+    if rt.weight_sync == "broadcast":
+        lead = worker_name(Pool.TRAINER, 0)
+        members = {lead: devices[lead]}
+        members |= {w: d for w, d in devices.items() if w.startswith(Pool.GENERATOR.value)}
+        groups.append(Group("weight-broadcast group", members))
+    return groups
+
+
+def colocated_groups(cfg: DigenConfig, devices: Sequence[str]) -> list[Group]:
+    """The colocated workers' group (``train.num_devices`` > 1), rank ``r`` on ``devices[r]``."""
+    if len(devices) < 2:
+        return []
+    kind = cfg.runtime.trainer_parallel
+    members = {f"rank {r}": d for r, d in enumerate(devices)}
+    return [Group(f"colocated workers' {kind} group", members, kind in ("fsdp", "hsdp"))]
+
+
+def check_groups(cfg: DigenConfig, groups: Sequence[Group]) -> list[str]:
+    """Refuse, in one sentence, a sharded group with two members on one GPU (NCCL refuses
+    it, and gloo cannot shard GPU tensors); the notes for the run's log of each GPU group
+    that falls back to gloo because members share a GPU."""
+    from digen.errors import DigenError
+
+    notes = []
+    for group in groups:
+        shared = shared_gpus(group.members.values())
+        if not shared:
+            continue
+        if group.sharded:
+            raise DigenError(
+                f"runtime.trainer_parallel={cfg.runtime.trainer_parallel} cannot shard over "
+                f"members that share a GPU ({group.describe()}): NCCL refuses two members of "
+                "a group on one GPU and gloo cannot shard; give each its own GPU "
+                "(runtime.trainer_devices, train.num_devices) or use "
+                "runtime.trainer_parallel=replicate."
+            )
+        if all(is_cuda(d) for d in group.members.values()):
+            notes.append(
+                f"the {group.name} ({group.describe()}) has members sharing "
+                f"{', '.join(shared)}: it uses gloo through the host instead of NCCL, which "
+                "refuses two members of a group on one GPU"
+            )
+    return notes
 
 
 def _indexed(device: str) -> str:

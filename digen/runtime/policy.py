@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from digen.config import DigenConfig
 from digen.errors import NonFiniteError
 from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
+from digen.runtime.checkpoint import publish, staging_for
 from digen.seeding import group_generator, sample_generator
 
 __all__ = ["Generated", "Policy", "SampleKey", "StepResult", "LossStats", "TrainItem"]
@@ -214,20 +214,24 @@ class Policy:
         """Text conditioning per prompt (cached: text encoders are frozen).
 
         Each prompt is encoded alone, so its embedding is the same bits whichever prompts a
-        worker happened to meet first (a batched encoder pass can round differently).
-        The cache keeps the most recent :data:`_COND_CACHE_SIZE` prompts.
+        worker happened to meet first (a batched encoder pass can round differently); the
+        prompts not cached are encoded in one call (offloaded text encoders visit the device
+        once). The cache keeps the most recent :data:`_COND_CACHE_SIZE` prompts.
         """
         cache = self._cond_cache
+        missing = [p for p in dict.fromkeys(prompts) if p not in cache]
         for p in dict.fromkeys(prompts):
             if p in cache:
                 cache.move_to_end(p)
-                continue
-            with torch.no_grad():
-                cache[p] = self.adapter.encode_prompts([p])
+        # one visit of offloaded text encoders to the device for all of them
+        embeds = self.adapter.encode_each([[p] for p in missing]) if missing else []
+        for p, e in zip(missing, embeds, strict=True):
+            cache[p] = e
             self.encoded += 1
-            if len(cache) > _COND_CACHE_SIZE:
-                cache.popitem(last=False)
-        return _cat_rows([cache[p] for p in prompts])
+        held = {p: cache[p] for p in prompts}  # a long call may outgrow the cache
+        while len(cache) > _COND_CACHE_SIZE:
+            cache.popitem(last=False)
+        return _cat_rows([held[p] for p in prompts])
 
     def cached_conditioning(self, prompt: str) -> PromptEmbeds | None:
         """The cached embedding of ``prompt``, if this copy has it (no encoding)."""
@@ -496,7 +500,7 @@ class Policy:
             from peft.utils import get_peft_model_state_dict
 
             final = Path(out_dir) / "lora"
-            tmp = _atomic_dir(final)
+            tmp = staging_for(final)
             self.adapter.pipeline_class.save_lora_weights(
                 str(tmp),
                 transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state),
@@ -504,13 +508,13 @@ class Policy:
             )
         elif state is None:
             final = Path(out_dir) / "transformer"
-            tmp = _atomic_dir(final)
+            tmp = staging_for(final)
             transformer.save_pretrained(str(tmp), safe_serialization=True)
         else:
             from huggingface_hub import save_torch_state_dict
 
             final = Path(out_dir) / "transformer"
-            tmp = _atomic_dir(final)
+            tmp = staging_for(final)
             transformer.save_config(str(tmp))
             buffers = {n: b.cpu() for n, b in transformer.state_dict().items() if n not in state}
             save_torch_state_dict(
@@ -519,9 +523,7 @@ class Policy:
                 filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
                 max_shard_size="10GB",
             )
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return final
+        return publish(tmp, final)  # the old one is deleted only once the new one is in
 
     def synced_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """``(name, parameter)`` of what training changes: the LoRA weights, or every weight.
@@ -536,12 +538,6 @@ class Policy:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Name -> tensor copy of :meth:`synced_parameters`."""
         return {n: p.detach().clone() for n, p in self.synced_parameters()}
-
-
-def _atomic_dir(final: Path) -> Path:
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    return tmp
 
 
 def _cat_rows(rows: Sequence[PromptEmbeds]) -> PromptEmbeds:

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,8 +52,9 @@ from digen.config import DigenConfig, load_config, max_inflight
 from digen.runtime.actors import run_sync
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
+from digen.runtime.groups import init_default_group, make_group, pinned_to_loopback, tcp_store
 from digen.runtime.outputs import thumbnails
-from digen.runtime.placement import group_backend, is_cuda, peak_memory_gb, worker_device
+from digen.runtime.placement import is_cuda, peak_memory_gb, worker_device
 from digen.runtime.policy import LossStats, Policy, SampleKey, TrainItem
 from digen.runtime.store import STORE, fetch_pixels, fetch_rollout, fetch_weights
 from digen.sched.schedule import Pool, index_of, worker_name
@@ -62,7 +64,6 @@ __all__ = [
     "Scores",
     "Timed",
     "TrainerActor",
-    "make_group",
     "weight_buckets",
 ]
 
@@ -90,18 +91,6 @@ class Scores:
     """Seconds each reward's call took."""
     thumbnails: torch.Tensor | None = None
     """Small copies of the samples for the run's sample grid, when asked for."""
-
-
-def make_group(
-    address: str, port: int, rank: int, size: int, backend: str, timeout_s: float
-) -> dist.ProcessGroup:
-    """A process group of ``size`` members over its own TCP store (no default group)."""
-    store = dist.TCPStore(
-        address, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
-    )
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
 def weight_buckets(params: Sequence[torch.Tensor], max_numel: int) -> list[list[int]]:
@@ -174,12 +163,17 @@ class _NotesToRunLog(logging.Handler):
             self.handleError(record)
 
 
+_NOTES_LOCK = threading.Lock()
+"""The generator's and its scorer's actors are built on threads of their own, at once."""
+
+
 def _notes_to_run_log(worker: str) -> None:
     """Once per process: send digen's notes to the run's log when the driver named one."""
     path = os.environ.get(NOTES_ENV)
     notes = logging.getLogger("digen")
-    if path and not any(isinstance(h, _NotesToRunLog) for h in notes.handlers):
-        notes.addHandler(_NotesToRunLog(path, worker))
+    with _NOTES_LOCK:
+        if path and not any(isinstance(h, _NotesToRunLog) for h in notes.handlers):
+            notes.addHandler(_NotesToRunLog(path, worker))
 
 
 class _Placed:
@@ -196,6 +190,8 @@ class _Placed:
         _notes_to_run_log(name)
         self.name = name
         self.device = cfg.model.device
+        if is_cuda(self.device):  # this actor's thread (the current CUDA device is per thread)
+            torch.cuda.set_device(torch.device(self.device))
         self.devices = devices or {}
         self.direct = direct
         self._jitter = _Jitter()
@@ -228,8 +224,6 @@ class _PolicyActor(_Placed):
         _set_threads(cfg.runtime.threads_per_worker)
         _Placed.__init__(self, cfg, name, devices, direct)
         self.cfg = cfg
-        if is_cuda(self.device):
-            torch.cuda.set_device(torch.device(self.device))
         self.policy = Policy(cfg, trainable=trainable, mesh=mesh)
         self.sync_group = None
         STORE.capacity = max_inflight(cfg)  # what the driver lets be generated, untrained
@@ -238,14 +232,11 @@ class _PolicyActor(_Placed):
         """Join the weight-broadcast group (trainer 0 is rank 0; its store at ``host``)."""
         members = [d for w, d in self.devices.items() if w.startswith("generator")]
         members.append(self.devices.get("trainer-0", self.device))
-        self.sync_group = make_group(
-            host or self.cfg.runtime.address,
-            port,
-            rank,
-            size,
-            group_backend(members or [self.device]),
-            self.cfg.runtime.rpc_timeout_s,
-        )
+        host = host or self.cfg.runtime.address
+        timeout_s = self.cfg.runtime.rpc_timeout_s
+        store = tcp_store(host, port, size, lead=rank == 0, timeout=timedelta(seconds=timeout_s))
+        with pinned_to_loopback(host):
+            self.sync_group = make_group(store, rank, size, members or [self.device], timeout_s)
 
     def generate(self, step: int, mb: int, keys: Sequence[SampleKey], prompt: str) -> Timed:
         """Sample and decode one trajectory per key with the current weights; keep them here.
@@ -352,7 +343,7 @@ def _unflatten_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 def _reward_loop(cfg: DigenConfig, rewards: Sequence[Any] | None) -> RewardLoop:
     """The run's rewards, set up here once, every score of the run on one event loop."""
     hooks = list(rewards) if rewards is not None else cfg.rewards
-    return RewardLoop(build_reward(hooks, cfg.train.on_nonfinite))
+    return RewardLoop(build_reward(hooks, cfg.train.on_nonfinite), device=cfg.model.device)
 
 
 class _Scoring(_Placed):
@@ -462,13 +453,16 @@ class TrainerActor(_PolicyActor):
         self.rank, self.world = rank, world
         self.sharded = world > 1 and is_sharded(rt.trainer_parallel)
         trainers = [d for w, d in (devices or {}).items() if w.startswith("trainer")]
-        backend = group_backend(trainers or [cfg.model.device])
+        trainers = trainers or [cfg.model.device]
         host = dp_host or rt.address
-        mesh = None
+        mesh = store = None
+        if world > 1:
+            timeout = timedelta(seconds=rt.rpc_timeout_s)
+            store = tcp_store(host, dp_port, world, lead=rank == 0, timeout=timeout)
         if self.sharded:
             if is_cuda(cfg.model.device):
                 torch.cuda.set_device(torch.device(cfg.model.device))
-            mesh = _trainer_mesh(cfg, host, dp_port, rank, world, backend, trainers)
+            mesh = _trainer_mesh(cfg, store, rank, world, trainers, host)
         super().__init__(
             cfg,
             name or f"trainer-{rank}",
@@ -479,7 +473,8 @@ class TrainerActor(_PolicyActor):
         )
         self.dp_group = None
         if world > 1 and not self.sharded:
-            self.dp_group = make_group(host, dp_port, rank, world, backend, rt.rpc_timeout_s)
+            with pinned_to_loopback(host):
+                self.dp_group = make_group(store, rank, world, trainers, rt.rpc_timeout_s)
         self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
         self._full: dict[str, torch.Tensor] = {}
         """Sharded: trainer 0's full copy of the trained weights (the others hold none)."""
@@ -514,8 +509,9 @@ class TrainerActor(_PolicyActor):
         return super().trainable_state()
 
     def _weights_bucket(self, version: int, bucket: int, wire: str | None) -> dict[str, Any]:
-        """Bucket ``bucket`` of the weights of ``version``, read live (served on an RPC
-        thread: the weights change only at :meth:`step`, and no pull overlaps a step)."""
+        """A copy of bucket ``bucket`` of the weights of ``version`` (served on an RPC
+        thread: the weights change only at :meth:`step`, and no pull overlaps a step; a copy
+        all the same, so what is sent cannot change while it is in flight)."""
         if self.policy.version != version:
             raise RuntimeError(
                 f"weights of version {version} were asked for; trainer 0 holds "
@@ -523,7 +519,9 @@ class TrainerActor(_PolicyActor):
             )
         named = self._synced()
         return {
-            named[i][0]: named[i][1].detach().to(wire or self.device, self._sync_dtype(named[i][1]))
+            named[i][0]: named[i][1]
+            .detach()
+            .to(wire or self.device, self._sync_dtype(named[i][1]), copy=True)
             for i in self._buckets()[bucket]
         }
 
@@ -609,26 +607,16 @@ class TrainerActor(_PolicyActor):
 
 
 def _trainer_mesh(
-    cfg: DigenConfig,
-    host: str,
-    port: int,
-    rank: int,
-    world: int,
-    backend: str,
-    devices: Sequence[str],
+    cfg: DigenConfig, store: Any, rank: int, world: int, devices: Sequence[str], host: str
 ) -> Any:
     """The sharded trainers' device mesh, over a default process group of the trainers
     (they are the only members of this process's default group)."""
-    kinds = {"cuda" if is_cuda(d) else "cpu" for d in devices or [cfg.model.device]}
+    kinds = {"cuda" if is_cuda(d) else "cpu" for d in devices}
     if len(kinds) > 1:
         raise ValueError(
             f"runtime.trainer_parallel={cfg.runtime.trainer_parallel} needs every trainer on "
             f"the same kind of device, not {sorted(kinds)}"
         )
-    timeout = timedelta(seconds=cfg.runtime.rpc_timeout_s)
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    shard = cfg.runtime.shard_size
-    if cfg.runtime.trainer_parallel == "hsdp" and shard is None:
-        shard = min(world, max(torch.cuda.device_count(), 1)) if kinds == {"cuda"} else world
-    return make_mesh(cfg.runtime.trainer_parallel, world, kinds.pop(), shard)
+    with pinned_to_loopback(host):
+        init_default_group(store, rank, world, devices, cfg.runtime.rpc_timeout_s)
+    return make_mesh(cfg.runtime.trainer_parallel, world, kinds.pop(), cfg.runtime.shard_size)

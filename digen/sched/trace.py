@@ -22,6 +22,13 @@ Per-step statistics (:meth:`Trace.step_stats`), for the events whose ``step`` fi
   another. (With this choice the bound equals the busiest worker's time.)
 - ``efficiency = ideal_bound_s / wall_s``: measured against the bound, as benchmarks report.
 
+A run's trace stays small however long the run: once a step's statistics are taken its owner
+calls :meth:`Trace.close_step`, and from then on the trace holds in memory only the events of
+the steps still open. The rest are in the trace's file (the run's ``trace.jsonl``, appended to
+as each task finishes, or a temporary file), and the whole trace, the Chrome export and the
+timeline are read back from there: a step's statistics cost the same at step 2,000 as at
+step 10.
+
 This module imports nothing heavy; matplotlib is imported only when a timeline is drawn.
 """
 
@@ -31,8 +38,10 @@ import json
 import math
 import os
 import re
+import tempfile
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +57,7 @@ __all__ = [
     "StepUsage",
     "Trace",
     "TraceEvent",
+    "TraceStatistics",
     "device_of",
     "union_length",
 ]
@@ -166,21 +176,72 @@ class StepUsage:
     """``ideal_bound_s / wall_s`` (1.0 for a zero-length step)."""
 
 
-class Trace:
-    """Collects events; appending is thread-safe (the runtime records from RPC callbacks)."""
+@dataclass(frozen=True, slots=True)
+class TraceStatistics:
+    """What a trace holds: all its events, and the few it keeps in memory."""
 
-    def __init__(self, events: Iterable[TraceEvent] = ()) -> None:
+    events: int
+    """Events recorded, in memory or only in the file."""
+    held: int
+    """Events in memory: those of the open steps (every event until a step is closed)."""
+    open_steps: int
+    """Steps with events in memory."""
+
+
+class Trace:
+    """Collects events; appending is thread-safe (the runtime records from RPC callbacks).
+
+    ``path``: the file every event is appended to as it is recorded (one JSON object per
+    line, in recording order; an existing file is replaced). Without one, events stay in
+    memory until the first :meth:`close_step`, which moves them to a temporary file.
+    Statistics of an open step read its events from memory; anything else reads the file.
+    """
+
+    def __init__(
+        self, events: Iterable[TraceEvent] = (), *, path: str | os.PathLike[str] | None = None
+    ) -> None:
         self._lock = threading.Lock()
-        self._events: list[TraceEvent] = []
+        self.path = Path(path) if path is not None else None
+        """The trace's own file, or None (memory, then a temporary file)."""
+        self._file: Any = None
+        """Where every event goes once the trace has a file (None: all are in ``_held``)."""
+        self._held: list[TraceEvent] = []
+        """Without a file: every event, in recording order (sorted by start when read)."""
         self._sorted = True
+        self._by_step: dict[int, list[TraceEvent]] = {}
+        """The events of each open step, in recording order."""
+        self._closed_through: int | None = None
+        """The newest closed step: an event of an older step that is not open goes to the
+        file only (it would come after that step's statistics)."""
+        self._workers: set[str] = set()
+        self._count = 0
+        self._start = math.inf
+        self._end = -math.inf
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._attach(self.path.open("w+", encoding="utf-8"))
         self.extend(events)
+
+    def _attach(self, fh: Any) -> None:
+        self._file = fh
+        weakref.finalize(self, fh.close)  # flushed and closed with the trace
 
     # -- collecting -------------------------------------------------------------------------
 
     def _append(self, ev: TraceEvent) -> None:  # caller holds the lock
-        if self._events and ev.t0 < self._events[-1].t0:
-            self._sorted = False
-        self._events.append(ev)
+        self._count += 1
+        self._workers.add(ev.worker)
+        self._start = min(self._start, ev.t0)
+        self._end = max(self._end, ev.t1)
+        if self._file is not None:
+            self._file.write(_line(ev))
+        else:
+            if self._held and ev.t0 < self._held[-1].t0:
+                self._sorted = False
+            self._held.append(ev)
+        closed = self._closed_through
+        if ev.step in self._by_step or closed is None or ev.step > closed:
+            self._by_step.setdefault(ev.step, []).append(ev)
 
     def record(
         self, kind: str, worker: str, step: int, mb: int, version: int, t0: float, t1: float
@@ -201,43 +262,85 @@ class Trace:
             for ev in evs:
                 self._append(ev)
 
+    def close_step(self, step: int) -> None:
+        """Step ``step`` is over (its statistics are taken): its events leave memory.
+
+        They stay in the file (a temporary one is made the first time, when the trace has
+        none), which is flushed, so every closed step is on disk.
+        """
+        with self._lock:
+            if self._file is None:
+                spill = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (the trace's)
+                self._attach(spill)
+                self._file.writelines(_line(e) for e in self._held)
+                self._held = []
+            self._by_step.pop(step, None)
+            closed = self._closed_through
+            self._closed_through = step if closed is None else max(closed, step)
+            self._file.flush()
+
+    def statistics(self) -> TraceStatistics:
+        """How many events the trace has, and how many it holds in memory."""
+        with self._lock:
+            if self._file is None:
+                held = len(self._held)
+            else:
+                held = sum(len(evs) for evs in self._by_step.values())
+            return TraceStatistics(self._count, held, len(self._by_step))
+
     @property
     def events(self) -> list[TraceEvent]:
-        """A copy of the events, sorted by start time (ties keep recording order)."""
+        """Every event, sorted by start time (ties keep recording order); read from the
+        file once the trace has one."""
         with self._lock:
-            if not self._sorted:
-                self._events.sort(key=lambda e: e.t0)
-                self._sorted = True
-            return list(self._events)
+            if self._file is None:
+                if not self._sorted:
+                    self._held.sort(key=lambda e: e.t0)
+                    self._sorted = True
+                return list(self._held)
+            evs = list(self._read_file())
+        evs.sort(key=lambda e: e.t0)
+        return evs
+
+    def _read_file(self) -> Iterator[TraceEvent]:  # caller holds the lock
+        """The file's events in recording order (its position is put back after)."""
+        fh = self._file
+        fh.flush()
+        fh.seek(0)
+        try:
+            for line in fh:
+                if line.strip():
+                    yield TraceEvent.from_dict(json.loads(line))
+        finally:
+            fh.seek(0, os.SEEK_END)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._events)
+            return self._count
 
     # -- simple views -----------------------------------------------------------------------
 
     def workers(self) -> list[str]:
         """Workers with events: driver, generators by index, trainers by index, then others."""
         with self._lock:
-            names = {e.worker for e in self._events}
+            names = set(self._workers)
         return sorted(names, key=_worker_key)
 
     def steps(self) -> list[int]:
         """The distinct step numbers, ascending."""
-        with self._lock:
-            return sorted({e.step for e in self._events})
+        return sorted({e.step for e in self.events})
 
     @property
     def start(self) -> float:
         """Earliest ``t0`` (0.0 for an empty trace); exported times are relative to it."""
         with self._lock:
-            return min((e.t0 for e in self._events), default=0.0)
+            return self._start if self._count else 0.0
 
     @property
     def end(self) -> float:
         """Latest ``t1`` (0.0 for an empty trace)."""
         with self._lock:
-            return max((e.t1 for e in self._events), default=0.0)
+            return self._end if self._count else 0.0
 
     def step_boundaries(self) -> dict[int, float]:
         """Per step, when it ended: the end of its last ``step`` event, else of its last event."""
@@ -257,7 +360,10 @@ class Trace:
         ``workers`` are the workers counted in utilisation; by default every worker in the
         trace except ``"driver"``. Events of other workers still widen the step window.
         """
-        evs = [e for e in self.events if e.step == step]
+        with self._lock:  # an open step's events are at hand; a closed one's, in the file
+            evs = list(self._by_step.get(step, ()))
+            if not evs and self._file is not None:
+                evs = [e for e in self._read_file() if e.step == step]
         if not evs:
             raise ValueError(f"the trace has no events for step {step}")
         if workers is None:
@@ -347,9 +453,14 @@ class Trace:
         return _write_text(Path(path), text)
 
     def save_jsonl(self, path: str | os.PathLike[str]) -> Path:
-        """Write the raw events, one JSON object per line, sorted by start time."""
-        lines = [json.dumps(e.to_dict()) + "\n" for e in self.events]
-        return _write_text(Path(path), "".join(lines))
+        """Write the raw events, one JSON object per line, sorted by start time. To the
+        trace's own file (``path``), nothing is left to write: it is flushed as it is."""
+        path = Path(path)
+        if self.path is not None and path.resolve() == self.path.resolve():
+            with self._lock:
+                self._file.flush()
+            return path
+        return _write_text(path, "".join(_line(e) for e in self.events))
 
     @classmethod
     def load_jsonl(cls, path: str | os.PathLike[str]) -> Trace:
@@ -495,6 +606,10 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     if cur_b is not None:
         total += cur_b - cur_a
     return total
+
+
+def _line(ev: TraceEvent) -> str:
+    return json.dumps(ev.to_dict()) + "\n"
 
 
 def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:

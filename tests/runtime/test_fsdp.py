@@ -96,8 +96,11 @@ def test_sharded_full_finetune_equals_colocated_and_saves_full_weights(tmp_path:
     extra = [*full, "runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
     sharded = _run("disaggregated", extra, tmp_path / "fsdp")
     assert _moved(colocated.final_state) > 1e-4
+    # FSDP reduce-scatters the gradients, summing in another order than one process does;
+    # after Adam an element whose gradient is near zero can land a few 1e-6 apart (seen:
+    # 1.4e-6 on one of 8192 elements on one kind of CPU), still far below the step's move
     for name, value in colocated.final_state.items():
-        torch.testing.assert_close(sharded.final_state[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sharded.final_state[name], value, rtol=1e-5, atol=1e-5)
     from diffusers import FluxTransformer2DModel
 
     saved = FluxTransformer2DModel.from_pretrained(str(tmp_path / "fsdp" / "transformer"))

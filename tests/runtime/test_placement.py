@@ -5,11 +5,16 @@ from __future__ import annotations
 import pytest
 
 from digen.config import load_config
+from digen.errors import DigenError
 from digen.runtime.placement import (
     all_devices,
+    check_groups,
+    colocated_groups,
+    default_group_backend,
     device_maps,
     group_backend,
     pool_devices,
+    run_groups,
     wire_device,
     worker_device,
 )
@@ -86,3 +91,56 @@ def test_bad_device_is_one_sentence() -> None:
 
     with pytest.raises(ConfigError, match="runtime.trainer_devices = .* is not allowed: name"):
         _cfg("runtime.trainer_devices=gpu0")
+
+
+def test_a_bare_cuda_in_a_device_list_is_the_first_gpu() -> None:
+    cfg = _cfg("runtime.generator_devices=cuda", "runtime.trainer_devices=[cuda, cuda:1]")
+    assert cfg.runtime.generator_devices == ["cuda:0"]  # torch.cuda.set_device needs an index
+    assert cfg.runtime.trainer_devices == ["cuda:0", "cuda:1"]
+    assert all_devices(cfg) == {"generator-0": "cuda:0", "trainer-0": "cuda:0"}
+
+
+def test_default_groups_on_gpus_carry_cpu_tensors_too() -> None:
+    """The colocated workers' and the sharded trainers' default group: NCCL for the GPU
+    tensors, gloo for the CPU ones their control values travel in (an NCCL-only group fails
+    at its first CPU tensor)."""
+    assert default_group_backend(["cuda:0", "cuda:1"]) == "cpu:gloo,cuda:nccl"
+    assert default_group_backend(["cpu", "cpu"]) == "gloo"
+    assert default_group_backend(["cuda:0", "cuda:0"]) == "gloo"  # one GPU: gloo through the host
+
+
+@pytest.mark.parametrize(
+    ("gpus", "over", "notes"),
+    [
+        # 8 GPUs, 6 + 4: the trainers get 3 GPUs, so trainer-3 shares cuda:5 with trainer-0
+        (8, ["runtime.generators=6", "runtime.trainers=4"], ["trainers' replicate group"]),
+        # one GPU: trainer 0 and the generator share it in the weight-broadcast group
+        (1, ["runtime.weight_sync=broadcast"], ["weight-broadcast group"]),
+        (2, ["runtime.weight_sync=broadcast", "runtime.trainers=1"], []),  # one GPU each
+    ],
+)
+def test_groups_with_members_sharing_a_gpu_fall_back_to_gloo_and_say_so(gpus, over, notes) -> None:
+    cfg = _cfg("model.device=cuda", *over)
+    devices = all_devices(cfg, visible_gpus=gpus)
+    groups = run_groups(cfg, devices)
+    said = check_groups(cfg, groups)
+    assert len(said) == len(notes)
+    for note, name in zip(said, notes, strict=True):
+        assert name in note and "uses gloo" in note
+    for group in groups:
+        want = "gloo" if any(name in group.name for name in notes) else "nccl"
+        assert group.backend == want
+
+
+def test_sharded_trainers_sharing_a_gpu_are_refused_in_one_sentence() -> None:
+    cfg = _cfg("model.device=cuda", "runtime.trainers=2", "runtime.trainer_parallel=fsdp")
+    groups = run_groups(cfg, all_devices(cfg, visible_gpus=1))
+    with pytest.raises(
+        DigenError,
+        match=r"cannot shard over members that share a GPU \(trainer-0 on cuda:0, trainer-1 on cuda:0\)",
+    ):
+        check_groups(cfg, groups)
+    cfg = load_config(overrides=["runtime.trainer_parallel=fsdp"])
+    with pytest.raises(DigenError, match="rank 0 on cuda:0, rank 1 on cuda:0"):
+        check_groups(cfg, colocated_groups(cfg, ["cuda:0", "cuda:0"]))
+    assert check_groups(cfg, colocated_groups(cfg, ["cuda:0", "cuda:1"])) == []

@@ -133,7 +133,7 @@ class _Mailbox:
                 call.fut.set_result(self.error)
                 continue
             try:
-                value = getattr(self.obj, call.method)(*call.args, **call.kwargs)
+                value = _finished(getattr(self.obj, call.method)(*call.args, **call.kwargs))
             except BaseException as exc:  # even SystemExit: this thread must keep serving
                 value = _RemoteError.capture(exc)
             call.fut.set_result(value)  # torch reports a result it cannot pickle itself
@@ -209,9 +209,40 @@ def _skip(actor_id: int, seq: int) -> None:
 
 def _run_function(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     try:
-        return fn(*args, **kwargs)
+        return _finished(fn(*args, **kwargs))
     except Exception as exc:
         return _RemoteError.capture(exc)
+
+
+def _finished(value: Any) -> Any:
+    """``value`` once every GPU tensor in it is computed. A reply leaves on an RPC thread,
+    whose CUDA stream is not the one the tensors were made on: without this, TensorPipe
+    could send a tensor its kernels have not finished writing. Waits for each device the
+    reply holds tensors of (nothing to do with no GPU tensor)."""
+    if not torch.cuda.is_initialized():
+        return value
+    devices: set[torch.device] = set()
+    _cuda_devices(value, devices, depth=4)
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return value
+
+
+def _cuda_devices(value: Any, out: set[torch.device], depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            out.add(value.device)
+    elif depth <= 0:
+        return
+    elif isinstance(value, dict):
+        for v in value.values():
+            _cuda_devices(v, out, depth - 1)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _cuda_devices(v, out, depth - 1)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            _cuda_devices(getattr(value, name, None), out, depth - 1)
 
 
 def _request_exit() -> int:

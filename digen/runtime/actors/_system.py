@@ -435,7 +435,10 @@ class ActorSystem:
 
         env: dict[str, str] = {}
         if _is_loopback(self.address):
-            env = {"TP_SOCKET_IFNAME": _loopback_ifname(), "GLOO_SOCKET_IFNAME": _loopback_ifname()}
+            env = {
+                key: _loopback_ifname()
+                for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+            }
         if self.launch is None:
             self._spawn(env, url, world)
 

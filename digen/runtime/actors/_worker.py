@@ -81,7 +81,7 @@ def serve_worker(
         raise ValueError(f"worker rank {rank} is outside 1..{world - 1} (rank 0 is the driver).")
     os.environ.update(spec.env)
     if _is_loopback(address):
-        for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(key, _loopback_ifname())
     url = _rendezvous_url(address, port, start_timeout_s)
     _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=True)
