@@ -17,7 +17,12 @@ Prints a JSON report; with ``--out DIR`` also writes ``DIR/report.json`` and
    degree, on :class:`digen.runtime.policy.Policy` directly after a warm-up (with each
    point's peak and activation memory on a GPU), and writes them as a profile: the costs at
    one operating point in the format of a run's ``profile.json``, plus every measured point
-   under ``curves``; :func:`digen.sched.simulate_cli.load_costs` is checked to read it back.
+   under ``curves``; :func:`digen.sched.simulate_cli.load_costs` is checked to read it back;
+5. runs every collective path once on the device (``collectives``): a default process group
+   carrying CPU and device tensors (NCCL with gloo beside it on a GPU), a full fine-tune
+   policy loaded through a one-member FSDP mesh (its peak memory against the transformer's
+   size), a disaggregated run whose weight-broadcast group shares the GPU (gloo, said in
+   ``trainer.log``), and the generator's reward threads on the generator's device.
 
 Exit code 0 when every check passed, 1 otherwise (with ``--quick`` the learning check only
 reports its numbers), 2 on a usage error. ``--quick`` (tiny sizes, few steps) is the CI
@@ -472,6 +477,90 @@ def bf16_runs(plan: Plan, pools: list[str], work: Path, report: dict[str, Any]) 
     )
 
 
+_WHERE_HOOK = """
+import json, os
+from pathlib import Path
+import torch
+from digen.algos.rewards import jpeg_compressibility, worker_device
+
+def reward(samples, prompts, metadata):
+    here = {"worker_device": worker_device(), "pid": os.getpid()}
+    if torch.cuda.is_available():
+        here["current_device"] = f"cuda:{torch.cuda.current_device()}"
+    out = Path(os.environ["DIGEN_CHECK_WHERE"]) / f"{os.getpid()}.json"
+    out.write_text(json.dumps(here))
+    return jpeg_compressibility(samples, prompts, metadata)
+"""
+
+
+def collective_checks(plan: Plan, pools: list[str], work: Path, report: dict[str, Any]) -> None:
+    """Every collective path once on the device: a default group (the colocated workers' and
+    the sharded trainers' kind) carrying CPU and device tensors; a sharded policy loaded
+    through a one-member FSDP mesh, with its peak memory against the transformer's size; a
+    disaggregated run whose weight-broadcast group shares one GPU (gloo, said in the log);
+    the rewards' threads on the generator's device."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from digen.runtime.fsdp import make_mesh
+    from digen.runtime.groups import destroy_default_group, init_default_group, tcp_store
+    from digen.runtime.policy import Policy
+
+    device = "cuda:0" if plan.device == "cuda" else "cpu"
+    out: dict[str, Any] = {}
+    store = tcp_store("127.0.0.1", 0, 1, lead=True, timeout=timedelta(seconds=120))
+    init_default_group(store, 0, 1, [device], 120)
+    try:
+        flag = torch.tensor([1.0])  # a stop flag, loss statistics: CPU tensors
+        dist.all_reduce(flag)
+        parts = [torch.empty(2)]
+        dist.all_gather(parts, torch.arange(2.0))
+        grads = torch.ones(4, device=device)
+        dist.all_reduce(grads)
+        out["default_group"] = {
+            "backend": str(dist.get_backend()),
+            "cpu_and_device_tensors": bool(flag.item() == 1.0 and float(grads.sum()) == 4.0),
+        }
+        cfg = config(plan, "colocated", "bfloat16", ["train.lora_rank=0", "algo.kl_coef=0.01"])
+        peak: dict[str, Any] = {}
+        _free(plan.device)
+        with _peak(plan.device, peak):
+            policy = Policy(cfg, trainable=True, mesh=make_mesh("fsdp", 1, device.split(":")[0]))
+        size = sum(p.numel() * p.element_size() for p in policy.adapter.transformer.parameters())
+        out["fsdp_load"] = {"transformer_gb": size / 1e9, **peak}
+        del policy
+        _free(plan.device)
+    finally:
+        destroy_default_group()
+    hook = work / "where_hook.py"
+    hook.write_text(_WHERE_HOOK)
+    where = work / "where"
+    where.mkdir()
+    os.environ["DIGEN_CHECK_WHERE"] = str(where)
+    over = ["steps=1", "runtime.weight_sync=broadcast", f"rewards=[{{name: '{hook}:reward'}}]"]
+    log("disaggregated, weights broadcast: 1 step")
+    cfg = config(plan, "disaggregated", "bfloat16", [*over, *pools])
+    run(cfg, work / "broadcast", plan.device)
+    logged = (work / "broadcast" / "trainer.log").read_text()
+    out["broadcast_group"] = {
+        "ran": True,
+        "gloo_on_a_shared_gpu_said": "weight-broadcast group" in logged,
+    }
+    out["reward_threads"] = [json.loads(p.read_text()) for p in sorted(where.iterdir())]
+    gen = cfg.runtime.generator_devices[0] if cfg.runtime.generator_devices else device
+    out["rewards_on_the_generators_device"] = all(
+        r["worker_device"] == gen and r.get("current_device", gen) == gen
+        for r in out["reward_threads"]
+    )
+    out["passed"] = bool(
+        out["default_group"]["cpu_and_device_tensors"]
+        and out["reward_threads"]
+        and out["rewards_on_the_generators_device"]
+    )
+    report["collectives"] = out
+
+
 def write_profile(plan: Plan, work: Path, out: Path, report: dict[str, Any]) -> None:
     """The cost curves, and the profile ``digen simulate --profile`` reads, checked."""
     log("cost curves")
@@ -575,12 +664,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not plan.curves_only:
             equality_runs(plan, pools, work, report)
             bf16_runs(plan, pools, work, report)
+            collective_checks(plan, pools, work, report)
         write_profile(plan, work, args.out or work, report)
     report["wall_s"] = time.perf_counter() - t0
     report["driver_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     checks = [report["profile"]["loaded_back"]]
     if not plan.curves_only:
         checks += [report["equality"]["passed"], report["learning"]["passed"]]
+        checks.append(report["collectives"]["passed"])
     report["passed"] = all(checks)
     text = json.dumps(report, indent=2)
     if args.out:

@@ -101,3 +101,15 @@ def test_profile_holds_the_measured_points_and_loads(report) -> None:
     )
     assert data["profile"]["loaded_back"] is True
     assert data["profile"]["costs"] == pytest.approx(costs.to_dict())
+
+
+@pytest.mark.slow
+def test_every_collective_path_runs_once(report) -> None:
+    c = report[0]["collectives"]
+    assert c["passed"] is True
+    assert c["default_group"] == {"backend": "gloo", "cpu_and_device_tensors": True}
+    assert c["fsdp_load"]["transformer_gb"] > 0  # a full fine-tune policy through a mesh
+    assert c["broadcast_group"]["ran"] is True
+    # one scoring process (the generator's), on the generator's device
+    assert [r["worker_device"] for r in c["reward_threads"]] == ["cpu"]
+    assert c["rewards_on_the_generators_device"] is True

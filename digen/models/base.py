@@ -222,9 +222,14 @@ class DiffusionAdapter(ABC):
         dtype: torch.dtype = torch.float32,
         vae_tiling: bool = False,
         offload_text_encoders: bool = False,
+        transformer_device: torch.device | str | None = None,
         **geometry: Any,
     ) -> DiffusionAdapter:
         """Load a local diffusers-format directory (``model_index.json`` + subfolders).
+
+        ``transformer_device`` puts the transformer elsewhere than the rest (default:
+        ``device``): a sharded trainer builds it on the CPU and moves it to its GPU one shard
+        at a time, never holding a whole copy there.
 
         ``vae_tiling`` makes the VAE decode one sample at a time and in overlapping spatial
         tiles (blended, so close to but not bit-equal with a whole decode) where its class can;
@@ -242,7 +247,9 @@ class DiffusionAdapter(ABC):
         stay = TEXT_ENCODERS if offload_text_encoders else ()
         for key, part in pipe.components.items():
             if isinstance(part, torch.nn.Module) and key not in stay:
-                part.to(device)
+                part.to(
+                    transformer_device if key == "transformer" and transformer_device else device
+                )
         if vae_tiling:
             if hasattr(pipe.vae, "enable_slicing"):
                 pipe.vae.enable_slicing()

@@ -141,6 +141,9 @@ class Policy:
             m.name,
             m.path,
             device=m.device,
+            # sharded: built on the CPU, then each block moves to the device as it is sharded
+            # (the KL reference too), so no whole copy is ever on the GPU
+            transformer_device="cpu" if mesh is not None else None,
             dtype=_DTYPES[m.dtype],
             height=m.height,
             width=m.width,

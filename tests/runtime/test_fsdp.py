@@ -42,6 +42,16 @@ def _moved(state: dict[str, torch.Tensor]) -> float:
     return max(float((v - start[n]).abs().max()) for n, v in state.items())
 
 
+def test_a_transformer_to_shard_is_built_off_the_accelerator() -> None:
+    """A sharded trainer loads its transformer on the CPU while the rest of the pipeline goes
+    to the device ("meta" stands in for a GPU here: what lands there keeps no data); FSDP
+    then moves each block to the device as it shards it, so no whole copy is ever there."""
+    ad = load_adapter("sd3", None, device="meta", transformer_device="cpu")
+    assert all(p.device.type == "cpu" for p in ad.transformer.parameters())
+    assert all(p.device.type == "meta" for p in ad.pipe.vae.parameters())
+    assert all(p.device.type == "meta" for e in ad.text_encoders() for p in e.parameters())
+
+
 def test_lockstep_chunks_give_every_member_the_same_count() -> None:
     # 5 rows over 2 members, chunks of 2: member 0 has 3 rows (2 chunks), member 1 has 2
     # rows (1 chunk) and a padding chunk; every row is trained exactly once
