@@ -188,3 +188,24 @@ def test_thumbnails_are_small_whatever_the_image_size() -> None:
     assert abs(int(small[1, 1, 2, 1, 0]) - float(block)) <= 0.5
     tiny = torch.randint(0, 256, (1, 1, 32, 32, 3), dtype=torch.uint8)
     assert torch.equal(thumbnails(tiny), tiny)  # already small: unchanged
+
+
+def test_trainer_0_serves_a_copy_of_its_weights_not_the_live_parameters() -> None:
+    """What a generator pulls cannot change while in flight: the served bucket shares no
+    memory with the parameters an optimizer step writes (on a GPU the reply is also
+    synchronised before it leaves: ``_finished``)."""
+    from digen.config import config_to_dict, load_config
+    from digen.runtime.store import STORE, fetch_weights
+    from digen.runtime.workers import TrainerActor
+
+    cfg = load_config(overrides=["model.name=sd3", "runtime.mode=disaggregated"])
+    trainer = TrainerActor(config_to_dict(cfg), 0, 1, 0)
+    try:
+        served = fetch_weights(0, 0, None)
+        live = dict(trainer._synced())
+        assert served and served.keys() <= live.keys()
+        for name, tensor in served.items():
+            assert torch.equal(tensor, live[name])
+            assert tensor.untyped_storage().data_ptr() != live[name].untyped_storage().data_ptr()
+    finally:
+        STORE.clear()
