@@ -192,6 +192,8 @@ def test_data_parallel_equals_single_process(tmp_path: Path) -> None:
     one = _run(
         DigenRunner(load_config(base=base, overrides=over), out_dir=tmp_path / "a", progress=False)
     )
+    pinned = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    before = {k: os.environ.get(k) for k in pinned}
     two = _run(
         DigenRunner(
             load_config(base=base, overrides=[*over, "train.num_devices=2"]),
@@ -199,6 +201,8 @@ def test_data_parallel_equals_single_process(tmp_path: Path) -> None:
             progress=False,
         )
     )
+    # the group's transports were pinned to loopback for the run only
+    assert {k: os.environ.get(k) for k in pinned} == before
     assert one.metrics[0]["reward_mean"] == pytest.approx(two.metrics[0]["reward_mean"], rel=1e-6)
     assert one.final_state.keys() == two.final_state.keys()
     moved = 0.0
