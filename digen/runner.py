@@ -132,9 +132,9 @@ class DigenRunner:
         self._checkpoint: Checkpoint | None = None
         self._stop: str | None = None
         self._backend_now: Any = None
+        """The lead worker's backend while it runs (what a stop request reaches)."""
         self._placement_notes: list[str] = []
         """What the placement of a data-parallel run's group says for the log."""
-        """The lead worker's backend while it runs (what a stop request reaches)."""
 
     def request_stop(self, reason: str = "stop") -> None:
         """Stop at the next micro-batch boundary (safe from a signal handler or another
@@ -483,9 +483,9 @@ def _init_group(
     rank: int, world: int, store: Any, cfg: DigenConfig, workers: Sequence[Any] = ()
 ) -> None:
     """The colocated workers' default group over ``store`` (gloo, or on GPUs NCCL with gloo
-    beside it). The lead (rank 0, holding the worker processes
-    ``workers``) waits until each has reported in, and fails at once, naming it, if one
-    exits before (it would otherwise wait for half an hour)."""
+    beside it). The lead (rank 0, holding the worker processes ``workers``) waits until each
+    has reported in, and fails at once, naming it, if one exits before (it would otherwise
+    wait for half an hour)."""
     from datetime import timedelta
 
     import torch.distributed as dist
