@@ -296,6 +296,26 @@ def _peak(device: str, out: dict[str, Any]) -> Iterator[None]:
     out.update(peak_gb=peak / 1e9, activation_gb=(peak - resident) / 1e9)
 
 
+@contextlib.contextmanager
+def _host_peak(out: dict[str, Any]) -> Iterator[None]:
+    """How much the block raised this process's peak resident memory, in GB (Linux: the
+    peak is restarted through ``/proc/self/clear_refs``); nothing elsewhere."""
+    status = Path("/proc/self/status")
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        yield
+        return
+
+    def kb(field: str) -> int:
+        line = next(x for x in status.read_text().splitlines() if x.startswith(field + ":"))
+        return int(line.split()[1])
+
+    before = kb("VmRSS")
+    yield
+    out["host_added_gb"] = (kb("VmHWM") - before) * 1024 / 1e9
+
+
 def _timed(fn: Callable[[], Any], device: str, repeats: int) -> dict[str, Any]:
     """``seconds`` (median of ``repeats`` calls) and the peak memory of the first call; on a
     GPU that runs out of memory, ``{"oom": True}`` instead."""
@@ -496,7 +516,8 @@ def reward(samples, prompts, metadata):
 def collective_checks(plan: Plan, pools: list[str], work: Path, report: dict[str, Any]) -> None:
     """Every collective path once on the device: a default group (the colocated workers' and
     the sharded trainers' kind) carrying CPU and device tensors; a sharded policy loaded
-    through a one-member FSDP mesh, with its peak memory against the transformer's size; a
+    through a one-member FSDP mesh (built without weights, then each shard read from the
+    files), with its device and host peaks against the transformer's size; a
     disaggregated run whose weight-broadcast group shares one GPU (gloo, said in the log);
     the rewards' threads on the generator's device."""
     from datetime import timedelta
@@ -525,9 +546,11 @@ def collective_checks(plan: Plan, pools: list[str], work: Path, report: dict[str
         cfg = config(plan, "colocated", "bfloat16", ["train.lora_rank=0", "algo.kl_coef=0.01"])
         peak: dict[str, Any] = {}
         _free(plan.device)
-        with _peak(plan.device, peak):
+        with _peak(plan.device, peak), _host_peak(peak):
             policy = Policy(cfg, trainable=True, mesh=make_mesh("fsdp", 1, device.split(":")[0]))
         size = sum(p.numel() * p.element_size() for p in policy.adapter.transformer.parameters())
+        # one member holds every shard: the transformer and its KL reference, nothing more on
+        # the device; the host holds the other components and no copy of the transformer
         out["fsdp_load"] = {"transformer_gb": size / 1e9, **peak}
         del policy
         _free(plan.device)

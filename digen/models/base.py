@@ -195,6 +195,8 @@ class DiffusionAdapter(ABC):
         offload_text_encoders: bool = False,
     ) -> None:
         self.pipe = pipe
+        #: the folder the weights were loaded from (None for a pipeline built in memory)
+        self.path: Path | None = None
         self.height = int(height or self.tiny_height)
         self.width = int(width or self.tiny_width)
         self.num_frames = int(num_frames or self.tiny_num_frames) if self.is_video else 1
@@ -228,8 +230,9 @@ class DiffusionAdapter(ABC):
         """Load a local diffusers-format directory (``model_index.json`` + subfolders).
 
         ``transformer_device`` puts the transformer elsewhere than the rest (default:
-        ``device``): a sharded trainer builds it on the CPU and moves it to its GPU one shard
-        at a time, never holding a whole copy there.
+        ``device``). ``"meta"`` builds it without weights (parameters on the meta device,
+        :func:`~digen.models.weights.empty_transformer`): a sharded trainer shards it first,
+        then reads only its own rows of each weight, never holding a whole copy anywhere.
 
         ``vae_tiling`` makes the VAE decode one sample at a time and in overlapping spatial
         tiles (blended, so close to but not bit-equal with a whole decode) where its class can;
@@ -238,15 +241,20 @@ class DiffusionAdapter(ABC):
         """
         path = Path(path)
         check_model_dir(path, cls.name)
+        parts: dict[str, Any] = {}
+        if transformer_device is not None and torch.device(transformer_device).type == "meta":
+            from digen.models.weights import empty_transformer
+
+            parts["transformer"] = empty_transformer(path, dtype)
         try:
-            pipe = cls.pipeline_class.from_pretrained(str(path), dtype=dtype)
+            pipe = cls.pipeline_class.from_pretrained(str(path), dtype=dtype, **parts)
         except (OSError, ValueError) as exc:  # a damaged weight file, a missing piece
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise DigenError(f"model path '{path}' cannot be loaded: {first}") from None
         pipe.set_progress_bar_config(disable=True)
         stay = TEXT_ENCODERS if offload_text_encoders else ()
         for key, part in pipe.components.items():
-            if isinstance(part, torch.nn.Module) and key not in stay:
+            if isinstance(part, torch.nn.Module) and key not in stay and key not in parts:
                 part.to(
                     transformer_device if key == "transformer" and transformer_device else device
                 )
@@ -255,7 +263,9 @@ class DiffusionAdapter(ABC):
                 pipe.vae.enable_slicing()
             if hasattr(pipe.vae, "enable_tiling"):
                 pipe.vae.enable_tiling()
-        return cls(pipe, offload_text_encoders=offload_text_encoders, **geometry)
+        adapter = cls(pipe, offload_text_encoders=offload_text_encoders, **geometry)
+        adapter.path = path
+        return adapter
 
     @classmethod
     def random_init(

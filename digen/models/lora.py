@@ -10,6 +10,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from digen.models.weights import meta_stand_ins
+
 __all__ = ["adapters_disabled", "apply_lora", "enable_full_finetune", "trainable_parameters"]
 
 _LORA_LAYERS = (
@@ -36,6 +38,10 @@ def apply_lora(
     The B matrices start at zero, so the adapted model equals the base model until trained.
     ``dtype`` (``float32``, ``bfloat16``, ...) casts the LoRA weights, e.g. fp32 LoRA on a
     bf16 backbone for a stabler update.
+
+    On a transformer whose weights are not loaded yet (on the meta device: a sharded trainer's
+    before it reads its shards) the adapter is made on the CPU, with the values it would have
+    beside loaded weights.
     """
     from peft import LoraConfig
 
@@ -45,7 +51,8 @@ def apply_lora(
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=init_value
     )
-    transformer.add_adapter(config)
+    with meta_stand_ins(transformer):
+        transformer.add_adapter(config)
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     if not params:
         raise ValueError(f"LoRA targets {list(targets)} matched no module of the transformer")

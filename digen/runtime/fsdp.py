@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from digen.errors import DigenError
 
 # diffusers' blocks return views of their inputs; FSDP2 warns that an in-place op on such a
 # view would skip its backward hook. The models only use these outputs out of place (the
@@ -46,6 +49,7 @@ __all__ = [
     "lockstep_chunks",
     "hsdp_shard_size",
     "make_mesh",
+    "shard_and_load",
     "shard_transformer",
 ]
 
@@ -129,6 +133,64 @@ def shard_transformer(transformer: torch.nn.Module, mesh: Any, compute_dtype: to
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled op)
     return len(blocks)
+
+
+def shard_and_load(
+    transformer: torch.nn.Module,
+    mesh: Any,
+    compute_dtype: torch.dtype,
+    device: str,
+    weights: str | Path,
+) -> int:
+    """Shard a transformer built without weights (parameters on the meta device:
+    :func:`digen.models.weights.empty_transformer`), then give this member's shards memory on
+    ``device`` and fill them: each weight's own rows read from the saved files in
+    ``weights`` (a diffusers model folder), the rest (a LoRA adapter, buffers the model
+    computes) from what the module holds now. No member ever holds a whole copy. Returns the
+    block count (:func:`shard_transformer`)."""
+    from digen.models.weights import WeightFiles, file_key
+
+    with WeightFiles(weights) as files:
+        named = [*transformer.named_parameters(), *transformer.named_buffers()]
+        missing = [n for n, t in named if t.is_meta and file_key(n) not in files]
+        if missing:
+            raise DigenError(
+                f"the weights in {files.directory} have no tensor '{file_key(missing[0])}' "
+                f"({len(missing)} missing), so the transformer cannot be read shard by shard."
+            )
+        # what is not read from the files is small (adapters, computed buffers): kept aside
+        kept = {n: t.detach().clone() for n, t in named if file_key(n) not in files}
+        blocks = shard_transformer(transformer, mesh, compute_dtype)
+        transformer.to_empty(device=device)
+        with torch.no_grad():
+            for name, t in [*transformer.named_parameters(), *transformer.named_buffers()]:
+                rows = _own_rows(t)
+                target = local(t)
+                if target.numel() == 0:
+                    continue
+                if name in kept:
+                    source = kept[name] if target.dim() == 0 else kept[name][rows]
+                else:
+                    source = files.rows(file_key(name), rows)
+                target.copy_(source)
+    return blocks
+
+
+def _own_rows(t: torch.Tensor) -> slice:
+    """The rows (first dim) of the whole tensor that this member's shard of ``t`` holds:
+    FSDP2 cuts dim 0 into chunks of ``ceil(rows / members)``, member ``i`` holding chunk
+    ``i`` (the last ones shorter or empty); all of them for a tensor that is not sharded."""
+    placements = getattr(t, "placements", ())
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard():
+            if placement.dim != 0:
+                raise ValueError(f"expected shards along dim 0, got {placement}")
+            members = t.device_mesh.size(mesh_dim)
+            index = t.device_mesh.get_local_rank(mesh_dim)
+            chunk = -(-t.shape[0] // members)
+            lo = min(index * chunk, t.shape[0])
+            return slice(lo, lo + local(t).shape[0])
+    return slice(None)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

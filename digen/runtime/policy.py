@@ -135,15 +135,17 @@ class Policy:
     ) -> None:
         """``mesh``: a ``DeviceMesh`` to shard the transformer over (FSDP2, every member of
         the mesh building its policy at once: :mod:`digen.runtime.fsdp`); None keeps it whole."""
+        if mesh is not None and not trainable:
+            raise ValueError("a sharded policy is a trainer's (trainable=True)")
         self.cfg = cfg
         m = cfg.model
         self.adapter = adapter or load_adapter(
             m.name,
             m.path,
             device=m.device,
-            # sharded: built on the CPU, then each block moves to the device as it is sharded
-            # (the KL reference too), so no whole copy is ever on the GPU
-            transformer_device="cpu" if mesh is not None else None,
+            # sharded: built without weights, sharded, then each member reads its own rows
+            # of every weight (the KL reference too): no whole copy on the GPU or the host
+            transformer_device="meta" if mesh is not None else None,
             dtype=_DTYPES[m.dtype],
             height=m.height,
             width=m.width,
@@ -185,12 +187,13 @@ class Policy:
             if t.gradient_checkpointing:
                 transformer.enable_gradient_checkpointing()
             if mesh is not None:
-                from digen.runtime.fsdp import map_params, shard_transformer
+                from digen.runtime.fsdp import map_params, shard_and_load
 
                 names = [n for n, p in transformer.named_parameters() if p.requires_grad]
-                shard_transformer(transformer, mesh, self.adapter.dtype)
-                if self.reference is not None:
-                    shard_transformer(self.reference, mesh, self.adapter.dtype)
+                saved = Path(self.adapter.path or "") / "transformer"
+                for module in (transformer, self.reference):
+                    if module is not None:
+                        shard_and_load(module, mesh, self.adapter.dtype, m.device, saved)
                 self.params = map_params(transformer, names)()
             self.optimizer = torch.optim.AdamW(
                 self.params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8

@@ -11,9 +11,11 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -42,14 +44,83 @@ def _moved(state: dict[str, torch.Tensor]) -> float:
     return max(float((v - start[n]).abs().max()) for n, v in state.items())
 
 
-def test_a_transformer_to_shard_is_built_off_the_accelerator() -> None:
-    """A sharded trainer loads its transformer on the CPU while the rest of the pipeline goes
-    to the device ("meta" stands in for a GPU here: what lands there keeps no data); FSDP
-    then moves each block to the device as it shards it, so no whole copy is ever there."""
-    ad = load_adapter("sd3", None, device="meta", transformer_device="cpu")
-    assert all(p.device.type == "cpu" for p in ad.transformer.parameters())
-    assert all(p.device.type == "meta" for p in ad.pipe.vae.parameters())
-    assert all(p.device.type == "meta" for e in ad.text_encoders() for p in e.parameters())
+def _mid_size_sd3(directory: Path) -> Path:
+    """The tiny SD3 pipeline with a 150M-parameter transformer (570 MiB in fp32: large
+    beside a process's own memory, so a copy of it shows in a measurement), saved."""
+    from diffusers import SD3Transformer2DModel
+
+    from digen.models import get_adapter_class
+
+    shutil.copytree(get_adapter_class("sd3").flavour_path("tiny"), directory)
+    config = json.loads((directory / "transformer" / "config.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    config.update(num_attention_heads=16, attention_head_dim=64, caption_projection_dim=1024)
+    config.update(num_layers=4)
+    shutil.rmtree(directory / "transformer")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        SD3Transformer2DModel(**config).save_pretrained(str(directory / "transformer"))
+    return directory
+
+
+def _members(world: int, model: Path, out: Path, port: int) -> list[dict]:
+    """Run ``world`` trainers of ``load_ranks.py`` at once; each one's memory report."""
+    script = Path(__file__).with_name("load_ranks.py")
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [str(world), str(port), str(model), str(out)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_sharded_trainers_read_only_their_own_rows_of_the_weights(tmp_path: Path) -> None:
+    """Three FSDP trainers loading a full fine-tune of a 570 MiB transformer: each builds it
+    without weights, shards it, then reads its own rows from the files, so its resident
+    memory while loading peaks near a third of a copy, where a whole load (measured the same
+    way, one trainer) holds at least one; together their rows are the saved weights, bit for
+    bit."""
+    from safetensors.torch import load_file
+
+    from digen.runtime.groups import tcp_store
+
+    model = _mid_size_sd3(tmp_path / "model")
+    saved = load_file(str(model / "transformer" / "diffusion_pytorch_model.safetensors"))
+    copy_kb = sum(t.nbytes for t in saved.values()) / 1024
+    store = tcp_store("127.0.0.1", 0, 4, lead=True, timeout=timedelta(minutes=10))
+    sharded = _members(3, model, tmp_path / "sharded", store.port)
+    whole = _members(1, model, tmp_path / "whole", 0)
+    grown = [(r["peak_kb"] - r["before_kb"]) / copy_kb for r in sharded + whole]
+    print(f"peak resident memory while loading, in copies of the transformer: {grown}")
+    assert max(grown[:3]) < 0.5, grown  # a third of a copy each, and a little more
+    assert grown[3] > 0.95, grown  # the measurement sees a whole copy where there is one
+    parts = [load_file(str(tmp_path / "sharded" / f"rank-{r}.safetensors")) for r in range(3)]
+    alone = load_file(str(tmp_path / "whole" / "rank-0.safetensors"))
+    assert set(saved) - set(parts[0]) == {"pos_embed.pos_embed"}  # a buffer, not a weight
+    uneven = 0
+    for name in parts[0]:
+        value = saved[name]
+        rows = torch.cat([p[name] for p in parts]) if value.dim() else parts[0][name]
+        assert torch.equal(rows, value), name
+        assert torch.equal(alone[name], value), name
+        uneven += value.dim() > 0 and value.shape[0] % 3 != 0
+    assert uneven > 0  # the last member's chunk of most weights is the shorter
 
 
 def test_lockstep_chunks_give_every_member_the_same_count() -> None:
