@@ -303,9 +303,10 @@ def _run(
 
     if resume and not (out_dir / "config.yaml").is_file():
         raise DigenError(f"'{out_dir}' holds no run to resume (it has no config.yaml).")
-    if resume and (config_path is not None or model or algo or mode):
+    if resume and config_path is not None:
         raise DigenError(
-            "--resume continues a run with its own config; give only --steps and overrides."
+            "--resume continues a run with its own config.yaml, so --config cannot be given "
+            "with it (--steps and overrides can)."
         )
 
     if model_path is not None and not model_path.exists():
@@ -321,6 +322,16 @@ def _run(
         cli.setdefault("data", {})["prompts"] = str(prompts)
     if resume:
         cfg = load_config(out_dir / "config.yaml", overrides, base=cli, preset=False)
+        given = {"--model": (model, cfg.model.name), "--algo": (algo, cfg.algo.name)}
+        given["--mode"] = (mode, cfg.runtime.mode)
+        differ = [
+            f"{k} {v} (the run's is {own})" for k, (v, own) in given.items() if v and v != own
+        ]
+        if differ:
+            raise DigenError(
+                f"--resume continues the run in '{out_dir}' as it was configured, and this "
+                f"differs from it: {', '.join(differ)}."
+            )
         code = [r.name for r in cfg.rewards if ":" in r.name]  # file.py:fn, module:fn
         if code:
             click.echo(

@@ -140,6 +140,21 @@ def test_an_out_dir_that_refuses_the_run_is_said_before_torch_loads(tmp_path: Pa
             "was written with lora_rank = 16, but this run has lora_rank = 4",
         ),
         (["--resume", str(out), "--steps", "2"], "has already trained 2 steps"),
+        # the run's own model, algorithm and mode may be said again; a different one may not
+        (
+            ["--resume", str(out), "--model", "sd3", "--algo", "flowgrpo", "--steps", "2"],
+            "has already trained 2 steps",
+        ),
+        (
+            ["--resume", str(out), "--model", "flux", "--mode", "colocated"],
+            "differs from it: --model flux (the run's is sd3).",
+        ),
+        (
+            ["--resume", str(out), "--algo", "dancegrpo", "--mode", "disaggregated"],
+            "differs from it: --algo dancegrpo (the run's is flowgrpo), --mode disaggregated "
+            "(the run's is colocated).",
+        ),
+        (["--resume", str(out), "--config", str(out / "config.yaml")], "--config cannot be"),
         (["--resume", str(tmp_path / "none")], "holds no run to resume"),
     ]
     for args, message in cases:

@@ -345,6 +345,11 @@ async def test_server_answers_health_and_400_and_runs_the_hooks_lifecycle() -> N
         ("/short", r"returned 1 rewards for 2 samples\."),
         ("/slow", r"did not answer within 0\.3 s \(options\.request_timeout_s\)\."),
         ("/missing", r"answered HTTP 404: '404: Not Found'\."),
+        (  # the server's root (a URL without a path): where the endpoint is, said
+            "",
+            r"answered HTTP 404: '404: Not Found'; the endpoint of digen reward-server is "
+            r"/score, as in http://127\.0\.0\.1:\d+/score\.$",
+        ),
     ],
 )
 async def test_every_failure_raises_one_sentence_naming_the_url(path: str, says: str) -> None:

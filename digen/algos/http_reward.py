@@ -493,8 +493,12 @@ class HttpReward:
 
     def _read_answer(self, status: int, raw: bytes, batch: int) -> list[float]:
         if status != 200:
+            hint = ""
+            url = yarl.URL(self.url)
+            if status == 404 and url.path in ("", "/"):  # the server's root, not its endpoint
+                hint = f"; the endpoint of digen reward-server is /score, as in {url.with_path('/score')}"
             raise RewardError(
-                f"reward server {self.url} answered HTTP {status}: {_error_text(raw)}."
+                f"reward server {self.url} answered HTTP {status}: {_error_text(raw)}{hint}."
             )
         try:
             answer = json.loads(raw)
