@@ -1,4 +1,5 @@
-"""One trainer loading a full fine-tune policy, run as a script by test_fsdp.py:
+"""One trainer loading a full fine-tune policy, for test_fsdp.py (which forks it from the
+fork server), or as a script:
 
     python load_ranks.py RANK WORLD STORE_PORT MODEL_DIR OUT_DIR
 

@@ -64,28 +64,25 @@ def _mid_size_sd3(directory: Path) -> Path:
 
 
 def _members(world: int, model: Path, out: Path, port: int) -> list[dict]:
-    """Run ``world`` trainers of ``load_ranks.py`` at once; each one's memory report."""
-    script = Path(__file__).with_name("load_ranks.py")
+    """Run ``world`` trainers of ``load_ranks.py`` at once, forked from the fork server as a
+    run's workers are; each one's memory report."""
+    import load_ranks
+
+    from digen.runtime import forkserver
+
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [str(world), str(port), str(model), str(out)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
+    args = (world, port, str(model), str(out))
+    procs = [forkserver.process(load_ranks.main, (rank, *args), env=env) for rank in range(world)]
     try:
-        logs = [p.communicate(timeout=600)[0] for p in procs]
+        for p in procs:
+            forkserver.start(p)
+        for p in procs:
+            p.join(timeout=600)
     finally:
         for p in procs:
             p.kill()
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-3000:]
+    assert [p.exitcode for p in procs] == [0] * world  # the tracebacks are in the output
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
@@ -108,7 +105,9 @@ def test_sharded_trainers_read_only_their_own_rows_of_the_weights(tmp_path: Path
     whole = _members(1, model, tmp_path / "whole", 0)
     grown = [(r["peak_kb"] - r["before_kb"]) / copy_kb for r in sharded + whole]
     print(f"peak resident memory while loading, in copies of the transformer: {grown}")
-    assert max(grown[:3]) < 0.5, grown  # a third of a copy each, and a little more
+    # a third of a copy each, and a little more (seen: 0.37-0.41; building the transformer
+    # before sharding it, as a whole load does, gave 0.86-1.07)
+    assert max(grown[:3]) < 0.6, grown
     assert grown[3] > 0.95, grown  # the measurement sees a whole copy where there is one
     parts = [load_file(str(tmp_path / "sharded" / f"rank-{r}.safetensors")) for r in range(3)]
     alone = load_file(str(tmp_path / "whole" / "rank-0.safetensors"))
