@@ -322,8 +322,11 @@ def _run(
         cli.setdefault("data", {})["prompts"] = str(prompts)
     if resume:
         cfg = load_config(out_dir / "config.yaml", overrides, base=cli, preset=False)
-        given = {"--model": (model, cfg.model.name), "--algo": (algo, cfg.algo.name)}
-        given["--mode"] = (mode, cfg.runtime.mode)
+        given = {
+            "--model": (model, cfg.model.name),
+            "--algo": (algo, cfg.algo.name),
+            "--mode": (mode, cfg.runtime.mode),
+        }
         differ = [
             f"{k} {v} (the run's is {own})" for k, (v, own) in given.items() if v and v != own
         ]

@@ -23,8 +23,6 @@ from digen.errors import DigenError
 
 __all__ = ["WeightFiles", "empty_transformer", "file_key", "meta_stand_ins"]
 
-_WEIGHTS = "diffusion_pytorch_model.safetensors"
-
 
 def empty_transformer(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     """The transformer of the pipeline saved at ``path``, built from its config as diffusers'
@@ -45,7 +43,8 @@ def empty_transformer(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     finally:
         torch.set_default_dtype(previous)
     keep = list(getattr(model_cls, "_keep_in_fp32_modules", None) or [])
-    saved = set(WeightFiles(path / "transformer").keys())
+    with WeightFiles(path / "transformer") as files:
+        saved = set(files.keys())
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for name, p in list(module._parameters.items()):
@@ -136,16 +135,18 @@ class WeightFiles:
     memory map, so a member's resident memory holds its rows and nothing of the rest."""
 
     def __init__(self, directory: str | Path) -> None:
+        from diffusers.utils.constants import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+
         self.directory = Path(directory)
-        index = self.directory / f"{_WEIGHTS}.index.json"
+        index = self.directory / SAFE_WEIGHTS_INDEX_NAME
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (self.directory / _WEIGHTS).is_file():
-            files = [_WEIGHTS]
+        elif (self.directory / SAFETENSORS_WEIGHTS_NAME).is_file():
+            files = [SAFETENSORS_WEIGHTS_NAME]
         else:
             raise DigenError(
-                f"{self.directory} holds no {_WEIGHTS} (nor its index), so its weights cannot "
-                "be read shard by shard."
+                f"{self.directory} holds no {SAFETENSORS_WEIGHTS_NAME} (nor its index), so its "
+                "weights cannot be read shard by shard."
             )
         self._fds: list[int] = []
         self._where: dict[str, tuple[int, dict, int]] = {}
