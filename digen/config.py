@@ -24,8 +24,8 @@ from digen.algos.steps import STEP_KINDS
 from digen.errors import ConfigError
 from digen.models.registry import BACKBONES, FLAVOURS, MODEL_NAMES
 from digen.runtime.trackers import TRACKERS
-from digen.sched.microbatch import MicroBatch, form_microbatches, samples_per_microbatch
-from digen.sched.schedule import STALENESS_SCHEDULES, stale_cap
+from digen.sched.plan import SchedulePlan, plan_schedule
+from digen.sched.schedule import STALENESS_SCHEDULES
 from digen.sched.tag import TAG_POLICIES as TAG_POLICY_FACTORIES
 
 __all__ = [
@@ -854,65 +854,33 @@ def _check_cross(cfg: DigenConfig) -> None:
             "disaggregated runs step the optimizer once per train step, so leave it null "
             f"or equal to data.train_batch_size = {prompts}",
         )
-    rt = cfg.runtime
-    if rt.max_inflight is not None:
-        need, why = microbatches_per_group(cfg), "one GAP group, which trains only once whole"
-        if not rt.pipeline:
-            need = need * prompts
-            why = "a whole step, which runtime.pipeline = false generates before training"
-        elif algo.adv_std == "global":
-            need = need * prompts
-            why = "a whole step, which algo.adv_std = global scores before training"
-        per_step = prompts * microbatches_per_group(cfg)
-        if rt.max_staleness and rt.staleness_schedule == "fixed":
-            cap = stale_cap(per_step, rt.staleness_ratio)
-            if cap > need:
-                need, why = cap, "the share of a step made early under the fixed TCSS schedule"
-        if rt.max_inflight < need:
-            raise _bad(
-                "runtime.max_inflight",
-                rt.max_inflight,
-                f"it must be at least {need} micro-batches ({why})",
-            )
+    schedule_plan(cfg)  # its C_gen bound must let an update start (digen.sched.plan)
 
 
-def step_microbatches(cfg: DigenConfig, step: int) -> list[MicroBatch]:
-    """The generation micro-batches of train step ``step`` (disaggregated runs), in order."""
+def schedule_plan(cfg: DigenConfig, *, first_step: int = 0) -> SchedulePlan:
+    """The run's :class:`~digen.sched.plan.SchedulePlan`: its schedule settings, handed to
+    the one place that derives from them (a resumed run starts at ``first_step``)."""
     rt = cfg.runtime
-    return form_microbatches(
-        step,
-        cfg.data.train_batch_size,
-        cfg.rollout.n,
+    return plan_schedule(
+        prompts=cfg.data.train_batch_size,
+        group_size=cfg.rollout.n,
         generators=rt.generators,
+        trainers=rt.trainers,
+        sharded_trainers=rt.trainer_parallel in ("fsdp", "hsdp"),
         axis=rt.microbatch_axis,
-        samples=rt.samples_per_microbatch,
+        samples_per_microbatch=rt.samples_per_microbatch,
+        pipeline=rt.pipeline,
+        batch_advantages=cfg.algo.adv_std == "global",
+        max_staleness=rt.max_staleness,
+        staleness_ratio=rt.staleness_ratio,
+        staleness_schedule=rt.staleness_schedule,
+        max_inflight=rt.max_inflight,
+        score_overlap=rt.score_overlap,
+        tag=rt.tag,
+        tag_k=rt.tag_k,
+        first_step=first_step,
+        last_step=cfg.steps - 1,
     )
-
-
-def max_inflight(cfg: DigenConfig) -> int:
-    """``C_gen``: ``runtime.max_inflight``, or by default one step's micro-batches plus the
-    share TCSS may start early (generators are then never held back within a step)."""
-    rt = cfg.runtime
-    if rt.max_inflight is not None:
-        return rt.max_inflight
-    per_step = cfg.data.train_batch_size * microbatches_per_group(cfg)
-    return per_step + rt.max_staleness * stale_cap(per_step, rt.staleness_ratio)
-
-
-def trainer_slots(cfg: DigenConfig) -> int:
-    """Trainers the driver schedules: ``runtime.trainers``, or one when they shard the model
-    (fsdp / hsdp trainers move in lockstep, as one trainer ``runtime.trainers`` devices wide)."""
-    rt = cfg.runtime
-    return 1 if rt.trainer_parallel in ("fsdp", "hsdp") else rt.trainers
-
-
-def microbatches_per_group(cfg: DigenConfig) -> int:
-    """Generation micro-batches one prompt's group is cut into (disaggregated runs)."""
-    rt = cfg.runtime
-    size = samples_per_microbatch(
-        cfg.rollout.n, rt.generators, rt.microbatch_axis, rt.samples_per_microbatch
-    )
-    return -(-cfg.rollout.n // size)
 
 
 # --------------------------------------------------------------------------- loading

@@ -39,7 +39,7 @@ def _step(acc: Accounts, s: int, b: int, n: int) -> dict:
     acc.record(TaskKind.UPDATE, "trainer-0", s, 0, s, 3.0, t + 5, t + 8, memory_gb=1.5)
     acc.record(TaskKind.STEP, "trainer-0", s, -1, s, 1.0, t + 8, t + 9)
     acc.trace.record(TaskKind.SYNC.value, DRIVER, s, -1, s + 1, t + 9, t + 10)
-    rec = StepRecord(step=s, mbs=[], mbs_per_group=1)
+    rec = StepRecord(step=s, mbs=[])
     rec.rewards = {(p, j): (s % 7) + p + 0.5 * j for p in range(b) for j in range(n)}
     rec.components = {"jpeg": dict(rec.rewards)}
     rec.trained = {0: LossStats(terms=4, loss=1.0 + s)}

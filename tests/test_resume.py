@@ -142,7 +142,7 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
     """SIGTERM while step 1 is being scored: the run stops at the next micro-batch boundary
     inside step 1 (it does not finish the step), keeps step 1's checkpoint, and a resume
     ends with the weights of an uninterrupted run."""
-    from digen.config import step_microbatches
+    from digen.config import schedule_plan
 
     hook = tmp_path / "stop_hook.py"
     hook.write_text(_STOP_HOOK)
@@ -156,7 +156,7 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
     monkeypatch.setenv("STOP_AT", "-1")
     whole = _run(cfg, tmp_path / "whole")
     # the first scoring call of step 1: one per step colocated, one per micro-batch else
-    per_step = 1 if mode != "disaggregated" else len(step_microbatches(cfg, 0))
+    per_step = 1 if mode != "disaggregated" else schedule_plan(cfg).microbatches
     assert per_step > 1 or mode != "disaggregated"
     monkeypatch.setenv("STOP_AT", str(per_step))
     stopped = _run(cfg, tmp_path / "split")

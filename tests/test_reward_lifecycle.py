@@ -19,7 +19,7 @@ import torch
 
 from digen import DigenRunner, load_config
 from digen.algos.rewards import RewardFn, RewardLoop, build_reward, load_hook
-from digen.config import RewardSpec, step_microbatches
+from digen.config import RewardSpec, schedule_plan
 from digen.errors import DigenError, RewardError
 from digen.presets import preset
 from digen.sched.trace import Trace
@@ -292,7 +292,7 @@ def test_setup_runs_once_per_scoring_process_and_close_at_the_end(
         assert len({lp for _, lp in seen}) == 1  # one loop for the whole run
         calls += Counter(kinds)["call"]
     # one call per micro-batch on the generators, one per step colocated
-    per_step = [len(step_microbatches(cfg, s)) for s in range(2)]
+    per_step = [schedule_plan(cfg).microbatches for s in range(2)]
     assert calls == (sum(per_step) if mode == "disaggregated" else 2)
     assert mode == "colocated" or calls > 2
     for row in result.metrics:
@@ -321,7 +321,7 @@ def test_a_slow_async_hook_does_not_stall_generation(tmp_path: Path, overlap: bo
     over += ["save_every=0"]
     over += [f"rewards=[{{name: '{hook}:slow'}}]", f"runtime.score_overlap={str(overlap).lower()}"]
     cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over)
-    assert len(step_microbatches(cfg, 0)) == 4
+    assert schedule_plan(cfg).microbatches == 4
     result = asyncio.run(DigenRunner(cfg, out_dir=tmp_path / "out", progress=False).run())
     events = Trace.load_jsonl(tmp_path / "out" / "trace.jsonl").events
     gens = [e for e in events if e.kind == "generate"]

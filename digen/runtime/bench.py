@@ -365,7 +365,7 @@ def _bound_and_prediction(
     """The run's measured costs (medians over the counted steps' tasks), the ideal bound of a
     step from them, and the predicted step time.
 
-    Disaggregated: :func:`~digen.sched.simulator.simulate_config` replays the run's config
+    Disaggregated: :func:`~digen.sched.simulator.simulate_plan` replays the run's schedule plan
     :data:`PREDICTION_DRAWS` times, each with every cost drawn from the run's own task
     times (seeded), plus the overhead the run measured for its kind (``overhead_ms/<kind>``
     in ``rows``: RPC, pickling, the driver's loop), which a worker pays between tasks and
@@ -374,8 +374,9 @@ def _bound_and_prediction(
     gradients are all-reduced at the optimizer step, so a step is the sum of its three
     phases, each as long as its slowest worker (the median over the counted steps).
     """
+    from digen.config import schedule_plan
     from digen.sched.costs import OnlineProfiler
-    from digen.sched.simulator import ideal_bound, simulate_config
+    from digen.sched.simulator import ideal_bound, simulate_plan
 
     counted = [e for e in events if e.step >= first]
     # medians, as the step times they are compared with
@@ -402,12 +403,9 @@ def _bound_and_prediction(
             for s in sorted({e.step for e in counted})
         ]
         return costs.to_dict(), bound, statistics.median(per_step) if per_step else shared
-    from digen.config import step_microbatches, trainer_slots
-
-    mbs = len(step_microbatches(cfg, 0))
-    rt = cfg.runtime
+    plan = schedule_plan(cfg)
     bound = ideal_bound(
-        costs, mbs, rt.generators, trainer_slots(cfg), score_overlap=rt.score_overlap
+        costs, plan.microbatches, plan.generators, plan.trainers, score_overlap=plan.score_overlap
     )
     over = {
         kind: statistics.median(r.get(f"overhead_ms/{kind}", 0.0) for r in rows) / 1e3
@@ -431,9 +429,7 @@ def _bound_and_prediction(
             name: rng.choice(measured[name]) if measured.get(name) else getattr(costs, name)
             for name in COST_NAMES
         }
-        sim = simulate_config(
-            cfg, Costs(**{k: v + extra.get(k, 0.0) for k, v in drawn.items()}), steps=cfg.steps
-        )
+        sim = simulate_plan(plan, Costs(**{k: v + extra.get(k, 0.0) for k, v in drawn.items()}))
         times += sim.step_times[first:] or sim.step_times
     return costs.to_dict(), bound, statistics.median(times)
 
@@ -537,7 +533,7 @@ def _row(rung: Rung, runs: list[RunMeasure]) -> dict[str, Any]:
         "prediction": (
             "per step, the slowest worker's generate + score, update, and step, summed"
             if rung.mode == COLOCATED
-            else "simulate_config with the run's costs plus its measured call overhead"
+            else "simulate_plan with the run's costs plus its measured call overhead"
         ),
         "costs": {k: statistics.median(m.costs[k] for m in runs) for k in runs[0].costs},
         "repeats": len(runs),

@@ -29,7 +29,6 @@ What was handed out, made, scored and trained lives in :class:`~digen.sched.book
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import time
 from collections import defaultdict
@@ -42,13 +41,7 @@ from typing import Any
 import torch
 
 from digen.algos.grpo import score_groups, step_terms
-from digen.config import (
-    DigenConfig,
-    max_inflight,
-    microbatches_per_group,
-    step_microbatches,
-    trainer_slots,
-)
+from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
 from digen.runtime.accounting import Accounts
 from digen.runtime.actors import WorkerDied
@@ -60,10 +53,8 @@ from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
 from digen.sched.schedule import (
     DRIVER,
-    Admission,
     Pool,
     TaskKind,
-    stale_cap,
     worker_name,
     worker_names,
 )
@@ -124,33 +115,18 @@ class Driver:
         )
         """``prompts(step)``: the texts and metadata of the step's prompts."""
         rt = cfg.runtime
-        per_step = cfg.data.train_batch_size * microbatches_per_group(cfg)
-        cap = stale_cap(per_step, rt.staleness_ratio)
-        admission = Admission(
-            max_staleness=rt.max_staleness,
-            stale_cap=cap,
-            schedule=rt.staleness_schedule,
-            max_inflight=max_inflight(cfg),
-            first_step=resume.step if resume is not None else 0,
-        )
-        self.book = Book(
-            lambda step: step_microbatches(cfg, step),
-            generators=rt.generators,
-            trainers=trainer_slots(cfg),
-            admission=admission,
-            first_step=resume.step if resume is not None else 0,
-            whole_step=not rt.pipeline or cfg.algo.adv_std == "global",
-            score_overlap=rt.score_overlap,
-        )
+        self.plan = schedule_plan(cfg, first_step=resume.step if resume is not None else 0)
+        """The run's schedule (:mod:`digen.sched.plan`): the rules below all read it."""
+        self.book = Book(self.plan)
         self.overlap = rt.score_overlap
         """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
         workers = worker_names(Pool.GENERATOR, rt.generators)
-        workers += worker_names(Pool.TRAINER, trainer_slots(cfg))
+        workers += worker_names(Pool.TRAINER, self.plan.trainers)
         self.accounts = Accounts(cfg, trace, workers)
         if resume is not None and (resume.path / PROFILER).is_file():
             # BTS starts from the cost estimates the run had, not from nothing
             self.accounts.profiler = OnlineProfiler.load(resume.path / PROFILER)
-        self.tag_policy = make_tag_policy(rt.tag, rt.tag_k)
+        self.tag_policy = make_tag_policy(self.plan.tag, self.plan.tag_k)
         self.uq: dict[int, asyncio.Queue[Work | None]] = {}
         """Per train step: scored micro-batches ready to train (None: the step is trained)."""
         self.changed = asyncio.Condition()
@@ -249,7 +225,7 @@ class Driver:
         steps = range(steps) if isinstance(steps, int) else steps
         if not steps or steps.start != self.version:
             raise ValueError(f"steps {steps} must be non-empty and start at {self.version}")
-        self.book.admission = dataclasses.replace(self.book.admission, last_step=steps[-1])
+        self.plan = self.book.plan = self.plan.running(steps.start, steps[-1])
         self._samples_at = samples_at or (lambda step: False)
         self._loop = asyncio.get_running_loop()
         results: list[StepResult] = []
@@ -424,7 +400,7 @@ class Driver:
                     continue
                 advs = tuple(float(adv[row, mb.samples[r]]) for r in rows)
                 self._held_back[s].append(Work(Made(mb, holder, version), rows, advs))
-        if self.cfg.runtime.pipeline or rec.all_scored:  # naive: train once all is scored
+        if not self.plan.whole_step or rec.all_scored:  # e.g. naive: train once all is scored
             for work in self._held_back.pop(s, []):
                 self.book.queued(s, work.made.mb.mb)
                 self._uq(s).put_nowait(work)

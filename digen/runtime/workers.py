@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from digen.algos.rewards import RewardLoop, build_reward
-from digen.config import DigenConfig, load_config, max_inflight
+from digen.config import DigenConfig, load_config, schedule_plan
 from digen.runtime.actors import run_sync
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
@@ -226,7 +226,8 @@ class _PolicyActor(_Placed):
         self.cfg = cfg
         self.policy = Policy(cfg, trainable=trainable, mesh=mesh)
         self.sync_group = None
-        STORE.capacity = max_inflight(cfg)  # what the driver lets be generated, untrained
+        # what the driver lets be generated and not yet trained (C_gen)
+        STORE.capacity = schedule_plan(cfg).admission.max_inflight
 
     def join_sync_group(self, port: int, rank: int, size: int, host: str | None = None) -> None:
         """Join the weight-broadcast group (trainer 0 is rank 0; its store at ``host``)."""

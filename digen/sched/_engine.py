@@ -41,7 +41,8 @@ from __future__ import annotations
 import math
 
 from digen.sched.costs import Costs
-from digen.sched.schedule import Admission, Pool, TaskKind, worker_names
+from digen.sched.plan import SchedulePlan
+from digen.sched.schedule import Pool, TaskKind, worker_names
 from digen.sched.state import WORKER_KINDS, SchedState, WorkerClock
 from digen.sched.trace import TraceEvent
 
@@ -56,93 +57,62 @@ _INF = math.inf
 _TRAIN, _WANT_STEP, _STEPPING, _WANT_SYNC, _SYNCING = range(5)
 
 
-class Config:
-    """Fixed parameters of a model: pool sizes, costs, GAP and TCSS settings."""
+class Model:
+    """What the engine models, fixed for a run: its :class:`~digen.sched.plan.SchedulePlan`
+    and the costs of each kind of task, in flat slots read in the engine's inner loops."""
 
     __slots__ = (
-        "B",
-        "G",
-        "T",
-        "n",
-        "cg",
-        "ct",
-        "cs",
-        "cu",
-        "cstep",
-        "csync",
-        "gsize",
-        "W",
-        "cap",
-        "last_step",
+        "plan",
+        "microbatches",
+        "generators",
+        "trainers",
+        "workers",
+        "scorers",
+        "lanes",
+        "group",
+        "admission",
+        "fixed_quota",
         "names",
-        "cmin",
-        "rule",
-        "fixed",
-        "S",
-        "L",
+        "gen_cost",
+        "tag_cost",
+        "score_cost",
+        "update_cost",
+        "step_cost",
+        "sync_cost",
+        "cheapest_gen",
     )
 
-    def __init__(
-        self,
-        costs: Costs,
-        microbatches: int,
-        generators: int,
-        trainers: int,
-        *,
-        mbs_per_group: int = 1,
-        max_staleness: int = 0,
-        stale_cap: int = 0,
-        last_step: int | None = None,
-        staleness_schedule: str = "fixed",
-        max_inflight: int | None = None,
-        score_overlap: bool = False,
-    ) -> None:
-        for name, v, lo in (
-            ("microbatches", microbatches, 1),
-            ("generators", generators, 1),
-            ("trainers", trainers, 1),
-            ("mbs_per_group", mbs_per_group, 1),
-            ("max_staleness", max_staleness, 0),
-            ("stale_cap", stale_cap, 0),
-        ):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-        self.B = microbatches
-        self.G = generators
-        self.T = trainers
-        self.n = generators + trainers
-        self.cg, self.ct, self.cs, self.cu = costs.gen, costs.gen_tag, costs.score, costs.update
-        self.cstep, self.csync = costs.step, costs.sync
-        self.cmin = min(self.cg, self.ct)
-        self.gsize = mbs_per_group
-        self.W = max_staleness
-        self.cap = stale_cap
-        self.last_step = 1 << 60 if last_step is None else last_step
-        self.S = generators if score_overlap else 0
-        """Scoring lanes: one per generator with ``score_overlap``, else none."""
-        self.L = self.n + self.S
-        """Lanes the engine tracks: generators, trainers, then scoring lanes (indices >= n)."""
-        self.names = (
-            worker_names(Pool.GENERATOR, generators)
-            + worker_names(Pool.TRAINER, trainers)
-            + worker_names(Pool.SCORER, self.S)
-        )
-        self.rule = Admission(
-            max_staleness=max_staleness,
-            stale_cap=stale_cap,
-            schedule=staleness_schedule,
-            max_inflight=max_inflight,
-            last_step=last_step,
-        )
-        self.fixed = self.rule.quota(1) > 0
+    def __init__(self, plan: SchedulePlan, costs: Costs) -> None:
+        self.plan = plan
+        self.microbatches = plan.microbatches
+        """``B``: micro-batches per train step."""
+        self.generators, self.trainers = plan.generators, plan.trainers
+        self.workers = plan.generators + plan.trainers
+        self.scorers = plan.generators if plan.score_overlap else 0
+        """Scoring lanes: one per generator when scoring overlaps generation, else none."""
+        self.lanes = self.workers + self.scorers
+        """Lanes the engine tracks: generators, trainers, then scoring lanes (indices >= workers)."""
+        self.group = plan.update_group
+        """Micro-batches that enter UQ together (a GAP group, or the whole step)."""
+        self.admission = plan.admission
+        self.fixed_quota = self.admission.quota(self.admission.first_step + 1) > 0
         """Fixed TCSS schedule with a non-empty quota: the sync waits for the early ones."""
+        self.names = (
+            worker_names(Pool.GENERATOR, self.generators)
+            + worker_names(Pool.TRAINER, self.trainers)
+            + worker_names(Pool.SCORER, self.scorers)
+        )
+        self.gen_cost, self.tag_cost = costs.gen, costs.gen_tag
+        self.score_cost, self.update_cost = costs.score, costs.update
+        self.step_cost, self.sync_cost = costs.step, costs.sync
+        self.cheapest_gen = min(self.gen_cost, self.tag_cost)
 
 
 class Engine:
     """Mutable schedule state plus the rules that advance it (see the module docstring)."""
 
     __slots__ = (
-        "cfg",
+        "model",
         "horizon",
         "events",
         "now",
@@ -174,10 +144,10 @@ class Engine:
     )
 
     def __init__(
-        self, cfg: Config, *, horizon: int, record: bool = False, log: bool = False
+        self, model: Model, *, horizon: int, record: bool = False, log: bool = False
     ) -> None:
-        n = cfg.L
-        self.cfg = cfg
+        n = model.lanes
+        self.model = model
         self.horizon = horizon
         """Stop when the version reaches this (the number of steps to run from step 0)."""
         self.events: list[TraceEvent] | None = [] if record else None
@@ -192,7 +162,7 @@ class Engine:
         self.wt0 = [0.0] * n
         self.waiting = [False] * n  # used for trainers only (indices G..n-1)
         self.sq: list[tuple[int, int, int]] = []  # (step, mb, generation version), FIFO
-        self.tsq: list[list[tuple[int, int, int]]] = [[] for _ in range(cfg.S)]
+        self.tsq: list[list[tuple[int, int, int]]] = [[] for _ in range(model.scorers)]
         """Per scoring lane, what its generator made and it has not started scoring, FIFO."""
         self.uq: dict[int, list[int]] = {}  # step -> ready micro-batch ids, FIFO
         self.scored: dict[tuple[int, int], int] = {}  # (step, group) -> scored, partial only
@@ -218,20 +188,8 @@ class Engine:
     @classmethod
     def from_state(cls, state: SchedState, costs: Costs, *, steps: int = 1) -> Engine:
         """A model positioned at ``state``, to run ``steps`` train steps from its step."""
-        cfg = Config(
-            costs,
-            state.microbatches,
-            len(state.generators),
-            len(state.trainers),
-            mbs_per_group=state.mbs_per_group,
-            max_staleness=state.max_staleness,
-            stale_cap=state.stale_cap,
-            last_step=state.last_step,
-            staleness_schedule=state.staleness_schedule,
-            max_inflight=state.max_inflight,
-            score_overlap=bool(state.scorers),
-        )
-        eng = cls(cfg, horizon=state.step + steps)
+        model = Model(state.plan, costs)
+        eng = cls(model, horizon=state.step + steps)
         now = float(state.now)
         eng.now = now
         eng.version = state.step
@@ -246,7 +204,7 @@ class Engine:
                 eng.busy[i] = max(float(w.busy_until), now)
                 eng.wstep[i], eng.wmb[i], eng.wver[i] = w.step, w.mb, state.step
                 eng.wt0[i] = now
-            eng.waiting[i] = w.waiting and i >= cfg.G
+            eng.waiting[i] = w.waiting and i >= model.generators
         eng.sq = [(s, m, state.step) for s, m in state.sq]
         eng.tsq = [[(s, m, state.step) for s, m in q] for q in state.to_score]
         eng.uq = {state.step: list(range(state.uq))}
@@ -259,9 +217,9 @@ class Engine:
 
     def to_state(self, trainer: int) -> SchedState:
         """The :class:`SchedState` a policy sees at this stop (``trainer`` is at the bubble)."""
-        cfg = self.cfg
+        model = self.model
         clocks = []
-        for i in range(cfg.L):
+        for i in range(model.lanes):
             k = self.kind[i]
             if k:
                 clocks.append(
@@ -272,20 +230,18 @@ class Engine:
         return SchedState(
             now=self.now,
             trainer=trainer,
-            microbatches=cfg.B,
+            plan=model.plan,
             step=self.version,
-            generators=tuple(clocks[: cfg.G]),
-            trainers=tuple(clocks[cfg.G : cfg.n]),
-            scorers=tuple(clocks[cfg.n :]),
+            generators=tuple(clocks[: model.generators]),
+            trainers=tuple(clocks[model.generators : model.workers]),
+            scorers=tuple(clocks[model.workers :]),
             next_mb=(self.fs, self.fm),
             sq=tuple((s, m) for s, m, _ in self.sq),
             to_score=tuple(tuple((s, m) for s, m, _ in q) for q in self.tsq),
             uq=len(self.uq.get(self.version, ())),
             updated=self.updated,
             partial_groups=tuple(sorted((s, g, c) for (s, g), c in self.scored.items())),
-            mbs_per_group=cfg.gsize,
             untrained=self.untrained,
-            **SchedState.admission_fields(cfg.rule),
             tags=self.tags,
             bubbles=self.bubbles,
         )
@@ -293,7 +249,7 @@ class Engine:
     def clone(self) -> Engine:
         """An independent copy (trace recording is not carried over)."""
         c = Engine.__new__(Engine)
-        c.cfg = self.cfg
+        c.model = self.model
         c.horizon = self.horizon
         c.events = None
         c.now = self.now
@@ -333,7 +289,7 @@ class Engine:
         the horizon is reached (``self.now`` is then the end of the last sync).
         """
         busy = self.busy
-        B = self.cfg.B
+        B = self.model.microbatches
         while True:
             if self.dispatch:
                 j = self._dispatch()
@@ -358,14 +314,14 @@ class Engine:
 
     def decide(self, trainer: int, insert: bool) -> None:
         """Answer the bubble ``run`` stopped at: TAG one micro-batch, or wait for UQ."""
-        j = self.cfg.G + trainer
+        j = self.model.generators + trainer
         self.bubbles += 1
         self.bubble_total += 1
         if self.log is not None:
             self.log.append(("bubble", trainer, insert))
         if insert:
             s, m = self._take()
-            self._start(j, TAG, s, m, self.version, self.cfg.ct)
+            self._start(j, TAG, s, m, self.version, self.model.tag_cost)
             self.tags += 1
             self.tag_total += 1
         else:
@@ -393,15 +349,17 @@ class Engine:
 
     def _admissible(self) -> bool:
         """Whether the next micro-batch may start now (the admission rule)."""
-        return self.cfg.rule.admits(self.fs, self.fm, self.version, self.untrained)
+        return self.model.admission.admits(self.fs, self.fm, self.version, self.untrained)
 
     def _quota_pending(self) -> bool:
         """Fixed TCSS: the next step's early micro-batches are not all handed out yet."""
-        return self.cfg.fixed and self.cfg.rule.quota_pending(self.version + 1, (self.fs, self.fm))
+        return self.model.fixed_quota and self.model.admission.quota_pending(
+            self.version + 1, (self.fs, self.fm)
+        )
 
     def _take(self) -> tuple[int, int]:
         s, m = self.fs, self.fm
-        if m + 1 == self.cfg.B:
+        if m + 1 == self.model.microbatches:
             self.fs, self.fm = s + 1, 0
         else:
             self.fm = m + 1
@@ -411,14 +369,14 @@ class Engine:
         return s, m
 
     def _dispatch(self) -> int:
-        cfg = self.cfg
+        model = self.model
         kind = self.kind
-        G, n = cfg.G, cfg.n
+        G, n = model.generators, model.workers
         ph = self.phase
         now = self.now
         busy, wstep, wmb, wver, wt0 = self.busy, self.wstep, self.wmb, self.wver, self.wt0
         sq = self.sq
-        if cfg.S:  # scoring lanes: SQ first, then what their own generator made
+        if model.scorers:  # scoring lanes: SQ first, then what their own generator made
             for i, q in enumerate(self.tsq):
                 x = n + i
                 if kind[x] == IDLE and (sq or q):
@@ -427,9 +385,9 @@ class Engine:
                         self.log.append(("start", x, SCORE, s, m, now))
                     kind[x] = SCORE
                     wstep[x], wmb[x], wver[x], wt0[x] = s, m, v, now
-                    busy[x] = now + cfg.cs
+                    busy[x] = now + model.score_cost
         if (ph < _WANT_SYNC or (ph == _WANT_SYNC and self._quota_pending())) and IDLE in kind[:G]:
-            scores_here = not cfg.S
+            scores_here = not model.scorers
             for i in range(G):
                 if kind[i] == IDLE:
                     if sq and scores_here:
@@ -438,14 +396,14 @@ class Engine:
                             self.log.append(("start", i, SCORE, s, m, now))
                         kind[i] = SCORE
                         wstep[i], wmb[i], wver[i], wt0[i] = s, m, v, now
-                        busy[i] = now + cfg.cs
+                        busy[i] = now + model.score_cost
                     elif self._admissible():
                         s, m = self._take()
                         if self.log is not None:
                             self.log.append(("start", i, GEN, s, m, now))
                         kind[i] = GEN
                         wstep[i], wmb[i], wver[i], wt0[i] = s, m, self.version, now
-                        busy[i] = now + cfg.cg
+                        busy[i] = now + model.gen_cost
                     else:
                         break
         if ph != _TRAIN or IDLE not in kind[G:n]:
@@ -460,7 +418,7 @@ class Engine:
                     wstep[j], wmb[j], wver[j], wt0[j] = v, uq.pop(0), v, now
                     if self.log is not None:
                         self.log.append(("start", j, UPDATE, v, wmb[j], now))
-                    busy[j] = now + cfg.cu
+                    busy[j] = now + model.update_cost
                     waiting[j] = False
                     if not uq:
                         break
@@ -469,7 +427,7 @@ class Engine:
                 if uq:
                     kind[j] = UPDATE
                     wstep[j], wmb[j], wver[j], wt0[j] = v, uq.pop(0), v, now
-                    busy[j] = now + cfg.cu
+                    busy[j] = now + model.update_cost
                     if self.log is not None:
                         self.log.append(("start", j, UPDATE, v, wmb[j], now))
                 elif self._admissible():
@@ -487,23 +445,23 @@ class Engine:
         if self.log is not None:
             self.log.append(("finish", i, k, s, m, self.wver[i], t))
         if self.events is not None:
-            cfg = self.cfg
+            model = self.model
             self.events.append(
-                TraceEvent(WORKER_KINDS[k], cfg.names[i], s, m, self.wver[i], self.wt0[i], t)
+                TraceEvent(WORKER_KINDS[k], model.names[i], s, m, self.wver[i], self.wt0[i], t)
             )
         self.kind[i] = IDLE
         self.busy[i] = _INF
         self.wstep[i] = -1
         self.wmb[i] = -1
         if k == GEN:  # scored at once where it was made (or queued on its scoring lane)
-            if self.cfg.S:
+            if self.model.scorers:
                 self.tsq[i].append((s, m, self.wver[i]))
             else:
-                self._start(i, SCORE, s, m, self.wver[i], self.cfg.cs)
+                self._start(i, SCORE, s, m, self.wver[i], self.model.score_cost)
         elif k == TAG:
             self.sq.append((s, m, self.wver[i]))
         elif k == SCORE:
-            if self.cfg.gsize == 1:
+            if self.model.group == 1:
                 q = self.uq.get(s)
                 if q is None:
                     self.uq[s] = [m]
@@ -517,9 +475,9 @@ class Engine:
 
     def _scored(self, s: int, m: int) -> None:
         """GAP groups: a group enters UQ when its last micro-batch is scored."""
-        gs = self.cfg.gsize
+        gs = self.model.group
         g = m // gs
-        size = min(gs, self.cfg.B - g * gs)
+        size = min(gs, self.model.microbatches - g * gs)
         c = self.scored.get((s, g), 0) + 1
         if c < size:
             self.scored[(s, g)] = c
@@ -528,13 +486,13 @@ class Engine:
         self.uq.setdefault(s, []).extend(range(g * gs, g * gs + size))
 
     def _advance_phase(self) -> None:
-        cfg = self.cfg
+        model = self.model
         kind = self.kind
-        G, n = cfg.G, cfg.n
+        G, n = model.generators, model.workers
         while True:
             ph = self.phase
             if ph == _TRAIN:
-                if self.updated < cfg.B:
+                if self.updated < model.microbatches:
                     return
                 self.phase = _WANT_STEP
             elif ph == _WANT_STEP:
@@ -542,7 +500,7 @@ class Engine:
                     return
                 v = self.version
                 for j in range(G, n):
-                    self._start(j, STEP, v, -1, v, cfg.cstep)
+                    self._start(j, STEP, v, -1, v, model.step_cost)
                     self.waiting[j] = False
                 self.phase = _STEPPING
                 return
@@ -555,7 +513,7 @@ class Engine:
                     return
                 v = self.version
                 for i in range(n):
-                    self._start(i, SYNC, v, -1, v + 1, cfg.csync)
+                    self._start(i, SYNC, v, -1, v + 1, model.sync_cost)
                 self.phase = _SYNCING
                 return
             else:  # _SYNCING
@@ -583,10 +541,10 @@ class Engine:
         are sorted; micro-batch identities matter only through their step and GAP group.
         Idle workers read as ``inf`` time to free.
         """
-        cfg = self.cfg
+        model = self.model
         now = self.now
         busy, kind, wstep, waiting = self.busy, self.kind, self.wstep, self.waiting
-        G, n, gs = cfg.G, cfg.n, cfg.gsize
+        G, n, gs = model.generators, model.workers, model.group
         rel = [b - now for b in busy]
         if gs == 1:
             grp = wstep
@@ -627,10 +585,10 @@ class Engine:
         only with at most two pending micro-batches per worker and when the others do not
         already reach ``bound`` (a skipped bound prunes less; it never prunes wrongly).
         """
-        cfg = self.cfg
+        model = self.model
         now = self.now
         kind, busy, wstep = self.kind, self.busy, self.wstep
-        G, n, B, S = cfg.G, cfg.n, cfg.B, cfg.S
+        G, n, B, S = model.generators, model.workers, model.microbatches, model.scorers
         v = self.version
         gsum = 0.0
         ssum = 0.0
@@ -668,39 +626,51 @@ class Engine:
         pending = B - self.fm if self.fs == v else 0
         to_score += pending
         not_started = B - self.updated - upd_running
-        tail = cfg.cstep + cfg.csync
-        best = (tsum + not_started * cfg.cu) / cfg.T
+        tail = model.step_cost + model.sync_cost
+        best = (tsum + not_started * model.update_cost) / model.trainers
         if tmax > best:
             best = tmax
         best += tail
         if to_score:
             if S:
-                b = (ssum + to_score * cfg.cs) / S + cfg.cu + tail
+                b = (ssum + to_score * model.score_cost) / S + model.update_cost + tail
             else:
-                b = (gsum + to_score * cfg.cs) / G + cfg.cu + tail
+                b = (gsum + to_score * model.score_cost) / G + model.update_cost + tail
             if b > best:
                 best = b
-        work = gsum + tsum + ssum + pending * cfg.cmin + to_score * cfg.cs + not_started * cfg.cu
-        b = (work + cfg.T * cfg.cstep) / (n + S) + cfg.csync
+        work = (
+            gsum
+            + tsum
+            + ssum
+            + pending * model.cheapest_gen
+            + to_score * model.score_cost
+            + not_started * model.update_cost
+        )
+        b = (work + model.trainers * model.step_cost) / (n + S) + model.sync_cost
         if b > best:
             best = b
-        if 0 < pending <= 2 * n and now + best < bound and cfg.cg > 0 and cfg.ct > 0:
-            b = self._gen_done_bound(pending) + cfg.cs + cfg.cu + tail
+        if (
+            0 < pending <= 2 * n
+            and now + best < bound
+            and model.gen_cost > 0
+            and model.tag_cost > 0
+        ):
+            b = self._gen_done_bound(pending) + model.score_cost + model.update_cost + tail
             if b > best:
                 best = b
         return now + best
 
     def _gen_done_bound(self, jobs: int) -> float:
         """Earliest (relative) time ``jobs`` generations can all be done, work divisible."""
-        cfg = self.cfg
+        model = self.model
         now = self.now
         busy = self.busy
-        G = cfg.G
-        rg, rt = 1.0 / cfg.cg, 1.0 / cfg.ct
+        G = model.generators
+        rg, rt = 1.0 / model.gen_cost, 1.0 / model.tag_cost
         avail = sorted(
             [
                 (b - now if b < _INF else 0.0, rg if i < G else rt)
-                for i, b in enumerate(busy[: cfg.n])  # scoring lanes do not generate
+                for i, b in enumerate(busy[: model.workers])  # scoring lanes do not generate
             ]
         )
         first = min(a + 1.0 / r for a, r in avail)

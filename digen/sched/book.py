@@ -16,13 +16,14 @@ own, which the driver sets when it queues new weights on it.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from digen.sched.costs import Costs
 from digen.sched.microbatch import MicroBatch
-from digen.sched.schedule import Admission, Pool, TaskKind, index_of, pool_of
+from digen.sched.plan import SchedulePlan
+from digen.sched.schedule import Pool, TaskKind, index_of, pool_of
 from digen.sched.state import SchedState, WorkerClock
 
 __all__ = ["Book", "StepRecord"]
@@ -34,7 +35,6 @@ class StepRecord:
 
     step: int
     mbs: list[MicroBatch]
-    mbs_per_group: int
     handed: int = 0
     """Micro-batches handed out so far (they go out in order)."""
     stale: int = 0
@@ -92,29 +92,15 @@ class _Task:
 class Book:
     """The schedule as the driver knows it (see the module docstring)."""
 
-    def __init__(
-        self,
-        plan: Callable[[int], list[MicroBatch]],
-        *,
-        generators: int,
-        trainers: int,
-        admission: Admission,
-        first_step: int = 0,
-        whole_step: bool = False,
-        score_overlap: bool = False,
-    ) -> None:
-        """``plan(step)``: the micro-batches of a train step, in hand-out order;
-        ``whole_step``: updates wait until every micro-batch of the step is scored (no
-        pipelining, or advantages over the whole batch), so for the schedule's model the
-        step is one group; ``score_overlap``: each generator's micro-batches are scored on
-        its scoring lane ``scorer-i`` (its own queue, :attr:`to_score`), not by it."""
+    def __init__(self, plan: SchedulePlan) -> None:
+        """``plan``: the run's schedule (its micro-batches, pools, GAP groups and admission
+        rule; the book starts at the plan's first step)."""
         self.plan = plan
-        self.whole_step = whole_step
-        self.generators, self.trainers = generators, trainers
-        self.admission = admission
+        first_step = plan.admission.first_step
+        self.generators, self.trainers = plan.generators, plan.trainers
         self.version = first_step
         """The trainers' weights: the train step being trained."""
-        self.gen_version = [first_step] * generators
+        self.gen_version = [first_step] * plan.generators
         """The version each generator's next call runs with."""
         self.steps: dict[int, StepRecord] = {}
         self.frontier = (first_step, 0)
@@ -123,9 +109,8 @@ class Book:
         """Handed out and neither trained nor dropped (what ``C_gen`` bounds)."""
         self.sq: list[tuple[int, int]] = []
         """Micro-batches made on trainers, waiting for a generator to score them (FIFO)."""
-        self.score_overlap = score_overlap
         self.to_score: list[deque[tuple[int, int]]] = [
-            deque() for _ in range(generators if score_overlap else 0)
+            deque() for _ in range(plan.generators if plan.score_overlap else 0)
         ]
         """Scoring overlapped: per scoring lane, what its generator made and it has not
         started scoring (FIFO)."""
@@ -139,11 +124,8 @@ class Book:
     def record(self, step: int) -> StepRecord:
         rec = self.steps.get(step)
         if rec is None:
-            mbs = self.plan(step)
-            per_group = sum(1 for m in mbs if m.prompt == mbs[0].prompt) if mbs else 1
-            if self.whole_step:
-                per_group = max(1, len(mbs))
-            rec = self.steps[step] = StepRecord(step, mbs, per_group)
+            mbs = self.plan.microbatches_of(step)
+            rec = self.steps[step] = StepRecord(step, mbs)
         return rec
 
     def advance(self, version: int) -> StepRecord:
@@ -157,7 +139,7 @@ class Book:
     def next_for(self, version: int) -> MicroBatch | None:
         """The micro-batch a worker holding ``version`` may start now, if any (no hand-out)."""
         s, m = self.frontier
-        if not self.admission.admits(s, m, version, self.untrained):
+        if not self.plan.admission.admits(s, m, version, self.untrained):
             return None
         return self.record(s).mbs[m]
 
@@ -175,7 +157,7 @@ class Book:
 
     def quota_pending(self, step: int) -> bool:
         """Fixed TCSS: ``step``'s early micro-batches are not all handed out yet."""
-        return self.admission.quota_pending(step, self.frontier)
+        return self.plan.admission.quota_pending(step, self.frontier)
 
     # --- tasks -------------------------------------------------------------------------------
 
@@ -197,7 +179,7 @@ class Book:
         self.record(mb.step).made[mb.mb] = (holder, version)
         if pool_of(holder) == Pool.TRAINER:
             self.sq.append((mb.step, mb.mb))
-        elif self.score_overlap:
+        elif self.plan.score_overlap:
             self.to_score[index_of(holder)].append((mb.step, mb.mb))
 
     def next_to_score(self, lane: int | None = None) -> tuple[MicroBatch, str, int] | None:
@@ -304,7 +286,7 @@ class Book:
             return clocks[pool].get(i, idle)
 
         rec = self.record(self.version)
-        if self.whole_step:  # one group per step: its scored count
+        if self.plan.whole_step:  # one group per step: its scored count
             partial = tuple(
                 (s, 0, len(r.scored))
                 for s, r in sorted(self.steps.items())
@@ -320,7 +302,7 @@ class Book:
         return SchedState(
             now=now,
             trainer=trainer,
-            microbatches=rec.size,
+            plan=self.plan,
             step=self.version,
             generators=tuple(clock(Pool.GENERATOR, i) for i in range(self.generators)),
             trainers=tuple(clock(Pool.TRAINER, j) for j in range(self.trainers)),
@@ -337,9 +319,7 @@ class Book:
             ),
             updated=len(rec.trained) + len(rec.dropped),
             partial_groups=partial,
-            mbs_per_group=rec.mbs_per_group,
             untrained=self.untrained,
-            **SchedState.admission_fields(self.admission),
             tags=rec.tags,
             bubbles=rec.bubbles,
         )

@@ -130,6 +130,10 @@ class Admission:
     no older weights exist to make its early micro-batches with."""
 
     def __post_init__(self) -> None:
+        for name in ("max_staleness", "stale_cap"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.schedule not in STALENESS_SCHEDULES:
             raise ValueError(
                 f"staleness schedule {self.schedule!r} is not one of {STALENESS_SCHEDULES}"

@@ -59,18 +59,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from digen.sched._engine import Config, Engine
+from digen.sched._engine import Engine, Model
 from digen.sched.costs import Costs
-from digen.sched.schedule import stale_cap
+from digen.sched.plan import SchedulePlan
+from digen.sched.schedule import Admission, TaskKind, stale_cap
 from digen.sched.tag import NoTAG, TagPolicy, make_tag_policy
 from digen.sched.trace import Trace, TraceEvent
 
-if TYPE_CHECKING:
-    from digen.config import DigenConfig
-
-__all__ = ["SimResult", "ideal_bound", "simulate", "simulate_config"]
+__all__ = ["SimResult", "ideal_bound", "simulate", "simulate_plan"]
 
 
 @dataclass(frozen=True)
@@ -136,22 +134,38 @@ def simulate(
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if not 0.0 <= staleness_ratio <= 1.0:
         raise ValueError(f"staleness_ratio must be in [0, 1], got {staleness_ratio!r}")
-    cfg = Config(
-        costs,
-        microbatches,
-        generators,
-        trainers,
-        mbs_per_group=mbs_per_group,
-        max_staleness=max_staleness,
-        stale_cap=stale_cap(microbatches, staleness_ratio),
-        last_step=steps - 1,
-        staleness_schedule=staleness_schedule,
-        max_inflight=max_inflight,
+    plan = SchedulePlan(
+        microbatches=microbatches,
+        update_group=mbs_per_group,
+        generators=generators,
+        trainers=trainers,
+        admission=Admission(
+            max_staleness=max_staleness,
+            stale_cap=stale_cap(microbatches, staleness_ratio),
+            schedule=staleness_schedule,
+            max_inflight=max_inflight,
+            last_step=steps - 1,
+        ),
         score_overlap=score_overlap,
     )
+    return simulate_plan(plan, costs, policy=policy)
+
+
+def simulate_plan(
+    plan: SchedulePlan,
+    costs: Costs,
+    policy: TagPolicy | None | Literal["plan"] = "plan",
+) -> SimResult:
+    """Simulate the run ``plan`` describes, from step 0 to its last step, with ``costs`` and
+    its TAG policy (``policy="plan"``; or pass one, None for :class:`NoTAG`)."""
+    if plan.admission.last_step is None:
+        raise ValueError("the plan has no last step: nothing says when the simulation ends")
+    steps = plan.admission.last_step + 1
+    if policy == "plan":
+        policy = make_tag_policy(plan.tag, plan.tag_k)
     pol = NoTAG() if policy is None else policy
     pol.reset()
-    eng = Engine(cfg, horizon=steps, record=True)
+    eng = Engine(Model(plan, costs), horizon=steps, record=True)
     decisions: list[bool] = []
     while True:
         j = eng.run()
@@ -160,10 +174,12 @@ def simulate(
         d = bool(pol.decide(eng.to_state(j), costs))
         decisions.append(d)
         eng.decide(j, d)
-    order = {name: i for i, name in enumerate(cfg.names)}
+    order = {name: i for i, name in enumerate(eng.model.names)}
     assert eng.events is not None
     events = sorted(eng.events, key=lambda e: (e.t0, order[e.worker], e.t1))
-    stale = Counter(e.step for e in events if e.kind in ("generate", "tag") and e.version < e.step)
+    stale = Counter(
+        e.step for e in events if e.kind in (TaskKind.GENERATE, TaskKind.TAG) and e.version < e.step
+    )
     return SimResult(
         makespan=eng.now,
         events=events,
@@ -172,41 +188,6 @@ def simulate(
         bubble_count=eng.bubble_total,
         decisions=decisions,
         stale={s: stale.get(s, 0) for s in range(steps)},
-    )
-
-
-def simulate_config(
-    cfg: DigenConfig,
-    costs: Costs,
-    *,
-    steps: int | None = None,
-    policy: TagPolicy | None | Literal["config"] = "config",
-) -> SimResult:
-    """Simulate the disaggregated run ``cfg`` describes, with ``costs``: its micro-batches,
-    generators and trainers, GAP groups (or the whole step as one group when updates wait for
-    all of it: ``runtime.pipeline=false``, or global advantage statistics), TCSS, ``C_gen``,
-    scoring overlapped or not, and its TAG policy (``policy="config"``; or pass one).
-    ``steps``: default ``cfg.steps``."""
-    from digen.config import max_inflight, microbatches_per_group, step_microbatches, trainer_slots
-
-    rt = cfg.runtime
-    if rt.mode != "disaggregated":
-        raise ValueError(f"only disaggregated runs are simulated; this one is {rt.mode}")
-    mbs = len(step_microbatches(cfg, 0))
-    whole_step = not rt.pipeline or cfg.algo.adv_std == "global"
-    return simulate(
-        costs,
-        mbs,
-        rt.generators,
-        trainer_slots(cfg),
-        make_tag_policy(rt.tag, rt.tag_k) if policy == "config" else policy,
-        steps=cfg.steps if steps is None else steps,
-        mbs_per_group=mbs if whole_step else microbatches_per_group(cfg),
-        max_staleness=rt.max_staleness,
-        staleness_ratio=rt.staleness_ratio,
-        staleness_schedule=rt.staleness_schedule,
-        max_inflight=max_inflight(cfg),
-        score_overlap=rt.score_overlap,
     )
 
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from digen.sched.schedule import Admission, TaskKind, stale_cap
+from digen.sched.plan import SchedulePlan
+from digen.sched.schedule import Admission, TaskKind
 
-__all__ = ["WORKER_KINDS", "SchedState", "WorkerClock", "stale_cap"]
+__all__ = ["WORKER_KINDS", "SchedState", "WorkerClock"]
 
 WORKER_KINDS: tuple[TaskKind | None, ...] = (None, *TaskKind)
 """What a worker can be doing; ``None`` is idle."""
@@ -54,8 +55,9 @@ class SchedState:
     """Current time, in seconds."""
     trainer: int
     """Index of the trainer at the bubble (the one asking)."""
-    microbatches: int
-    """Micro-batches per train step (``B``)."""
+    plan: SchedulePlan
+    """The run's schedule: micro-batches per step, pools, GAP groups, admission (TCSS,
+    ``C_gen``, first and last step)."""
     step: int
     """Train step being updated; also the weights' policy version."""
     generators: tuple[WorkerClock, ...]
@@ -78,28 +80,14 @@ class SchedState:
     """Updates of the train step already finished."""
     partial_groups: tuple[tuple[int, int, int], ...] = ()
     """``(step, group, scored)`` of every GAP group with some but not all micro-batches scored."""
-    mbs_per_group: int = 1
-    """Micro-batches per GAP group: a group enters UQ when its last micro-batch is scored."""
-    max_staleness: int = 0
-    """TCSS: how many versions a generation may lag the step it belongs to (0 = synchronous)."""
-    stale_cap: int = 0
-    """TCSS: how many micro-batches of a step may (eager) or must (fixed) start on an older version."""
-    staleness_schedule: str = "fixed"
-    """TCSS: ``fixed`` or ``eager`` (:mod:`digen.sched.schedule`)."""
     untrained: int = 0
     """Micro-batches handed out and not yet trained (all steps)."""
-    max_inflight: int | None = None
-    """``C_gen``: the bound on :attr:`untrained` (None = no bound)."""
-    last_step: int | None = None
-    """Last train step of the run; no micro-batch of a later step is ever handed out."""
     tags: int = 0
     """TAG micro-batches already inserted during this train step."""
     bubbles: int = 0
     """Bubbles already decided during this train step (this one not counted)."""
 
     def __post_init__(self) -> None:
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if not self.generators or not self.trainers:
             raise ValueError("a schedule needs at least one generator and one trainer")
         if not 0 <= self.trainer < len(self.trainers):
@@ -113,8 +101,14 @@ class SchedState:
             )
         if len(self.to_score) != len(self.scorers):
             raise ValueError("to_score needs one queue per scoring lane")
-        if self.mbs_per_group < 1:
-            raise ValueError(f"mbs_per_group must be >= 1, got {self.mbs_per_group}")
+        plan = self.plan
+        if (len(self.generators), len(self.trainers)) != (plan.generators, plan.trainers):
+            raise ValueError(
+                f"{len(self.generators)} generators and {len(self.trainers)} trainers for a "
+                f"plan of {plan.generators} and {plan.trainers}"
+            )
+        if bool(self.scorers) != plan.score_overlap:
+            raise ValueError("scoring lanes are there exactly when the plan overlaps scoring")
 
     @property
     def version(self) -> int:
@@ -129,28 +123,15 @@ class SchedState:
             return 0
         return self.microbatches - m
 
-    @staticmethod
-    def admission_fields(rule: Admission) -> dict[str, object]:
-        """The fields that describe the admission rule ``rule`` (the inverse of
-        :attr:`admission`, for building a state)."""
-        return {
-            "max_staleness": rule.max_staleness,
-            "stale_cap": rule.stale_cap,
-            "staleness_schedule": rule.schedule,
-            "max_inflight": rule.max_inflight,
-            "last_step": rule.last_step,
-        }
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per train step (``B``)."""
+        return self.plan.microbatches
 
     @property
     def admission(self) -> Admission:
         """The admission rule of this schedule."""
-        return Admission(
-            max_staleness=self.max_staleness,
-            stale_cap=self.stale_cap,
-            schedule=self.staleness_schedule,
-            max_inflight=self.max_inflight,
-            last_step=self.last_step,
-        )
+        return self.plan.admission
 
     def can_start_next(self) -> bool:
         """Whether the next micro-batch may start now on a worker holding the current version."""
@@ -163,5 +144,5 @@ class SchedState:
         return tuple(
             (w.kind, w.busy_until)
             for w in self.generators + self.trainers
-            if w.kind in ("generate", "tag")
+            if w.kind in (TaskKind.GENERATE, TaskKind.TAG)
         )

@@ -132,7 +132,7 @@ def _greedy(eng: Engine) -> bool:
       generation throughput while there is plenty left to generate, and stops once the
       trainers would become the tail.
     """
-    cfg = eng.cfg
+    model = eng.model
     now = eng.now
     kind, busy, wstep = eng.kind, eng.busy, eng.wstep
     v = eng.version
@@ -140,7 +140,7 @@ def _greedy(eng: Engine) -> bool:
     gsum = 0.0
     to_score = 0  # micro-batches of this step still to be scored
     queued = len(eng.sq)  # everything in SQ or being generated must be scored first
-    for i in range(cfg.G):
+    for i in range(model.generators):
         k = kind[i]
         if not k:
             free = 0.0
@@ -154,7 +154,7 @@ def _greedy(eng: Engine) -> bool:
             to_score += wstep[i] == v
     tsum = 0.0
     updates = 0
-    for j in range(cfg.G, cfg.n):
+    for j in range(model.generators, model.workers):
         k = kind[j]
         if k:
             tsum += busy[j] - now
@@ -163,14 +163,14 @@ def _greedy(eng: Engine) -> bool:
             elif k == TAG:
                 queued += 1
                 to_score += wstep[j] == v
-    if cfg.ct <= free + queued * cfg.cs / cfg.G + cfg.cg:
+    if model.tag_cost <= free + queued * model.score_cost / model.generators + model.gen_cost:
         return True
     to_score += sum(1 for e in eng.sq if e[0] == v)
-    pending = cfg.B - eng.fm if eng.fs == v else 0
+    pending = model.microbatches - eng.fm if eng.fs == v else 0
     to_score += pending
-    not_started = cfg.B - eng.updated - updates
-    gen_end = (gsum + pending * cfg.cg + to_score * cfg.cs) / cfg.G
-    return (tsum + cfg.ct + not_started * cfg.cu) / cfg.T <= gen_end
+    not_started = model.microbatches - eng.updated - updates
+    gen_end = (gsum + pending * model.gen_cost + to_score * model.score_cost) / model.generators
+    return (tsum + model.tag_cost + not_started * model.update_cost) / model.trainers <= gen_end
 
 
 def _follow(
@@ -294,20 +294,7 @@ class _Searcher:
 
 
 def _memo_tag(state: SchedState, costs: Costs) -> tuple:
-    return (
-        costs.as_tuple(),
-        state.microbatches,
-        len(state.generators),
-        len(state.trainers),
-        len(state.scorers),
-        state.mbs_per_group,
-        state.max_staleness,
-        state.stale_cap,
-        state.staleness_schedule,
-        state.max_inflight,
-        state.last_step,
-        state.step,
-    )
+    return (costs.as_tuple(), state.plan, state.step)
 
 
 def search(

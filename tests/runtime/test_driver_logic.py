@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 from fakes import FakeCluster, InjectedFailure, World
 
-from digen.config import load_config, step_microbatches
+from digen.config import load_config, schedule_plan
 from digen.prompts import PromptSet
 from digen.runtime.driver import Driver
 from digen.sched.trace import Trace
@@ -47,7 +47,7 @@ def _driver(overrides: list[str], seed: int = 0, fail_on=None):
 async def test_every_microbatch_once_and_in_dependency_order(overrides, seed) -> None:
     cfg, driver, world = _driver(["steps=3", *overrides], seed)
     results = await driver.run(3)
-    mbs = len(step_microbatches(cfg, 0))
+    mbs = schedule_plan(cfg).microbatches
     for kind in ("generate", "score", "update"):
         counts = Counter((a[2], a[3]) for a in world.log if a[1] == kind)
         assert counts == {(s, m): 1 for s in range(3) for m in range(mbs)}, kind
@@ -76,7 +76,7 @@ async def test_fixed_tcss_makes_exactly_the_first_share_stale(seed) -> None:
     over += ["runtime.staleness_ratio=0.5", "runtime.tag=static", "runtime.tag_k=1"]
     cfg, driver, world = _driver(over, seed)
     results = await driver.run(4)
-    mbs = len(step_microbatches(cfg, 0))
+    mbs = schedule_plan(cfg).microbatches
     cap = mbs // 2
     for (s, m), version in world.made.items():
         assert version == (s - 1 if s >= 1 and m < cap else s), (s, m, version)
@@ -90,7 +90,7 @@ async def test_eager_tcss_stays_within_its_bounds(seed) -> None:
     over += ["runtime.staleness_ratio=0.5", "runtime.staleness_schedule=eager"]
     cfg, driver, world = _driver(over, seed)
     results = await driver.run(4)
-    cap = len(step_microbatches(cfg, 0)) // 2
+    cap = schedule_plan(cfg).microbatches // 2
     stale = Counter(s for (s, m), version in world.made.items() if version < s)
     assert all(s - version in (0, 1) for (s, m), version in world.made.items())
     assert all(count <= cap for count in stale.values()) and sum(stale.values()) > 0

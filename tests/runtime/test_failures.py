@@ -96,11 +96,11 @@ def uninterrupted(hook: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 def _per_step() -> int:
     """Micro-batches a step: scoring calls, and generations of 4 forwards each."""
     from digen import load_config
-    from digen.config import step_microbatches
+    from digen.config import schedule_plan
     from digen.presets import preset
 
     cfg = load_config(base=preset("sd3", "flowgrpo", mode="disaggregated"), overrides=[])
-    return len(step_microbatches(cfg, 0))
+    return schedule_plan(cfg).microbatches
 
 
 def _hold_at_step_2(

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 from fakes import FakeCluster, InjectedFailure, VirtualClock, World
 
-from digen.config import load_config, max_inflight, microbatches_per_group, step_microbatches
+from digen.config import load_config, schedule_plan
 from digen.errors import DigenError
 from digen.prompts import PromptSet
 from digen.runtime.driver import Driver
@@ -103,7 +103,7 @@ async def _drive(cfg, world: World, clock: VirtualClock, stop_at: int | None = N
 def _check_schedule(cfg, results, world: World, cluster: FakeCluster) -> int:
     """Every promise of the schedule on one finished run; returns its micro-batch count."""
     rt, steps = cfg.runtime, range(cfg.steps)
-    mbs = {s: step_microbatches(cfg, s) for s in steps}
+    mbs = {s: schedule_plan(cfg).microbatches_of(s) for s in steps}
     everything = {(s, mb.mb) for s in steps for mb in mbs[s]}
     calls = {
         kind: Counter((a[2], a[3]) for a in world.log if a[1] == kind)
@@ -127,7 +127,7 @@ def _check_schedule(cfg, results, world: World, cluster: FakeCluster) -> int:
                 group = [m.mb for m in mbs[s]]
             assert all(at[("score", s, g)] < at[("update", s, mb.mb)] for g in group)
     # staleness: within max_staleness versions, at most the cap per step, as reported
-    per_step = cfg.data.train_batch_size * microbatches_per_group(cfg)
+    per_step = schedule_plan(cfg).microbatches
     cap = stale_cap(per_step, rt.staleness_ratio) if rt.max_staleness else 0
     stale = Counter(s for (s, m), v in world.made.items() if v < s)
     for (s, m), v in world.made.items():
@@ -139,7 +139,7 @@ def _check_schedule(cfg, results, world: World, cluster: FakeCluster) -> int:
         assert [stale[s] for s in steps] == [0] + [cap] * (cfg.steps - 1)
     assert [r.metrics["stale_microbatches"] for r in results] == [stale[s] for s in steps]
     # C_gen: generated but not yet trained (or dropped) never above max_inflight
-    assert world.untrained_max <= max_inflight(cfg)
+    assert world.untrained_max <= schedule_plan(cfg).admission.max_inflight
     assert world.untrained == 0
     assert [r.metrics["policy_version"] for r in results] == [s + 1 for s in steps]
     return len(everything)

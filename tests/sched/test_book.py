@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from digen.sched import BTS, Costs, StaticTAG, TagPolicy
-from digen.sched._engine import GEN, SCORE, TAG, UPDATE, Config, Engine
+from digen.sched._engine import GEN, SCORE, TAG, UPDATE, Engine, Model
 from digen.sched.book import Book
-from digen.sched.microbatch import form_microbatches
+from digen.sched.plan import SchedulePlan, StepLayout
 from digen.sched.schedule import Admission, Pool, stale_cap, worker_name
 from digen.sched.state import WORKER_KINDS, SchedState
 
@@ -33,42 +33,32 @@ class _Recorder(TagPolicy):
 def _simulate_with_log(
     costs, b, g, t, policy, *, steps, gsize, w, ratio, schedule, inflight, overlap=False
 ):
-    cfg = Config(
-        costs,
-        b,
-        g,
-        t,
-        mbs_per_group=gsize,
-        max_staleness=w,
-        stale_cap=stale_cap(b, ratio),
-        last_step=steps - 1,
-        staleness_schedule=schedule,
-        max_inflight=inflight,
+    plan = SchedulePlan(
+        microbatches=b,
+        update_group=gsize,
+        generators=g,
+        trainers=t,
+        admission=Admission(
+            max_staleness=w,
+            stale_cap=stale_cap(b, ratio),
+            schedule=schedule,
+            max_inflight=inflight,
+            last_step=steps - 1,
+        ),
         score_overlap=overlap,
+        layout=StepLayout(b // gsize, gsize, 1),
     )
-    eng = Engine(cfg, horizon=steps, log=True)
+    model = Model(plan, costs)
+    eng = Engine(model, horizon=steps, log=True)
     while (j := eng.run()) >= 0:
         eng.decide(j, policy.decide(eng.to_state(j), costs))
-    return cfg, eng.log
+    return model, eng.log
 
 
-def _replay(cfg: Config, log: list[tuple], costs: Costs, seen: list[SchedState]) -> int:
+def _replay(model: Model, log: list[tuple], costs: Costs, seen: list[SchedState]) -> int:
     """Feed the engine's history to a Book; compare at every bubble. Returns bubbles compared."""
-    names = cfg.names
-    gsize = cfg.gsize
-    book = Book(
-        lambda s: form_microbatches(s, cfg.B // gsize, gsize, generators=gsize, samples=1),
-        generators=cfg.G,
-        trainers=cfg.T,
-        admission=Admission(
-            max_staleness=cfg.W,
-            stale_cap=cfg.cap,
-            schedule=cfg.rule.schedule,
-            max_inflight=cfg.rule.max_inflight,
-            last_step=cfg.rule.last_step,
-        ),
-        score_overlap=bool(cfg.S),
-    )
+    names = model.names
+    book = Book(model.plan)
     compared = 0
     now = 0.0
     for entry in log:
@@ -80,8 +70,8 @@ def _replay(cfg: Config, log: list[tuple], costs: Costs, seen: list[SchedState])
         elif op == "start":
             _, i, kind, s, m, now = entry
             if kind in (GEN, TAG, SCORE, UPDATE):
-                if kind == SCORE and i >= cfg.n:  # a scoring lane: SQ first, then its own
-                    took = book.next_to_score(i - cfg.n)
+                if kind == SCORE and i >= model.workers:  # a scoring lane: SQ first, then its own
+                    took = book.next_to_score(i - model.workers)
                     assert took is not None and (took[0].step, took[0].mb) == (s, m)
                 elif kind == SCORE and (s, m) in book.sq:  # a generator scores SQ's head
                     took = book.next_to_score()
@@ -107,7 +97,7 @@ def _replay(cfg: Config, log: list[tuple], costs: Costs, seen: list[SchedState])
             book.bubble(j, insert)
         elif op == "version":
             book.advance(entry[1])
-            book.gen_version = [entry[1]] * cfg.G
+            book.gen_version = [entry[1]] * model.generators
     assert compared == len(seen)
     return compared
 
@@ -143,7 +133,7 @@ def test_book_state_equals_engine_state_at_every_bubble(
     b = 4 * gsize
     inner = BTS() if policy == "bts" else StaticTAG(2)
     rec = _Recorder(inner)
-    cfg, log = _simulate_with_log(
+    model, log = _simulate_with_log(
         costs,
         b,
         g,
@@ -157,7 +147,7 @@ def test_book_state_equals_engine_state_at_every_bubble(
         inflight=inflight,
         overlap=overlap,
     )
-    compared = _replay(cfg, log, costs, rec.states)
+    compared = _replay(model, log, costs, rec.states)
     assert compared >= 2
     # the comparison saw partial groups and running work, so equality says something
     if gsize > g:
@@ -173,12 +163,15 @@ def test_book_state_equals_engine_state_at_every_bubble(
 
 def test_partial_groups_count_microbatches_not_samples() -> None:
     """Three generators, 6 samples per prompt: 3 micro-batches of 2 samples per group."""
-    book = Book(
-        lambda s: form_microbatches(s, 2, 6, generators=3),
+    plan = SchedulePlan(
+        microbatches=6,
+        update_group=3,
         generators=3,
         trainers=1,
         admission=Admission(),
+        layout=StepLayout(2, 6, 2),
     )
+    book = Book(plan)
     mbs = [book.hand_out(0) for _ in range(3)]
     assert [m.samples for m in mbs] == [(0, 1), (2, 3), (4, 5)]
     for m in mbs[:2]:

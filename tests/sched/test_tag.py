@@ -18,7 +18,8 @@ from digen.sched import (
     search,
     simulate,
 )
-from digen.sched.state import stale_cap
+from digen.sched.plan import SchedulePlan
+from digen.sched.schedule import Admission, stale_cap
 
 EXACT = 10**6
 """A budget the small instances never reach: these tests check the algorithm, not the budget."""
@@ -67,6 +68,13 @@ class Replay(TagPolicy):
         return self.plan[self.i - 1] if self.i <= len(self.plan) else False
 
 
+def counts(b: int, g: int = 1, t: int = 1, *, group: int = 1) -> SchedulePlan:
+    """A plan of ``b`` micro-batches a step on ``g`` generators and ``t`` trainers, no TCSS."""
+    return SchedulePlan(
+        microbatches=b, update_group=group, generators=g, trainers=t, admission=Admission()
+    )
+
+
 def first_bubble(costs: Costs, b: int, g: int, t: int, **kw) -> SchedState | None:
     pol = Capture(0)
     simulate(costs, b, g, t, pol, **kw)
@@ -74,7 +82,7 @@ def first_bubble(costs: Costs, b: int, g: int, t: int, **kw) -> SchedState | Non
 
 
 def test_static_and_no_tag_rules() -> None:
-    st = SchedState(now=0.0, trainer=0, microbatches=4, step=0, next_mb=(0, 1), tags=2,
+    st = SchedState(now=0.0, trainer=0, plan=counts(4), step=0, next_mb=(0, 1), tags=2,
                     generators=(WorkerClock("generate", 1.0, 0, 0),),
                     trainers=(WorkerClock(),))  # fmt: skip
     c = Costs(gen=1, update=1)
@@ -157,7 +165,7 @@ def test_bts_equals_brute_force_mid_run_with_tcss(seed: int) -> None:
         pol = Capture(case)
         simulate(c, b, g, t, pol, steps=2, max_staleness=w, staleness_ratio=ratio)
         for st in rng.sample(pol.states, min(2, len(pol.states))):
-            assert st.stale_cap == stale_cap(b, ratio) and st.last_step == 1
+            assert st.admission.stale_cap == stale_cap(b, ratio) and st.admission.last_step == 1
             bf = brute_force(st, c)
             res = search(st, c, node_limit=EXACT)
             assert res.exact and res.makespan == bf.makespan, (case, st)
@@ -182,7 +190,7 @@ def test_runtime_style_state() -> None:
     st = SchedState(
         now=10.0,
         trainer=1,
-        microbatches=6,
+        plan=counts(6, 2, 3, group=2),
         step=3,
         generators=(
             WorkerClock("generate", 9.5, 3, 4),  # overdue: read as finishing now
@@ -193,7 +201,6 @@ def test_runtime_style_state() -> None:
         sq=((3, 3),),
         updated=1,
         partial_groups=((3, 1, 1),),  # group 1 = mbs 2, 3: mb2 is being scored... mb3 waits
-        mbs_per_group=2,
     )
     assert st.pending == 1 and st.version == 3
     c = Costs(gen=2, gen_tag=2, score=0.5, update=1, step=0.5, sync=0.5)
@@ -240,7 +247,7 @@ def test_brute_force_guard() -> None:
 
 def test_nothing_to_decide() -> None:
     """No micro-batch left to hand out: the search just reports when the step ends."""
-    st = SchedState(now=0.0, trainer=0, microbatches=1, step=0, next_mb=(1, 0),
+    st = SchedState(now=0.0, trainer=0, plan=counts(1), step=0, next_mb=(1, 0),
                     generators=(WorkerClock("generate", 1.0, 0, 0),),
                     trainers=(WorkerClock(),))  # fmt: skip
     c = Costs(gen=1, score=1, update=1)
@@ -251,7 +258,7 @@ def test_nothing_to_decide() -> None:
 
 
 def test_state_checks() -> None:
-    kw = dict(now=0.0, microbatches=2, step=0, next_mb=(0, 0),
+    kw = dict(now=0.0, plan=counts(2), step=0, next_mb=(0, 0),
               generators=(WorkerClock(),), trainers=(WorkerClock(),))  # fmt: skip
     with pytest.raises(ValueError, match="trainer 1 is not an index of the 1 trainers"):
         SchedState(trainer=1, **kw)
