@@ -28,8 +28,8 @@ from typing import Any
 
 import click
 
-from digen.algos.registry import ALGO_NAMES, ALGORITHMS
-from digen.models.registry import BACKBONES, MODEL_NAMES
+from digen.algos.registry import ALGO_NAMES, get_algorithm
+from digen.models.registry import BACKBONES, MODEL_NAMES, get_backbone
 
 __all__ = ["main", "role_for_rank"]
 
@@ -481,7 +481,8 @@ def _pretty(summary: dict[str, Any]) -> str:
 @main.command()
 def algos() -> None:
     """The registered algorithms: their step kinds, KL convention and own settings."""
-    for name, algo in ALGORITHMS.items():
+    for name in ALGO_NAMES:
+        algo = get_algorithm(name)
         click.echo(f"{name}: {algo.title}")
         click.echo(f"  rollout.sde_type: {', '.join(algo.sde_types)} (default {algo.sde_types[0]})")
         click.echo(f"  algo.kl_type default: {algo.kl_type}")
@@ -890,10 +891,7 @@ def _bench_settings(
     from digen.errors import DigenError
     from digen.runtime.bench import QUICK, BenchSettings
 
-    if model not in MODEL_NAMES:
-        raise DigenError(f"--model {model!r} is not a model; choose {_or(MODEL_NAMES)}")
-    if algo not in ALGO_NAMES:
-        raise DigenError(f"--algo {algo!r} is not an algorithm; choose {_or(ALGO_NAMES)}")
+    get_backbone(model), get_algorithm(algo)  # one sentence for a name that is not registered
     base = dict(QUICK) if quick else {}
     given = {"size": size, "steps": steps, "repeats": repeats}
     values = {**base, **{k: v for k, v in given.items() if v is not None}}

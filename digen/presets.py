@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from digen.algos.registry import ALGO_NAMES, get_algorithm
-from digen.errors import DigenError
-from digen.models.registry import BACKBONES, MODEL_NAMES
+from digen.models.registry import get_backbone
 
 __all__ = ["ALGO_NAMES", "preset"]
 
@@ -25,10 +24,8 @@ def preset(
 
     ``mode="disaggregated"`` steps the optimizer once per train step (no mini-batches).
     """
-    if model not in MODEL_NAMES:
-        raise DigenError(f"unknown model '{model}'; choose one of: {', '.join(MODEL_NAMES)}.")
+    backbone = get_backbone(model)
     algorithm = get_algorithm(algo)
-    backbone = BACKBONES[model]
     cfg: dict[str, Any] = {"model": {"name": model}, "algo": {"name": algo}}
     if real_weights:
         recipe = backbone.recipe

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from digen.algos.registry import ALGORITHMS, get_algorithm
+from digen.algos.registry import ALGO_NAMES, get_algorithm
 from digen.algos.rollout import SamplerSpec, sample_rollout
 from digen.algos.sde import sde_step
 from digen.config import load_config
@@ -224,8 +224,9 @@ def test_every_registered_algorithm_has_every_part() -> None:
     from digen.algos.base import Algorithm
     from digen.models.registry import BACKBONES
 
-    for name, algo in ALGORITHMS.items():
-        assert algo.name == name and algo.title and algo.sde_types
+    for name in ALGO_NAMES:
+        algo = get_algorithm(name)
+        assert isinstance(algo, Algorithm) and algo.name == name and algo.title and algo.sde_types
         for method in ("plan", "preset"):  # what the base cannot supply
             assert getattr(type(algo), method) is not getattr(Algorithm, method), (name, method)
         for backbone in BACKBONES.values():

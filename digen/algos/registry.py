@@ -1,34 +1,43 @@
-"""Every algorithm digen runs, by name: one line each.
+"""Every algorithm digen runs, by name: one line each, naming the class that implements it.
 
-Config validation, presets, the CLI, the colocated trainer and the workers all read this;
-nothing else lists algorithms. Importing it loads no torch. To add an algorithm, write
-``digen/algos/<name>.py`` (one :class:`~digen.algos.base.Algorithm` subclass; see
-``digen/algos/mixgrpo.py`` and ``docs/EXTENDING.md``) and add its line below.
+Config validation, presets, the CLI, the trainers and the workers all find algorithms here;
+nothing else lists them. This module is a leaf (it imports only :mod:`digen.errors`), so
+configuration (below the algorithms in the package's layers) can read an algorithm's own
+settings, checks and presets through it without importing the algorithm modules, which are
+typed against the config. An algorithm's module is imported the first time it is asked for,
+and loads no torch. To add an algorithm, write ``digen/algos/<name>.py`` (one
+:class:`~digen.algos.base.Algorithm` subclass; see ``digen/algos/mixgrpo.py`` and
+``docs/EXTENDING.md``) and add its line below.
 """
 
 from __future__ import annotations
 
-from digen.algos.base import Algorithm
-from digen.algos.dancegrpo import DanceGRPO
-from digen.algos.flowgrpo import FlowGRPO
-from digen.algos.mixgrpo import MixGRPO
+import importlib
+from functools import cache
+from typing import Any
+
 from digen.errors import DigenError
 
 __all__ = ["ALGORITHMS", "ALGO_NAMES", "get_algorithm"]
 
-ALGORITHMS: dict[str, Algorithm] = {
-    a.name: a
-    for a in (
-        FlowGRPO(),
-        DanceGRPO(),
-        MixGRPO(),
-    )
+ALGORITHMS: dict[str, str] = {
+    "flowgrpo": "digen.algos.flowgrpo:FlowGRPO",
+    "dancegrpo": "digen.algos.dancegrpo:DanceGRPO",
+    "mixgrpo": "digen.algos.mixgrpo:MixGRPO",
 }
+"""``algo.name`` -> ``module:Class`` of its :class:`~digen.algos.base.Algorithm`."""
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)
 
 
-def get_algorithm(name: str) -> Algorithm:
-    """The algorithm registered as ``name``."""
+@cache
+def get_algorithm(name: str) -> Any:
+    """The :class:`~digen.algos.base.Algorithm` registered as ``name`` (one object per name).
+
+    Typed ``Any`` because this leaf may not import the class it returns; configuration reads
+    only its ``name``, ``title``, ``sde_types``, ``kl_type``, ``params``, ``check`` and
+    ``preset``.
+    """
     if name not in ALGORITHMS:
         raise DigenError(f"unknown algorithm '{name}'; choose one of: {', '.join(ALGO_NAMES)}.")
-    return ALGORITHMS[name]
+    module, cls = ALGORITHMS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -9,8 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from digen.errors import DigenError
-from digen.models.registry import BACKBONES, MODEL_NAMES, Backbone
+from digen.models.registry import BACKBONES, MODEL_NAMES, Backbone, get_backbone
 
 if TYPE_CHECKING:
     from digen.models.base import DiffusionAdapter, PromptEmbeds
@@ -34,9 +33,7 @@ def __getattr__(name: str) -> Any:
 
 def get_adapter_class(name: str) -> type[DiffusionAdapter]:
     """The adapter class registered under ``name``."""
-    if name not in BACKBONES:
-        raise DigenError(f"unknown model '{name}'; choose one of: {', '.join(MODEL_NAMES)}.")
-    module, cls = BACKBONES[name].adapter.split(":")
+    module, cls = get_backbone(name).adapter.split(":")
     from digen.models._quiet import quiet_import
 
     with quiet_import():  # the pipeline's import names optional packages it misses

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BACKBONES", "FLAVOURS", "MODEL_NAMES", "Backbone"]
+from digen.errors import DigenError
+
+__all__ = ["BACKBONES", "FLAVOURS", "MODEL_NAMES", "Backbone", "get_backbone"]
 
 FLAVOURS: tuple[str, ...] = ("tiny", "medium")
 """Random-init sizes every backbone builds from config (``model.flavour``): ``tiny`` (toy
@@ -76,3 +78,10 @@ BACKBONES: dict[str, Backbone] = {
     )
 }
 MODEL_NAMES: tuple[str, ...] = tuple(BACKBONES)
+
+
+def get_backbone(name: str) -> Backbone:
+    """The backbone registered as ``name``; one sentence naming the choices when none is."""
+    if name not in BACKBONES:
+        raise DigenError(f"unknown model '{name}'; choose one of: {', '.join(MODEL_NAMES)}.")
+    return BACKBONES[name]
