@@ -6,34 +6,8 @@ events; the search clones the engine at each stop and explores both answers. Hav
 model is what makes "the search agrees with brute force" and "the search agrees with the
 simulator" the same statement.
 
-Rules (they mirror ``digen/runtime/driver.py`` and are documented in ``simulator.py``):
-
-- a generator scores what it generated right after generating it (its pixels are there);
-- a free generator scores the head of SQ (micro-batches trainers made) if SQ is non-empty,
-  else generates the next micro-batch if the admission rule (:mod:`digen.sched.schedule`)
-  admits it, else idles;
-- with scoring overlapped (``score_overlap``), scoring leaves the generators: generator
-  ``i``'s micro-batches queue on its scoring lane ``scorer-i`` (same process, own thread),
-  and the generator is free at once. A free scoring lane takes the head of SQ if any, else
-  the head of its own queue; lanes are not part of the step or the sync (they hold no
-  weights), and a free generator only ever generates;
-- a free trainer updates the head of UQ (the train step's ready micro-batches) if any, else
-  it is at a bubble: with an admissible micro-batch left, the policy decides between a TAG
-  generation (its result joins SQ) and waiting; a trainer that waits is not asked again
-  until it has done an update;
-- when every update of the train step is done, the trainers finish their current task and
-  all run ``step`` together; then, once every generator has finished its current task (and,
-  under the fixed TCSS schedule, the next step's early micro-batches are handed out), all
-  workers run ``sync``; then the version (= train step) goes up by one.
-
-Tie-breaking, so that runs are reproducible and the model does not depend on which of two
-identical workers is which:
-
-- tasks ending at the same instant take effect in ``(step, mb)`` order of their micro-batch
-  (so same-instant generations enter SQ in micro-batch order);
-- then free generators are served in index order, then free trainers: trainers that were
-  already waiting first, then the ones just freed, each group in index order;
-- bubbles met at the same instant are decided one trainer at a time, in that order.
+The rules it applies, ties included, are the schedule's (:mod:`digen.sched.schedule`); its
+numbers come from the run's :class:`~digen.sched.plan.SchedulePlan`.
 """
 
 from __future__ import annotations

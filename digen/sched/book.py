@@ -90,7 +90,8 @@ class _Task:
 
 
 class Book:
-    """The schedule as the driver knows it (see the module docstring)."""
+    """The driver's ledger of a run's schedule: every micro-batch's hand-out, task, result
+    and update as they happen, and what the rules (:mod:`digen.sched.schedule`) allow next."""
 
     def __init__(self, plan: SchedulePlan) -> None:
         """``plan``: the run's schedule (its micro-batches, pools, GAP groups and admission

@@ -4,49 +4,8 @@ The simulator applies the runtime's queue priorities exactly (``digen/runtime/dr
 so that a TAG policy tuned here behaves the same in a real run and so that the search, which
 runs this very model forward, predicts what the driver will do.
 
-Rules
------
-
-A train step has ``B`` micro-batches, handed out in order (step ``s`` micro-batch ``0 ..
-B-1``, then step ``s + 1``). Version ``s`` is the policy during step ``s``.
-
-- **Generator**: it scores each micro-batch it generates right after generating it (the
-  pixels stay where they were made). Whenever free: score the head of SQ (micro-batches made
-  by trainers) if SQ is non-empty (scoring first, so trainers get rewards early); else
-  generate the next micro-batch if the admission rule (:mod:`digen.sched.schedule`) admits
-  it; else idle until something changes.
-- **Scoring overlapped** (``score_overlap``, the runtime's default): scoring moves off the
-  generator onto its scoring lane ``scorer-i`` (same process, own thread), which scores
-  the head of SQ if any, else the head of what its generator made; the generator is free
-  as soon as a generation ends. Scoring lanes hold no weights: they take no part in
-  ``step`` or ``sync``.
-- **Trainer**, whenever free: update the head of UQ if UQ (ready micro-batches of the train
-  step) is non-empty; else it is at a *bubble*. If an admissible micro-batch is left, the TAG
-  policy decides: insert (the trainer generates it, cost ``gen_tag``; the result joins SQ and
-  a generator scores it like any other) or skip (the trainer waits for UQ and is not asked
-  again until it has done an update). With nothing left to generate it just waits.
-- **GAP groups**: micro-batches ``g*k .. g*k+k-1`` form group ``g`` (``k = mbs_per_group``)
-  and enter UQ together when the last of them is scored (advantages are group-relative).
-- **Step end**: once all ``B`` updates of step ``s`` are done, the trainers finish their
-  current task, then all run ``step`` (cost ``step``); then, once every generator has
-  finished its current task, every worker runs ``sync`` (cost ``sync``); then the version
-  becomes ``s + 1`` and step ``s + 1``'s ready micro-batches become UQ. Generators keep
-  working during ``step`` but start nothing once the sync is due.
-- **TCSS** (``max_staleness`` W, ``staleness_ratio`` r, ``cap = floor(r * B)``): with the
-  *fixed* schedule the first ``cap`` micro-batches of every step ``k >= 1`` are made with
-  version ``k - 1`` (the sync waits until they are handed out) and the rest with version
-  ``k``; with the *eager* schedule a micro-batch of step ``k`` may start on version ``v < k``
-  only if ``k - v <= W`` and fewer than ``cap`` of step ``k``'s micro-batches have started
-  so far (all of which are then stale). Weights change only at ``sync``, which waits for
-  running tasks, so every generation has one version. ``max_staleness=0`` (or ``r = 0``) is
-  the synchronous schedule.
-- **Back-pressure** (``max_inflight``, the paper's ``C_gen``): no micro-batch starts while
-  that many are handed out and not yet trained.
-
-Tie-breaking (deterministic): tasks ending at the same instant take effect in ``(step, mb)``
-order; then free generators are served by index, then free trainers — those already waiting
-first, then the ones just freed, each by index; same-instant bubbles are decided one trainer
-at a time in that order.
+It follows the schedule's rules (:mod:`digen.sched.schedule`) with the numbers of a
+:class:`~digen.sched.plan.SchedulePlan`.
 
 Events use the runtime's format (:class:`~digen.sched.trace.TraceEvent`): kinds ``generate``
 / ``tag`` / ``score`` / ``update`` / ``step`` / ``sync``, workers ``generator-i`` /
