@@ -555,6 +555,8 @@ REWARD_ERROR_POLICIES = ("fail", "drop")
 REWARD_WEIGHTINGS = ("sum", "advantage")
 MODES = ("colocated", "disaggregated")
 TRAINER_PARALLEL = ("replicate", "fsdp", "hsdp")
+SHARDED_PARALLEL = ("fsdp", "hsdp")
+"""The ``runtime.trainer_parallel`` values whose trainers shard one model (and move as one)."""
 LR_SCHEDULES = ("constant", "cosine")
 NONFINITE_POLICIES = ("fail", "drop")
 MICROBATCH_AXES = ("generation", "prompt")
@@ -620,6 +622,11 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         _validate_section(self, "runtime")
+
+    @property
+    def sharded(self) -> bool:
+        """The trainers shard one model (fsdp / hsdp): they move in lockstep, as one."""
+        return self.trainer_parallel in SHARDED_PARALLEL
 
     def _check_values(self, p: str) -> None:
         _choice(_key(p, "mode"), self.mode, MODES)
@@ -866,7 +873,7 @@ def schedule_plan(cfg: DigenConfig, *, first_step: int = 0) -> SchedulePlan:
         group_size=cfg.rollout.n,
         generators=rt.generators,
         trainers=rt.trainers,
-        sharded_trainers=rt.trainer_parallel in ("fsdp", "hsdp"),
+        sharded_trainers=rt.sharded,
         axis=rt.microbatch_axis,
         samples_per_microbatch=rt.samples_per_microbatch,
         pipeline=rt.pipeline,
