@@ -339,8 +339,8 @@ def measure_curves(plan: Plan, cfg: DigenConfig) -> tuple[dict[str, Any], dict[s
     """Generation and training times per micro-batch on :class:`Policy`; the costs at the
     operating point (``plan.microbatch`` samples) and the TSP degree they were taken at (the
     fastest measured there)."""
-    from digen.algos.rewards import build_reward
     from digen.prompts import PromptSet
+    from digen.rewards.scoring import build_reward
     from digen.runtime.policy import Policy, SampleKey, TrainItem
 
     dev = plan.device
@@ -501,7 +501,8 @@ _WHERE_HOOK = """
 import json, os
 from pathlib import Path
 import torch
-from digen.algos.rewards import jpeg_compressibility, worker_device
+from digen.rewards.builtin import jpeg_compressibility
+from digen.rewards.loop import worker_device
 
 def reward(samples, prompts, metadata):
     here = {"worker_device": worker_device(), "pid": os.getpid()}

@@ -4,7 +4,7 @@
         [--formats png raw] [--seconds 8] [--max-requests 100000]
 
 Starts ``digen reward-server --reward jpeg_incompressibility --port 0`` as a process, then
-``--clients`` :class:`~digen.algos.http_reward.HttpReward` clients (each its own keep-alive
+``--clients`` :class:`~digen.rewards.http.HttpReward` clients (each its own keep-alive
 session, one request in flight) send batches of ``--batch`` random ``--size`` px images
 back to back, for ``--seconds`` per format or ``--max-requests`` in all, whichever is first.
 Client and server share this machine's cores, so encoding competes with scoring. Prints one
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from digen.algos.http_reward import HttpReward
+from digen.rewards.http import HttpReward
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -745,7 +745,7 @@ def reward_server(
     import yaml
 
     from digen.errors import DigenError
-    from digen.reward_server import ServerLimits, serve
+    from digen.rewards.server import ServerLimits, serve
 
     try:
         options = yaml.safe_load(options_text) if options_text else {}
@@ -764,7 +764,7 @@ def reward_server(
     # The server's log (a failing reward's traceback, undecodable requests) goes to stderr.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("digen.reward_server").addHandler(handler)
+    logging.getLogger("digen.rewards.server").addHandler(handler)
     try:
         asyncio.run(serve(reward, host, port, ready, options, ServerLimits(**limits), debug))
     except DigenError as exc:

@@ -23,6 +23,7 @@ from digen.algos.registry import ALGO_NAMES, get_algorithm
 from digen.algos.steps import STEP_KINDS
 from digen.errors import ConfigError
 from digen.models.registry import BACKBONES, FLAVOURS, MODEL_NAMES
+from digen.rewards.registry import BUILTIN_REWARDS
 from digen.runtime.trackers import TRACKERS
 from digen.sched.plan import SchedulePlan, plan_schedule
 from digen.sched.schedule import STALENESS_SCHEDULES
@@ -58,9 +59,6 @@ AlgoName = Literal[ALGO_NAMES]  # type: ignore[valid-type]
 SdeType = Literal[SDE_TYPES]  # type: ignore[valid-type]
 Devices = list[str] | None
 """A pool's devices (the loader also takes one comma-separated string)."""
-# Names resolved by digen.algos.rewards without an import (kept here so loading a config
-# needs no torch); a test keeps the two lists equal.
-BUILTIN_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility", "ocr", "clip", "http")
 
 
 # --------------------------------------------------------------------------- messages

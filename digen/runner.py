@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from digen.algos.rewards import CompositeReward, build_reward
 from digen.config import DigenConfig, config_to_dict, load_config
 from digen.errors import DigenError
 from digen.prompts import PromptSet
+from digen.rewards.scoring import CompositeReward, build_reward
 from digen.runtime.checkpoint import (
     Checkpoint,
     CheckpointWriter,

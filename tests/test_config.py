@@ -390,13 +390,6 @@ def test_bad_files(tmp_path: Path) -> None:
     assert load_config(empty) == DigenConfig()
 
 
-def test_builtin_reward_names_match_the_rewards_module() -> None:
-    from digen.algos import rewards
-    from digen.config import BUILTIN_REWARDS
-
-    assert BUILTIN_REWARDS == rewards.REWARD_NAMES
-
-
 def test_each_pool_gets_its_own_device_and_dtype() -> None:
     from digen.runtime.workers import _pool_config
 

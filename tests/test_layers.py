@@ -25,13 +25,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "digen.algos.registry",
             "digen.algos.steps",
             "digen.models.registry",
+            "digen.rewards.registry",
             "digen.runtime.trackers",
         ),
     ),
     ("sched", ("digen.sched",)),  # the schedule's core: torch-free, knows no config
     ("config", ("digen.presets", "digen.config")),
     ("models", ("digen.models",)),  # one backbone a file, single-device code
-    ("algos", ("digen.algos", "digen.reward_server")),  # the RL math and the rewards
+    ("algos", ("digen.algos",)),  # the RL math
+    ("rewards", ("digen.rewards",)),  # scoring samples: built-ins, hooks, HTTP client, server
     ("runtime", ("digen.runtime",)),  # the processes: driver, workers, transport
     ("run", ("digen.runner", "digen")),  # the user-facing side: runner, its I/O, bench
     # (``digen`` is the package's own __init__, its public names: it matches no submodule)

@@ -12,10 +12,10 @@ import torch
 
 from digen import DigenRunner, load_config
 from digen.algos.grpo import score_groups
-from digen.algos.rewards import RewardFn, _to_scores
 from digen.errors import NonFiniteError, RewardError
 from digen.presets import preset
 from digen.prompts import PromptSet
+from digen.rewards.scoring import RewardFn, _to_scores
 
 _HOOK = """
 import math

@@ -117,7 +117,7 @@ def test_the_learning_rate_schedule() -> None:
 
 _STOP_HOOK = '''
 import os, signal, time
-from digen.algos.rewards import jpeg_incompressibility
+from digen.rewards.builtin import jpeg_incompressibility
 
 class StopAt:
     """JPEG incompressibility; on its call number STOP_AT (from 0, in this process) it

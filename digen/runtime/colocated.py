@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 
 from digen.algos.grpo import score_groups, step_terms
-from digen.algos.rewards import CompositeReward, scoring_on
 from digen.algos.rollout import Rollout
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
+from digen.rewards.loop import scoring_on
+from digen.rewards.scoring import CompositeReward
 from digen.runtime.checkpoint import Checkpoint
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator

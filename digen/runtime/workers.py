@@ -47,8 +47,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from digen.algos.rewards import RewardLoop, build_reward
 from digen.config import DigenConfig, load_config, schedule_plan
+from digen.rewards.loop import RewardLoop
+from digen.rewards.scoring import build_reward
 from digen.runtime.actors import run_sync
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
@@ -411,7 +412,7 @@ class ScorerActor(_Scoring):
     never holds up the generator's next micro-batch. It reads the pixels its generator left
     in this process's store, or fetches those a trainer made (TAG). The hooks' ``setup()``
     runs here once, every score of the run runs on the same event loop
-    (:class:`~digen.algos.rewards.RewardLoop`), and ``close()`` at the stop.
+    (:class:`~digen.rewards.loop.RewardLoop`), and ``close()`` at the stop.
     """
 
     def __init__(

@@ -28,7 +28,7 @@ STEPS = 4
 _HOLD_HOOK = '''
 import os, time
 from pathlib import Path
-from digen.algos.rewards import jpeg_incompressibility
+from digen.rewards.builtin import jpeg_incompressibility
 
 class HoldAt:
     """JPEG incompressibility; its call number HOLD_AT (from 0, in this scoring process)
@@ -215,7 +215,7 @@ def test_a_second_ctrl_c_exits_at_once_leaving_no_process(
 _FAULT_HOOK = """
 import os
 import diffusers
-from digen.algos.rewards import jpeg_incompressibility
+from digen.rewards.builtin import jpeg_incompressibility
 
 calls = {"reward": 0, "forward": 0}
 

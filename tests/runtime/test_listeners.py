@@ -23,7 +23,7 @@ from digen.presets import preset
 _HOOK = '''
 import json, os
 from pathlib import Path
-from digen.algos.rewards import jpeg_incompressibility
+from digen.rewards.builtin import jpeg_incompressibility
 
 LOOKED = []
 

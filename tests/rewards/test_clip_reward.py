@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from digen import DigenRunner, load_config
-from digen.algos.clip_score import ClipScore
-from digen.algos.rewards import load_hook
 from digen.errors import RewardError
 from digen.models.tiny import tiny_clip_tokenizer
+from digen.rewards.clip import ClipScore
+from digen.rewards.hooks import load_hook
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +109,9 @@ def test_rewards_score_on_the_device_of_their_worker(clip_dir: Path) -> None:
     import asyncio
     import threading
 
-    from digen.algos.clip_score import ClipScore
-    from digen.algos.rewards import RewardLoop, build_reward, scoring_on, worker_device
+    from digen.rewards.clip import ClipScore
+    from digen.rewards.loop import RewardLoop, scoring_on, worker_device
+    from digen.rewards.scoring import build_reward
 
     seen = []
 

@@ -3,7 +3,7 @@
 Flow-GRPO's text-rendering reward (``flow_grpo/ocr.py``), offline: the engine is RapidOCR
 (``rapidocr-onnxruntime``: PP-OCRv4 detection and recognition run by onnxruntime on CPU;
 its wheel ships the models, so nothing downloads). Install it with ``pip install digen[ocr]``
-and name the reward ``digen.algos.ocr:OcrReward``.
+and name the reward ``ocr`` (short for ``digen.rewards.ocr:OcrReward``).
 
 For a prompt ``A storefront sign that says "OPEN LATE"``:
 

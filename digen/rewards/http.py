@@ -1,7 +1,7 @@
 """HTTP reward: score samples on a reward server, so a heavy reward model can live elsewhere.
 
 The client (:class:`HttpReward`, config name ``http``) and the reference server
-(:mod:`digen.reward_server`) share the wire format below through the four functions of this
+(:mod:`digen.rewards.server`) share the wire format below through the four functions of this
 module (``encode_request`` / ``decode_request``, ``encode_response`` / ``decode_response``).
 
 ``POST <url>`` with a JSON body, one request per ``batch_size`` samples (B in a request)::

@@ -33,14 +33,15 @@ from PIL import Image
 
 from cli.main import main
 from digen import DigenRunner
-from digen.algos.http_reward import HttpReward, RequestTooLarge, decode_request, encode_request
-from digen.algos.rewards import jpeg_incompressibility, load_hook
 from digen.config import load_config
 from digen.errors import ConfigError, RewardError
 from digen.presets import preset
-from digen.reward_server import GATE, ServerLimits, make_app
+from digen.rewards.builtin import jpeg_incompressibility
+from digen.rewards.hooks import load_hook
+from digen.rewards.http import HttpReward, RequestTooLarge, decode_request, encode_request
+from digen.rewards.server import GATE, ServerLimits, make_app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JPEG = "jpeg_incompressibility"
 
 
@@ -533,7 +534,7 @@ async def test_hostile_requests_get_400_or_413_in_one_sentence_and_the_server_go
                 error = (await r.json())["error"]
                 assert (r.status, says in error) == (status, True), (says, error)
                 one_sentence(error)
-        with caplog.at_level(logging.ERROR, logger="digen.reward_server"):
+        with caplog.at_level(logging.ERROR, logger="digen.rewards.server"):
             async with http.post(
                 f"{base}/boom/score", data=encode_request(samples(2), *texts(2))
             ) as r:
@@ -723,7 +724,7 @@ def test_a_run_scored_through_the_server_equals_one_scored_in_process(
 
 @pytest.mark.asyncio
 async def test_the_server_builds_a_class_reward_with_its_options(tmp_path: Path) -> None:
-    from digen.reward_server import serve
+    from digen.rewards.server import serve
 
     hook = tmp_path / "scaled.py"
     hook.write_text(

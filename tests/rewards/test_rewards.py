@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import io
 import math
 import textwrap
@@ -13,18 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
-from digen.algos.rewards import (
-    CompositeReward,
-    RewardFn,
-    RewardResult,
-    build_reward,
-    jpeg_compressibility,
-    jpeg_incompressibility,
-    jpeg_size_kb,
-    load_hook,
-)
 from digen.config import RewardSpec
 from digen.errors import RewardError
+from digen.rewards.builtin import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
+from digen.rewards.hooks import load_hook, resolve
+from digen.rewards.registry import BUILTIN_REWARDS
+from digen.rewards.scoring import CompositeReward, RewardFn, RewardResult, build_reward
 
 H = W = 64
 
@@ -77,6 +72,24 @@ def test_samples_must_be_uint8_frames() -> None:
         jpeg_size_kb(torch.zeros(1, 1, H, W, 3))
     with pytest.raises(ValueError, match=r"\[B, F, H, W, 3\]"):
         jpeg_size_kb(torch.zeros(1, H, W, 3, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_REWARDS))
+def test_each_builtin_name_is_a_config_name_that_builds_its_reward(name: str) -> None:
+    builtin = BUILTIN_REWARDS[name]
+    spec = RewardSpec(name=name, url="http://127.0.0.1:1/score" if name == "http" else None)
+    target = resolve(builtin.target)
+    if builtin.built_from == "name":  # a function: loaded by name, and it scores
+        assert load_hook(name) is target
+        scores = build_reward([spec]).score_sync(torch.cat([flat(), noise()]), ["a", "b"])
+        assert torch.isfinite(scores.components[name]).all()
+    elif builtin.built_from == "options":  # a class, built with the entry's options
+        assert inspect.isclass(target)
+        inspect.signature(target.__call__).bind(None, "samples", "prompts", "metadata")
+    else:  # a server's client, built from the entry's url
+        assert isinstance(build_reward([spec]).fns[0].fn, target)
+        with pytest.raises(RewardError, match=f"reward '{name}' needs its server's URL"):
+            load_hook(name)
 
 
 # --------------------------------------------------------------------------- hooks

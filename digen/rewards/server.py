@@ -3,7 +3,7 @@
     digen reward-server --reward jpeg_incompressibility --port 8000
     digen run reward.http.url=http://that-machine:8000/score
 
-``POST /score`` takes and answers the JSON of :mod:`digen.algos.http_reward` (its module
+``POST /score`` takes and answers the JSON of :mod:`digen.rewards.http` (its module
 docstring; both sides use its encode/decode functions). ``GET /health`` answers
 ``{"status": "ok", "reward": NAME}``.
 
@@ -19,7 +19,7 @@ requests read, decoded and scored at once; a few more wait their turn, and the r
 refused. Every answer but a score is an HTTP status with ``{"error": "one sentence"}``: 400
 for a malformed request, 413 for one over a limit, 429 when the server is busy, 500 when the
 reward fails. A reward's own error text reaches the client only with ``debug``; otherwise the
-500 says where the detail is (the server's log, logger ``digen.reward_server``). It binds
+500 says where the detail is (the server's log, logger ``digen.rewards.server``). It binds
 127.0.0.1 unless told otherwise: the endpoint has no authentication, so expose it only on a
 trusted network.
 """
@@ -39,13 +39,14 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from digen.algos.http_reward import RequestTooLarge, decode_request, encode_response
-from digen.algos.rewards import CompositeReward, RewardFn, RewardHook, call_hook, load_hook
 from digen.errors import ConfigError, DigenError
+from digen.rewards.hooks import RewardHook, call_hook, load_hook
+from digen.rewards.http import RequestTooLarge, decode_request, encode_response
+from digen.rewards.scoring import CompositeReward, RewardFn
 
 __all__ = ["GATE", "ServerLimits", "make_app", "serve"]
 
-log = logging.getLogger("digen.reward_server")
+log = logging.getLogger("digen.rewards.server")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -18,10 +18,12 @@ import pytest
 import torch
 
 from digen import DigenRunner, load_config
-from digen.algos.rewards import RewardFn, RewardLoop, build_reward, load_hook
 from digen.config import RewardSpec, schedule_plan
 from digen.errors import DigenError, RewardError
 from digen.presets import preset
+from digen.rewards.hooks import load_hook
+from digen.rewards.loop import RewardLoop
+from digen.rewards.scoring import RewardFn, build_reward
 from digen.sched.trace import Trace
 
 
@@ -47,7 +49,7 @@ class Flaky:
 
 @pytest.mark.asyncio
 async def test_retries_with_back_off_then_a_score(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("digen.algos.rewards.RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr("digen.rewards.scoring.RETRY_BACKOFF_S", 0.01)
     hook = Flaky(fails=2)
     reward = build_reward([RewardFn("flaky", hook, retries=2)])
     t0 = time.perf_counter()
@@ -61,7 +63,7 @@ async def test_retries_with_back_off_then_a_score(monkeypatch: pytest.MonkeyPatc
 async def test_a_timeout_counts_as_a_failure_and_the_last_one_fails_the_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("digen.algos.rewards.RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr("digen.rewards.scoring.RETRY_BACKOFF_S", 0.01)
     hook = Flaky(fails=5, hang=True)
     reward = build_reward([RewardFn("slow", hook, timeout_s=0.05, retries=1)])
     t0 = time.perf_counter()
@@ -106,7 +108,7 @@ async def _until(condition, what: str, within_s: float = 60.0) -> None:
 async def test_a_plain_hook_that_outlives_its_timeout_is_not_retried_beside_itself(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("digen.algos.rewards.RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr("digen.rewards.scoring.RETRY_BACKOFF_S", 0.01)
     hook = Stuck()
     reward = build_reward([RewardFn("stuck", hook, timeout_s=0.5, retries=3)])
     try:
@@ -134,7 +136,7 @@ async def test_a_plain_hook_that_outlives_its_timeout_is_not_retried_beside_itse
 async def test_a_stuck_plain_hook_with_on_error_drop_scores_nan_without_a_second_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("digen.algos.rewards.RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr("digen.rewards.scoring.RETRY_BACKOFF_S", 0.01)
     hook = Stuck()
     reward = build_reward([RewardFn("stuck", hook, timeout_s=0.5, retries=2, on_error="drop")])
     try:

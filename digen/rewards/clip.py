@@ -69,7 +69,7 @@ class ClipScore:
     def _load(self) -> tuple[Any, Any, Any]:
         with self._lock:
             if self.device == "worker":  # on a thread of the scoring worker: its device
-                from digen.algos.rewards import worker_device
+                from digen.rewards.loop import worker_device
 
                 self.device = worker_device()
             if self._parts is None:

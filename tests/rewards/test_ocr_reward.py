@@ -11,11 +11,12 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from digen.algos import ocr
-from digen.algos.ocr import OcrReward, edit_distance, normalise, target_text, text_reward
-from digen.algos.rewards import build_reward, load_hook
 from digen.errors import RewardError
 from digen.prompts import PromptSet
+from digen.rewards import ocr
+from digen.rewards.hooks import load_hook
+from digen.rewards.ocr import OcrReward, edit_distance, normalise, target_text, text_reward
+from digen.rewards.scoring import build_reward
 
 PROMPTS = [
     'A storefront sign that says "OPEN LATE"',
@@ -116,7 +117,7 @@ def test_a_missing_engine_is_one_sentence_naming_the_extra(
 ) -> None:
     monkeypatch.setattr(ocr.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RewardError, match=r"pip install digen\[ocr\]") as info:
-        load_hook("digen.algos.ocr:OcrReward")
+        load_hook("digen.rewards.ocr:OcrReward")
     assert "\n" not in str(info.value)
 
 
@@ -141,7 +142,7 @@ def test_a_blank_image_scores_zero_and_a_video_scores_its_mean_frame(reward: Ocr
 
 def test_a_config_name_builds_a_reward_that_loads_its_engine_lazily() -> None:
     samples = batch(drawn("Bear Lake"), drawn("Fish Market"))
-    for name in ("digen.algos.ocr:OcrReward", "ocr"):  # the short name is the same class
+    for name in ("digen.rewards.ocr:OcrReward", "ocr"):  # the short name is the same class
         composite = build_reward([name])
         assert isinstance(composite.fns[0].fn, OcrReward)
         result = composite.score_sync(samples, PROMPTS[1:2] * 2)

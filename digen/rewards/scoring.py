@@ -1,250 +1,56 @@
-"""Rewards: built-in JPEG rewards, user hooks, and their weighted combination.
+"""Scoring a batch with a run's rewards: their weighted sum, time limits, retries, failures.
 
-A reward hook scores decoded samples::
-
-    def hook(samples, prompts, metadata) -> Sequence[float]      # or `async def`
-    # samples: [B, F, H, W, 3] uint8 (F = 1 for images); prompts: B strings;
-    # metadata: B dicts; returns B finite floats (list, tuple, 1-D tensor or array)
-
-Hooks are named by ``module:function`` or ``path/to/file.py:function`` (a class there is
-instantiated once, with the reward's ``options`` as keyword arguments, and its instance
-called), or passed as callables. :class:`CompositeReward` runs all of them concurrently:
-async hooks on the event loop, plain ones in a worker thread so a slow scorer never blocks
-the loop. Every failure is a :class:`~digen.errors.RewardError` whose one sentence names the
-hook.
-
-A hook's life is the run's: a hook object may define ``setup()`` and ``close()`` (plain or
-``async``), which digen calls once per process that scores (each generator, or each
-colocated worker) before the first batch and after the last, on the one event loop that
-runs every call of that process (:class:`RewardLoop` where the caller has none). That is
-where a hook opens an HTTP session or loads a model. Each reward may have a timeout per
-call, retries with back-off, and a policy for a call that still fails (``on_error``): stop
-the run, or leave out the groups of that batch and count them. A failure is never turned
-into a zero reward.
+:func:`build_reward` loads the config's rewards (:mod:`digen.rewards.hooks`) into one
+:class:`CompositeReward`, which runs all of them concurrently on a batch: async hooks on the
+event loop, plain ones in a worker thread so a slow scorer never blocks the loop. Each reward
+may have a timeout per call, retries with back-off, and a policy for a call that still fails
+(``on_error``): stop the run, or leave out the groups of that batch and count them. A failure
+is never turned into a zero reward. :meth:`CompositeReward.setup` and
+:meth:`CompositeReward.close` run the hooks' own ``setup()`` / ``close()``
+(:mod:`digen.rewards.loop` says when).
 
 A plain hook runs one call at a time: a second call waits for the first. Its thread cannot
 be stopped, so a call that outlives its timeout keeps running; until it returns, the hook
 is neither retried nor called again (those calls fail at once, naming it), so copies of a
 stuck hook never pile up.
-
-Loading a hook runs its code: ``module:function`` imports the module and
-``path/to/file.py:function`` executes the file, in every process that scores.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import io
 import math
 import numbers
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from digen.config import RewardSpec
 from digen.errors import RewardError
+from digen.rewards.hooks import (
+    RewardHook,
+    check_callable,
+    check_samples,
+    describe,
+    is_async,
+    load_hook,
+    resolve,
+)
+from digen.rewards.registry import BUILTIN_REWARDS
 
 __all__ = [
-    "scoring_on",
-    "worker_device",
-    "BUILTIN_REWARDS",
+    "RETRY_BACKOFF_S",
     "CompositeReward",
     "RewardFn",
-    "RewardHook",
-    "RewardLoop",
     "RewardResult",
     "build_reward",
-    "call_hook",
-    "jpeg_compressibility",
-    "jpeg_incompressibility",
-    "jpeg_size_kb",
-    "load_hook",
 ]
-
-RewardHook = Callable[..., Any]
-"""``(samples [B,F,H,W,3] uint8, prompts: list[str], metadata: list[dict]) -> B floats``
-(or an awaitable of them)."""
-
-JPEG_QUALITY = 95
-
-
-def _check_samples(samples: Any) -> None:
-    if not isinstance(samples, torch.Tensor) or samples.dtype != torch.uint8:
-        what = samples.dtype if isinstance(samples, torch.Tensor) else type(samples).__name__
-        raise ValueError(f"samples must be a uint8 tensor [B, F, H, W, 3], got {what}.")
-    if samples.ndim != 5 or samples.shape[-1] != 3:
-        raise ValueError(f"samples must be [B, F, H, W, 3], got shape {list(samples.shape)}.")
-
-
-# --------------------------------------------------------------------------- built-ins
-
-
-def jpeg_size_kb(samples: torch.Tensor) -> torch.Tensor:
-    """JPEG size (quality 95) in kB (bytes / 1000) of each sample, averaged over frames.
-
-    samples: ``[B, F, H, W, 3]`` uint8 -> ``[B]`` float64.
-    """
-    _check_samples(samples)
-    frames = samples.detach().cpu().numpy()  # [B, F, H, W, 3]
-    sizes = np.empty(frames.shape[:2], dtype=np.float64)  # [B, F]
-    for b in range(frames.shape[0]):
-        for f in range(frames.shape[1]):
-            buffer = io.BytesIO()
-            Image.fromarray(frames[b, f]).save(buffer, format="JPEG", quality=JPEG_QUALITY)
-            sizes[b, f] = buffer.tell() / 1000.0
-    return torch.from_numpy(sizes.mean(axis=1))
-
-
-def jpeg_incompressibility(
-    samples: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-) -> torch.Tensor:
-    """Reward = +JPEG size in kB: detailed, hard-to-compress samples score higher."""
-    return jpeg_size_kb(samples)
-
-
-def jpeg_compressibility(
-    samples: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-) -> torch.Tensor:
-    """Reward = -JPEG size in kB: smooth, easy-to-compress samples score higher (always <= 0)."""
-    return -jpeg_size_kb(samples)
-
-
-BUILTIN_REWARDS: dict[str, RewardHook] = {
-    "jpeg_compressibility": jpeg_compressibility,
-    "jpeg_incompressibility": jpeg_incompressibility,
-}
-
-
-_NAMED_CLASSES = {
-    "ocr": "digen.algos.ocr:OcrReward",
-    "clip": "digen.algos.clip_score:ClipScore",
-}
-"""Built-in rewards that are classes in modules of their own (imported when named)."""
-REWARD_NAMES = (*BUILTIN_REWARDS, *_NAMED_CLASSES, "http")
-"""Every reward a config can name without a module path (``http``: a reward server's)."""
-
-# --------------------------------------------------------------------------- loading hooks
-
-
-def load_hook(ref: str, options: Mapping[str, Any] | None = None) -> RewardHook:
-    """Resolve a built-in name, ``module:function`` or ``path/to/file.py:function`` to a callable.
-
-    ``function`` may be dotted (``Class.method``); a class is instantiated with ``options``
-    as keyword arguments (a function takes none). Raises :class:`RewardError` when the hook
-    cannot be loaded or does not take ``(samples, prompts, metadata)``.
-    """
-    options = dict(options or {})
-    ref = _NAMED_CLASSES.get(ref, ref)
-    if ref in BUILTIN_REWARDS:
-        if options:
-            raise RewardError(f"reward {ref!r} takes no options (got {', '.join(options)}).")
-        return BUILTIN_REWARDS[ref]
-    source, sep, attr_path = ref.rpartition(":")
-    if not sep or not source or not attr_path:
-        raise RewardError(
-            f"reward {ref!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
-            "nor of the form module:function or path/to/file.py:function."
-        )
-    is_file = source.endswith(".py") or "/" in source or "\\" in source
-    module = _import_file(ref, source) if is_file else _import_module(ref, source)
-
-    obj: Any = module
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise RewardError(
-                f"reward hook {ref!r} cannot be loaded: {source!r} has no attribute {attr_path!r}."
-            ) from None
-    if inspect.isclass(obj):
-        try:
-            obj = obj(**options)
-        except Exception as exc:
-            raise RewardError(
-                f"reward hook {ref!r} cannot be loaded: creating {attr_path}() raised "
-                f"{_describe(exc)}."
-            ) from exc
-    elif options:
-        raise RewardError(
-            f"reward hook {ref!r} is a function, so it takes no options "
-            f"(got {', '.join(options)}); make it a class to configure it."
-        )
-    _check_callable(ref, obj)
-    return obj
-
-
-def _import_module(ref: str, name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        raise RewardError(
-            f"reward hook {ref!r} cannot be loaded: no module named {exc.name or name!r}."
-        ) from exc
-    except Exception as exc:
-        raise RewardError(
-            f"reward hook {ref!r} cannot be loaded: importing {name!r} raised {_describe(exc)}."
-        ) from exc
-
-
-def _import_file(ref: str, source: str) -> Any:
-    path = Path(source).expanduser().resolve()
-    if not path.is_file():
-        raise RewardError(f"reward hook {ref!r} cannot be loaded: file '{path}' does not exist.")
-    # A stable, unique module name per file, registered so pickling and dataclasses work.
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    name = f"digen_reward_{path.stem}_{digest}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise RewardError(f"reward hook {ref!r} cannot be loaded: '{path}' is not a module.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise RewardError(
-            f"reward hook {ref!r} cannot be loaded: running '{path}' raised {_describe(exc)}."
-        ) from exc
-    return module
-
-
-def _check_callable(name: str, fn: Any) -> None:
-    if not callable(fn):
-        raise RewardError(f"reward hook {name!r} is not callable (it is {type(fn).__name__}).")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # some builtins have no signature: trust them
-        return
-    try:
-        signature.bind(None, None, None)
-    except TypeError:
-        raise RewardError(
-            f"reward hook {name!r} must take (samples, prompts, metadata) "
-            f"but its signature is {signature}."
-        ) from None
-
-
-def _describe(exc: BaseException) -> str:
-    """``ValueError: boom`` -- the exception's first line, without a closing period."""
-    text = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-# --------------------------------------------------------------------------- scoring
 
 
 def _to_scores(name: str, result: Any, batch: int, drop: bool = False) -> torch.Tensor:
@@ -414,7 +220,7 @@ class RewardFn:
                 elif isinstance(exc, RewardError):  # already one sentence (a reward server's)
                     why = f"failed: {str(exc).rstrip('.')}"
                 else:
-                    why = f"raised {_describe(exc)}"
+                    why = f"raised {describe(exc)}"
                 if attempt < self.retries:
                     await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
                     continue
@@ -430,24 +236,10 @@ class RewardFn:
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]],
     ) -> Any:
-        if _is_async(self.fn):
+        if is_async(self.fn):
             return await self.fn(samples, prompts, metadata)
         result = await self._calls.call(self.fn, samples, prompts, metadata)
         return await result if inspect.isawaitable(result) else result
-
-
-async def call_hook(
-    fn: RewardHook,
-    samples: torch.Tensor,
-    prompts: Sequence[str],
-    metadata: Sequence[Mapping[str, Any]],
-) -> Any:
-    """One call of a hook, as it returned: an async hook awaited on this loop, a plain one
-    in a worker thread (it may be slow: a reward model, an encoder) so the loop is free."""
-    if _is_async(fn):
-        return await fn(samples, prompts, metadata)
-    result = await asyncio.to_thread(fn, samples, prompts, metadata)
-    return await result if inspect.isawaitable(result) else result
 
 
 RETRY_BACKOFF_S = 0.5
@@ -467,14 +259,7 @@ async def _lifecycle(name: str, fn: RewardHook, method: str) -> None:
             if inspect.isawaitable(done):
                 await done
     except Exception as exc:
-        raise RewardError(f"reward hook {name!r} {method}() raised {_describe(exc)}.") from exc
-
-
-def _is_async(fn: Any) -> bool:
-    if inspect.iscoroutinefunction(fn):
-        return True
-    # An object whose class defines `async def __call__`.
-    return inspect.iscoroutinefunction(type(fn).__call__)
+        raise RewardError(f"reward hook {name!r} {method}() raised {describe(exc)}.") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,7 +319,7 @@ class CompositeReward:
         metadata: Sequence[Mapping[str, Any]] | None = None,
     ) -> RewardResult:
         """Score ``samples`` ``[B, F, H, W, 3]`` uint8 with every hook at once."""
-        _check_samples(samples)
+        check_samples(samples)
         batch = samples.shape[0]
         prompts = list(prompts)
         metadata = [{} for _ in range(batch)] if metadata is None else list(metadata)
@@ -574,106 +359,9 @@ class CompositeReward:
         metadata: Sequence[Mapping[str, Any]] | None = None,
     ) -> RewardResult:
         """Blocking form of ``await self(...)`` for a one-off score without a loop (the
-        hooks' ``setup`` / ``close`` are not called: a run uses :class:`RewardLoop`)."""
+        hooks' ``setup`` / ``close`` are not called: a run uses
+        :class:`~digen.rewards.loop.RewardLoop`)."""
         return asyncio.run(self(samples, prompts, metadata))
-
-
-_SCORING = threading.local()
-_RUN_DEVICE: list[str] = []
-"""The device a colocated worker scores on while its run lasts (:func:`scoring_on`)."""
-
-
-def worker_device() -> str:
-    """The device of the worker the calling thread scores for: what a model reward's
-    ``device: worker`` option means. The device of the :class:`RewardLoop` whose thread this
-    is (its loop's or its executor's), else of the colocated run under way in this process
-    (:func:`scoring_on`), else ``cpu``."""
-    return getattr(_SCORING, "device", None) or (_RUN_DEVICE[-1] if _RUN_DEVICE else "cpu")
-
-
-def _enter_device(device: str) -> None:
-    """This thread scores for a worker on ``device``; on a GPU it is the thread's current
-    CUDA device too (each thread has its own, ``cuda:0`` until set)."""
-    _SCORING.device = device
-    if device.startswith("cuda") and torch.cuda.is_available():
-        torch.cuda.set_device(torch.device(device))
-
-
-@contextlib.contextmanager
-def scoring_on(device: str) -> Iterator[None]:
-    """Rewards scored in this process inside the block, on any thread, score for a worker
-    on ``device`` (a colocated worker scores in its own process, on its own loop)."""
-    _RUN_DEVICE.append(device)
-    try:
-        yield
-    finally:
-        _RUN_DEVICE.pop()
-
-
-class RewardLoop:
-    """A :class:`CompositeReward` living on an event loop of its own, in a thread, for a
-    whole run: for scoring from threads that have no loop (an actor's).
-
-    The hooks' ``setup()`` runs once when it is made, every :meth:`score` runs on that one
-    loop (so a session or model a hook opened stays usable), and :meth:`close` runs their
-    ``close()`` and ends the thread. Every thread it runs hooks on (the loop's and its
-    executor's, where plain hooks run) is on ``device``, the worker's (:func:`worker_device`).
-    """
-
-    def __init__(self, reward: CompositeReward, device: str = "cpu") -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.reward = reward
-        self._loop = asyncio.new_event_loop()
-        self._loop.set_default_executor(
-            ThreadPoolExecutor(
-                thread_name_prefix="digen-reward", initializer=_enter_device, initargs=(device,)
-            )
-        )
-
-        def run() -> None:
-            _enter_device(device)
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=run, name="digen-rewards", daemon=True)
-        self._thread.start()
-        self._closed = False
-        try:
-            self._run(reward.setup())
-        except BaseException:
-            self._stop()
-            raise
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def score(
-        self,
-        samples: torch.Tensor,
-        prompts: Sequence[str],
-        metadata: Sequence[Mapping[str, Any]] | None = None,
-    ) -> RewardResult:
-        """``await reward(...)`` on the loop, waited for here."""
-        if self._closed:
-            raise RewardError("the rewards were closed; no more batches can be scored.")
-        return self._run(self.reward(samples, prompts, metadata))
-
-    def close(self) -> None:
-        """The hooks' ``close()``, then the loop and its thread end (once; later calls do
-        nothing)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._run(self.reward.close())
-        finally:
-            self._stop()
-
-    def _stop(self) -> None:
-        self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
 
 
 def build_reward(
@@ -689,7 +377,7 @@ def build_reward(
     fns = []
     for spec in specs:
         if isinstance(spec, RewardFn):
-            _check_callable(spec.name, spec.fn)
+            check_callable(spec.name, spec.fn)
             fn = spec
         else:
             if isinstance(spec, RewardSpec):
@@ -711,7 +399,7 @@ def build_reward(
                 fn = RewardFn(name=target, fn=load_hook(target), weight=weight)
             else:
                 name = getattr(target, "__name__", type(target).__name__)
-                _check_callable(name, target)
+                check_callable(name, target)
                 fn = RewardFn(name=name, fn=target, weight=weight)
         if isinstance(fn.weight, bool) or not isinstance(fn.weight, numbers.Real):
             raise RewardError(f"reward {fn.name!r} has weight {fn.weight!r}, not a number.")
@@ -723,8 +411,7 @@ def build_reward(
 
 def _spec_hook(spec: RewardSpec) -> RewardHook:
     """The hook a config entry names (``http``: a client of a reward server)."""
-    if spec.name == "http":
-        from digen.algos.http_reward import HttpReward
-
-        return HttpReward.from_spec(spec)
+    builtin = BUILTIN_REWARDS.get(spec.name)
+    if builtin is not None and builtin.built_from == "url":
+        return resolve(builtin.target).from_spec(spec)
     return load_hook(spec.name, spec.options)
