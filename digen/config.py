@@ -23,7 +23,7 @@ from digen.algos.registry import ALGO_NAMES, get_algorithm
 from digen.algos.steps import STEP_KINDS
 from digen.errors import ConfigError
 from digen.models.registry import BACKBONES, FLAVOURS, MODEL_NAMES
-from digen.runtime.trackers import TRACKERS
+from digen.run.trackers import TRACKERS
 from digen.sched.microbatch import MicroBatch, form_microbatches, samples_per_microbatch
 from digen.sched.schedule import STALENESS_SCHEDULES, stale_cap
 from digen.sched.tag import TAG_POLICIES as TAG_POLICY_FACTORIES

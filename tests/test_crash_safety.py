@@ -14,8 +14,8 @@ import torch
 from digen import load_config
 from digen.errors import DigenError
 from digen.presets import preset
-from digen.runtime import checkpoint
-from digen.runtime.checkpoint import (
+from digen.run import checkpoint
+from digen.run.checkpoint import (
     CheckpointWriter,
     check_out_dir,
     checkpoint_identity,

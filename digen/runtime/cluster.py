@@ -21,14 +21,13 @@ from typing import Any
 import torch
 
 from digen.config import DigenConfig, config_to_dict
+from digen.run.checkpoint import Checkpoint
 from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec, active_launch
-from digen.runtime.checkpoint import Checkpoint
 from digen.runtime.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.fsdp import is_sharded
 from digen.runtime.groups import listen
+from digen.runtime.messages import NOTES_ENV, LossStats, Timed
 from digen.runtime.placement import all_devices, check_groups, device_maps, run_groups
-from digen.runtime.policy import LossStats
-from digen.runtime.workers import NOTES_ENV, Timed
 from digen.sched.schedule import Pool, worker_names
 
 __all__ = ["Cluster", "TrainerGang"]

@@ -35,12 +35,13 @@ from digen.algos.rewards import CompositeReward, scoring_on
 from digen.algos.rollout import Rollout
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
-from digen.runtime.checkpoint import Checkpoint
+from digen.run.checkpoint import Checkpoint
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
+from digen.runtime.messages import LossStats, SampleKey, StepResult, TrainItem
 from digen.runtime.metrics import step_metrics
 from digen.runtime.placement import is_cuda, peak_memory_gb
-from digen.runtime.policy import Generated, LossStats, Policy, SampleKey, StepResult, TrainItem
+from digen.runtime.policy import Generated, Policy
 from digen.sched.schedule import TaskKind
 from digen.sched.trace import Trace
 

@@ -50,11 +50,11 @@ from digen.config import (
     trainer_slots,
 )
 from digen.prompts import PromptSet
+from digen.run.checkpoint import PROFILER, Checkpoint
 from digen.runtime.accounting import Accounts
 from digen.runtime.actors import WorkerDied
-from digen.runtime.checkpoint import PROFILER, Checkpoint
 from digen.runtime.cluster import Cluster
-from digen.runtime.policy import SampleKey, StepResult
+from digen.runtime.messages import SampleKey, StepResult
 from digen.sched.book import Book
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch

@@ -14,8 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from digen.runtime.policy import LossStats
-from digen.runtime.workers import Scores, Timed
+from digen.runtime.messages import LossStats, Scores, Timed
 from digen.sched.schedule import Pool, worker_name
 
 

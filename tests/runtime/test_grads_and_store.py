@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from digen.algos.rollout import Rollout
+from digen.run.outputs import thumbnails
 from digen.runtime.grads import GradAccumulator
-from digen.runtime.outputs import thumbnails
 from digen.runtime.store import Store
 
 

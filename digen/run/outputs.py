@@ -7,7 +7,7 @@
 Every file is written whole (temp file + rename) or appended line by line, so an interrupted
 run never leaves a half-written file behind; the final weights, like a checkpoint, are written
 under a temporary name, flushed to disk and moved into place by
-:func:`~digen.runtime.checkpoint.publish`, which deletes the ones they replace only after.
+:func:`~digen.run.checkpoint.publish`, which deletes the ones they replace only after.
 """
 
 from __future__ import annotations
@@ -168,11 +168,6 @@ class RunOutputs:
         with self.metrics_path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(row, sort_keys=False) + "\n")
             fh.flush()
-
-    def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.is_file():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
 
     def save_samples(self, step: int, pixels: torch.Tensor, captions: Sequence[str]) -> Path:
         path = self.dir / "samples" / f"step_{step:04d}.png"
