@@ -187,7 +187,7 @@ def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> No
     assert resumed.first_step == 2
     # the profiler's estimates travel with the checkpoint: BTS resumes with the run's costs
     from digen.run.checkpoint import latest_checkpoint
-    from digen.runtime.driver import Driver
+    from digen.runtime.driver.loop import Driver
     from digen.sched.costs import OnlineProfiler
 
     ckpt = latest_checkpoint(tmp_path)

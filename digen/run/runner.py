@@ -333,7 +333,7 @@ class DigenRunner:
     def _backend(self, rank: int, world: int, trace: Trace, ckpt: Checkpoint | None = None):
         """The colocated trainer, or the disaggregated driver with its worker processes."""
         if self.cfg.runtime.mode == "disaggregated":
-            from digen.runtime.driver import Driver
+            from digen.runtime.driver.loop import Driver
 
             rewards = self._reward_objects if self._reward_objects is not None else None
             notes = self.out_dir / "trainer.log"  # the workers' notes join the driver's
@@ -363,8 +363,8 @@ class DigenRunner:
 
         from digen.runtime import forkserver
         from digen.runtime.colocated import worker_config
+        from digen.runtime.driver.placement import check_groups, colocated_groups
         from digen.runtime.groups import destroy_default_group, pinned_to_loopback, tcp_store
-        from digen.runtime.placement import check_groups, colocated_groups
 
         devices = [worker_config(self.cfg, r).model.device for r in range(world)]
         self._placement_notes = check_groups(self.cfg, colocated_groups(self.cfg, devices))

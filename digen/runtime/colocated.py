@@ -36,11 +36,11 @@ from digen.algos.rollout import Rollout
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
 from digen.run.checkpoint import Checkpoint
+from digen.runtime.driver.metrics import step_metrics
+from digen.runtime.driver.placement import is_cuda, peak_memory_gb
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.messages import LossStats, SampleKey, StepResult, TrainItem
-from digen.runtime.metrics import step_metrics
-from digen.runtime.placement import is_cuda, peak_memory_gb
 from digen.runtime.policy import Generated, Policy
 from digen.sched.schedule import TaskKind
 from digen.sched.trace import Trace

@@ -1,7 +1,7 @@
 """The generator, scorer and trainer actors: what runs inside the worker processes.
 
 Each actor wraps a :class:`~digen.runtime.policy.Policy` on its own device
-(:mod:`digen.runtime.placement`: ``torch.cuda.set_device`` on a GPU) and knows nothing about
+(:mod:`digen.runtime.driver.placement`: ``torch.cuda.set_device`` on a GPU) and knows nothing about
 RPC: the actor layer (:mod:`digen.runtime.actors`) calls its methods one at a time. Methods
 report the wall-clock span of their own work and the process's peak memory so far
 (:class:`Timed`) so the driver can build the trace and the metrics.
@@ -50,11 +50,11 @@ from digen.algos.rewards import RewardLoop, build_reward
 from digen.config import DigenConfig, load_config, max_inflight
 from digen.run.outputs import thumbnails
 from digen.runtime.actors import run_sync
+from digen.runtime.driver.placement import is_cuda, peak_memory_gb, worker_device
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.groups import init_default_group, make_group, pinned_to_loopback, tcp_store
 from digen.runtime.messages import NOTES_ENV, LossStats, SampleKey, Scores, Timed, TrainItem
-from digen.runtime.placement import is_cuda, peak_memory_gb, worker_device
 from digen.runtime.policy import Policy
 from digen.runtime.store import STORE, fetch_pixels, fetch_rollout, fetch_weights
 from digen.sched.schedule import Pool, index_of, worker_name

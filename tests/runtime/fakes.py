@@ -143,7 +143,7 @@ class FakeActor:
 
 
 class FakeCluster:
-    """The methods of :class:`~digen.runtime.cluster.Cluster` the driver uses."""
+    """The methods of :class:`~digen.runtime.driver.cluster.Cluster` the driver uses."""
 
     def __init__(self, generators: int, trainers: int, world: World) -> None:
         self.world = world

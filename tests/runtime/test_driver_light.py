@@ -8,8 +8,8 @@ import sys
 
 CODE = """
 import sys
-import digen.runtime.driver, digen.runtime.accounting, digen.runtime.cluster  # noqa: F401
-import digen.runtime.metrics, digen.runtime.placement, digen.runtime.messages  # noqa: F401
+from digen.runtime.driver import accounting, cluster, loop, metrics, placement  # noqa: F401
+import digen.runtime.messages  # noqa: F401
 print(sorted(m for m in ("diffusers", "peft") if m in sys.modules))
 """
 

@@ -23,7 +23,7 @@ naming the worker:
 
 What was handed out, made, scored and trained lives in :class:`~digen.sched.book.Book`
 (pure book-keeping, the model the TAG search plans on); what calls cost is observed by
-:class:`~digen.runtime.accounting.Accounts`. The loops below are the schedule and nothing else.
+:class:`~digen.runtime.driver.accounting.Accounts`. The loops below are the schedule and nothing else.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from digen.config import (
 )
 from digen.prompts import PromptSet
 from digen.run.checkpoint import PROFILER, Checkpoint
-from digen.runtime.accounting import Accounts
 from digen.runtime.actors import WorkerDied
-from digen.runtime.cluster import Cluster
+from digen.runtime.driver.accounting import Accounts
+from digen.runtime.driver.cluster import Cluster
 from digen.runtime.messages import SampleKey, StepResult
 from digen.sched.book import Book
 from digen.sched.costs import OnlineProfiler
