@@ -41,8 +41,8 @@ def run(size: int, steps: int, extra: list[str]) -> dict[str, float]:
         runner = DigenRunner(cfg, out_dir=out, progress=False, save_weights=False)
         res = asyncio.run(runner.run())
     rows = res.metrics[1:]
-    grid = [r for r in res.metrics if runner._samples_at(r["step"])]
-    plain = [r for r in rows if not runner._samples_at(r["step"])]
+    grid = [r for r in res.metrics if runner.samples_at(r["step"])]
+    plain = [r for r in rows if not runner.samples_at(r["step"])]
     lora = sum(v.numel() for v in res.final_state.values())
     return {
         "size_px": size,

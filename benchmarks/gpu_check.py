@@ -341,7 +341,8 @@ def measure_curves(plan: Plan, cfg: DigenConfig) -> tuple[dict[str, Any], dict[s
     fastest measured there)."""
     from digen.prompts import PromptSet
     from digen.rewards.scoring import build_reward
-    from digen.runtime.policy import Policy, SampleKey, TrainItem
+    from digen.runtime.messages import SampleKey, TrainItem
+    from digen.runtime.policy import Policy
 
     dev = plan.device
     prompt = PromptSet.builtin().prompts[0]

@@ -1,6 +1,6 @@
 """Step time of the execution modes on this machine: the ablation of the runtime.
 
-This is ``digen bench`` (``digen/runtime/bench.py``); the script passes its arguments on:
+This is ``digen bench`` (``digen/run/bench.py``); the script passes its arguments on:
 
     python benchmarks/modes.py --steps 8 --size 128 --repeats 3 --json modes.json
 

@@ -29,7 +29,7 @@ from typing import Any
 import click
 
 from digen.algos.registry import ALGO_NAMES, get_algorithm
-from digen.models.registry import BACKBONES, MODEL_NAMES, get_backbone
+from digen.models.registry import BACKBONES, MODEL_NAMES
 
 __all__ = ["main", "role_for_rank"]
 
@@ -270,7 +270,7 @@ def run(
 
 def _after_failure(out_dir: Path) -> str:
     """What a failed run left, and the command that continues it."""
-    from digen.runtime.checkpoint import latest_checkpoint
+    from digen.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(out_dir, checksums=False)  # sizes only: a large one hashes slowly
     if ckpt is None:
@@ -355,7 +355,7 @@ def _run(
         check_model_dir(cfg.model.path, cfg.model.name)
     if launcher == "torchrun" or (launcher == "auto" and _under_torchrun(os.environ)):
         return _run_torchrun(cfg, out_dir, quiet, sample_every)
-    from digen.runtime.checkpoint import check_out_dir
+    from digen.checkpoint import check_out_dir
 
     # a previous run in --out, or a checkpoint of other weights: said before torch loads
     check_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite, checksums=False)
@@ -364,7 +364,7 @@ def _run(
 
         start_fork_server()  # the workers' imports, beside the driver's below
     _quiet_progress_bars()  # imports diffusers: only once the config is good
-    from digen.runner import DigenRunner
+    from digen.run.runner import DigenRunner
 
     runner = DigenRunner(
         cfg,
@@ -448,7 +448,7 @@ def _torchrun_world(env, cfg) -> tuple[int, int, str, int]:
 
 def _run_torchrun(cfg, out_dir, quiet, sample_every):
     """Rank 0: the usual driver, joining workers torchrun started. Others: serve as one."""
-    from digen.runner import DigenRunner
+    from digen.run.runner import DigenRunner
     from digen.runtime.actors import ExternalLaunch, WorkerSpec, external_launch, serve_worker
 
     rank, world, address, port = _torchrun_world(os.environ, cfg)
@@ -841,7 +841,7 @@ def bench(
         settings = _bench_settings(
             quick, model, algo, size, steps, repeats, workers, json_path, plot_path, overrides
         )
-        from digen.runtime import bench as b
+        from digen.run import bench as b
 
         b.rung_configs(settings)  # a setting no rung allows fails here, before any run
     except DigenError as exc:
@@ -889,9 +889,12 @@ def _bench_settings(
 ):
     """The bench's settings from its options, or one sentence (DigenError) on bad input."""
     from digen.errors import DigenError
-    from digen.runtime.bench import QUICK, BenchSettings
+    from digen.run.bench import QUICK, BenchSettings
 
-    get_backbone(model), get_algorithm(algo)  # one sentence for a name that is not registered
+    if model not in MODEL_NAMES:
+        raise DigenError(f"--model {model!r} is not a model; choose {_or(MODEL_NAMES)}")
+    if algo not in ALGO_NAMES:
+        raise DigenError(f"--algo {algo!r} is not an algorithm; choose {_or(ALGO_NAMES)}")
     base = dict(QUICK) if quick else {}
     given = {"size": size, "steps": steps, "repeats": repeats}
     values = {**base, **{k: v for k, v in given.items() if v is not None}}

@@ -19,9 +19,9 @@ _EXPORTS = {
     "ConfigError": "digen.errors",
     "DigenConfig": "digen.config",
     "DigenError": "digen.errors",
-    "DigenRunner": "digen.runner",
+    "DigenRunner": "digen.run.runner",
     "RewardError": "digen.errors",
-    "RunResult": "digen.runner",
+    "RunResult": "digen.run.runner",
     "load_config": "digen.config",
 }
 

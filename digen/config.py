@@ -24,7 +24,7 @@ from digen.algos.steps import STEP_KINDS
 from digen.errors import ConfigError
 from digen.models.registry import BACKBONES, FLAVOURS, MODEL_NAMES
 from digen.rewards.registry import BUILTIN_REWARDS
-from digen.runtime.trackers import TRACKERS
+from digen.run.trackers import TRACKERS
 from digen.sched.plan import SchedulePlan, plan_schedule
 from digen.sched.schedule import STALENESS_SCHEDULES
 from digen.sched.tag import TAG_POLICIES as TAG_POLICY_FACTORIES

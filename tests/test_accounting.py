@@ -13,8 +13,8 @@ import pytest
 
 from digen import load_config
 from digen.presets import preset
-from digen.runtime.accounting import Accounts
-from digen.runtime.policy import LossStats
+from digen.runtime.driver.accounting import Accounts
+from digen.runtime.messages import LossStats
 from digen.sched.book import StepRecord
 from digen.sched.schedule import DRIVER, TaskKind
 from digen.sched.trace import Trace

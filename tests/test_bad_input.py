@@ -119,9 +119,9 @@ def test_an_out_dir_that_refuses_the_run_is_said_before_torch_loads(tmp_path: Pa
     import yaml
 
     from digen import load_config
+    from digen.checkpoint import CheckpointWriter, checkpoint_identity, write_trainer_state
     from digen.config import config_to_dict
     from digen.presets import preset
-    from digen.runtime.checkpoint import CheckpointWriter, checkpoint_identity, write_trainer_state
 
     out = tmp_path / "run"
     cfg = load_config(base=preset("sd3", "flowgrpo"), overrides=["steps=4"])

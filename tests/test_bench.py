@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from digen.runtime.bench import utilisation
+from digen.run.bench import utilisation
 from digen.sched.trace import Trace, TraceEvent
 
 RUNGS = ["colocated", "naive", "pipeline", "gap", "tsp", "tag", "tcss"]

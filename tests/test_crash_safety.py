@@ -11,11 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from digen import load_config
-from digen.errors import DigenError
-from digen.presets import preset
-from digen.runtime import checkpoint
-from digen.runtime.checkpoint import (
+from digen import checkpoint, load_config
+from digen.checkpoint import (
     CheckpointWriter,
     check_out_dir,
     checkpoint_identity,
@@ -26,6 +23,8 @@ from digen.runtime.checkpoint import (
     tidy_out_dir,
     write_trainer_state,
 )
+from digen.errors import DigenError
+from digen.presets import preset
 
 CRASHES = {
     "moving the old one aside": {1},

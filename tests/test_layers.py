@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "leaves",
         (
             "digen.errors",
+            "digen.checkpoint",
             "digen.seeding",
             "digen.prompts",
             "digen.data",
@@ -26,7 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "digen.algos.steps",
             "digen.models.registry",
             "digen.rewards.registry",
-            "digen.runtime.trackers",
+            "digen.run.trackers",
         ),
     ),
     ("sched", ("digen.sched",)),  # the schedule's core: torch-free, knows no config
@@ -35,7 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("algos", ("digen.algos",)),  # the RL math
     ("rewards", ("digen.rewards",)),  # scoring samples: built-ins, hooks, HTTP client, server
     ("runtime", ("digen.runtime",)),  # the processes: driver, workers, transport
-    ("run", ("digen.runner", "digen")),  # the user-facing side: runner, its I/O, bench
+    ("run", ("digen.run", "digen")),  # the user-facing side: runner, its I/O, bench
     # (``digen`` is the package's own __init__, its public names: it matches no submodule)
     ("cli", ("cli",)),
 )
@@ -170,7 +171,7 @@ def test_the_reader_sees_what_it_should() -> None:
     config = dict(edges["digen.config"])
     assert "digen.sched.plan" in config and "digen.errors" in config
     assert ("digen.config", 1) not in edges["digen.config"]
-    driver = {t for t, _ in edges["digen.runtime.driver"]}
+    driver = {t for t, _ in edges["digen.runtime.driver.loop"]}
     assert "digen.sched.book" in driver and "digen.config" in driver
     # a made-up cycle and an upward import are caught
     fake = {"a": [("b", 1)], "b": [("c", 2)], "c": [("a", 3)], "d": [("a", 4)]}

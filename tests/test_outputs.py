@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from digen.runtime.outputs import (
+from digen.run.outputs import (
     CAPTION_LINES,
     MIN_TILE_WIDTH,
     _caption_font,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from digen import DigenRunner, load_config
+from digen.checkpoint import CheckpointWriter, latest_checkpoint, write_trainer_state
 from digen.errors import DigenError
 from digen.presets import preset
 from digen.prompts import PromptSet
-from digen.runtime.checkpoint import CheckpointWriter, latest_checkpoint, write_trainer_state
 from digen.sched.trace import Trace
 
 # a schedule that changes every step, so a resume that lost the step would show
@@ -186,8 +186,8 @@ def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> No
     assert stale[2] == 0 and stale[3] == stale[1]  # resumed at 2: on-policy, then as before
     assert resumed.first_step == 2
     # the profiler's estimates travel with the checkpoint: BTS resumes with the run's costs
-    from digen.runtime.checkpoint import latest_checkpoint
-    from digen.runtime.driver import Driver
+    from digen.checkpoint import latest_checkpoint
+    from digen.runtime.driver.loop import Driver
     from digen.sched.costs import OnlineProfiler
 
     ckpt = latest_checkpoint(tmp_path)

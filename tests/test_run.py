@@ -24,7 +24,7 @@ from digen.config import config_to_dict
 from digen.errors import DigenError
 from digen.models import MODEL_NAMES, get_adapter_class
 from digen.presets import ALGO_NAMES, preset
-from digen.runtime.outputs import MIN_TILE_WIDTH
+from digen.run.outputs import MIN_TILE_WIDTH
 
 SMALL = ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
 METRIC_KEYS = {

@@ -22,7 +22,7 @@ from PIL import Image
 from cli.main import main
 from digen import DigenRunner, load_config
 from digen.presets import preset
-from digen.runtime.trackers import TRACKERS, wandb_mode
+from digen.run.trackers import TRACKERS, wandb_mode
 
 SMALL = ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=4", "steps=2"]
 

@@ -8,7 +8,8 @@ import torch
 
 from digen.config import load_config
 from digen.presets import preset
-from digen.runtime.policy import Policy, SampleKey, TrainItem
+from digen.runtime.messages import SampleKey, TrainItem
+from digen.runtime.policy import Policy
 
 
 def _grads_for(policy: Policy, item: TrainItem, tsp: int) -> tuple[list[torch.Tensor], float]:

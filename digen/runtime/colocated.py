@@ -32,16 +32,17 @@ import torch.distributed as dist
 
 from digen.algos.grpo import score_groups, step_terms
 from digen.algos.rollout import Rollout
+from digen.checkpoint import Checkpoint
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
 from digen.rewards.loop import scoring_on
 from digen.rewards.scoring import CompositeReward
-from digen.runtime.checkpoint import Checkpoint
+from digen.runtime.driver.metrics import step_metrics
+from digen.runtime.driver.placement import is_cuda, peak_memory_gb
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
-from digen.runtime.metrics import step_metrics
-from digen.runtime.placement import is_cuda, peak_memory_gb
-from digen.runtime.policy import Generated, LossStats, Policy, SampleKey, StepResult, TrainItem
+from digen.runtime.messages import LossStats, SampleKey, StepResult, TrainItem
+from digen.runtime.policy import Generated, Policy
 from digen.sched.schedule import TaskKind
 from digen.sched.trace import Trace
 

@@ -8,7 +8,7 @@ port 0 takes a free one at bind time, and :attr:`TCPStore.port` says which; :fun
 binds one ahead of the store, for a port that must be known before the store exists (the
 socket is held, so nothing can take the port meanwhile).
 
-The group's backend follows :func:`digen.runtime.placement.group_backend`. On a loopback
+The group's backend follows :func:`digen.runtime.driver.placement.group_backend`. On a loopback
 address the transports' interfaces (gloo, NCCL's bootstrap) are pinned to loopback for the
 group's creation only (:func:`loopback_env`): the caller's environment is left as it was.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from digen.runtime.actors._transport import _is_loopback, _loopback_ifname
-from digen.runtime.placement import default_group_backend, group_backend
+from digen.runtime.driver.placement import default_group_backend, group_backend
 
 __all__ = ["listen", "loopback_env", "make_group", "pinned_to_loopback", "tcp_store"]
 

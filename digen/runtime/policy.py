@@ -13,7 +13,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +21,20 @@ import torch
 
 from digen.algos.registry import get_algorithm
 from digen.algos.rollout import Rollout, SamplerSpec, sample_rollout, score_step
+from digen.checkpoint import publish, staging_for
 from digen.config import DigenConfig
 from digen.errors import NonFiniteError
 from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
-from digen.runtime.checkpoint import publish, staging_for
+from digen.runtime.messages import LossStats, SampleKey, TrainItem
 from digen.seeding import group_generator, sample_generator
 
-__all__ = ["Generated", "Policy", "SampleKey", "StepResult", "LossStats", "TrainItem"]
+__all__ = ["Generated", "Policy"]
 
 _COND_CACHE_SIZE = 1024
 """Prompts whose text conditioning a policy copy keeps."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class SampleKey:
-    """Identity of one sample: train step, prompt position in the step, sample in the group."""
-
-    step: int
-    prompt: int
-    sample: int
 
 
 @dataclass(slots=True)
@@ -55,71 +47,6 @@ class Generated:
     """``uint8 [B, F, H, W, 3]`` decoded samples, for scoring and sample grids."""
     version: int
     seconds: float
-
-
-@dataclass(slots=True)
-class StepResult:
-    """One finished train step, as the runner writes it out."""
-
-    metrics: dict[str, Any]
-    pixels: torch.Tensor | None
-    """Samples of the step for its grid, ``uint8 [B, F, H, W, 3]`` (this worker's share when
-    data-parallel; thumbnails in a disaggregated run); None when the step keeps none."""
-    captions: list[str]
-
-
-@dataclass(slots=True)
-class TrainItem:
-    """The samples of one update call: trajectories, prompts and advantages (rows aligned)."""
-
-    keys: list[SampleKey]
-    prompts: list[str]
-    rollout: Rollout
-    advantages: torch.Tensor
-    """``[B]`` fp32."""
-
-
-@dataclass(slots=True)
-class LossStats:
-    """Sums over (sample, trained timestep) terms; divide by ``terms`` for means."""
-
-    terms: int = 0
-    loss: float = 0.0
-    kl: float = 0.0
-    clip_fraction: float = 0.0
-    approx_kl: float = 0.0
-    dropped: int = 0
-    """Loss chunks left out for a non-finite loss (``train.on_nonfinite = drop``)."""
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def add(self, other: LossStats) -> None:
-        self.dropped += other.dropped
-        self.terms += other.terms
-        self.loss += other.loss
-        self.kl += other.kl
-        self.clip_fraction += other.clip_fraction
-        self.approx_kl += other.approx_kl
-
-    def as_tensor(self) -> torch.Tensor:
-        return torch.tensor(
-            [self.terms, self.loss, self.kl, self.clip_fraction, self.approx_kl, self.dropped],
-            dtype=torch.float64,
-        )
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> LossStats:
-        terms, loss, kl, clip, akl, dropped = t.tolist()
-        return cls(int(terms), loss, kl, clip, akl, int(dropped))
-
-    def means(self) -> dict[str, float]:
-        n = max(self.terms, 1)
-        return {
-            "loss": self.loss / n,
-            "kl": self.kl / n,
-            "clip_fraction": self.clip_fraction / n,
-            "approx_kl": self.approx_kl / n,
-            "dropped_microbatches": self.dropped,
-        }
 
 
 class Policy:
@@ -393,10 +320,10 @@ class Policy:
 
     def write_checkpoint(self, directory: str | os.PathLike, lead: bool) -> None:
         """This policy's part of a checkpoint in ``directory``: sharded members all call at
-        once and each writes its shards (:func:`~digen.runtime.checkpoint.write_sharded_state`);
+        once and each writes its shards (:func:`~digen.checkpoint.write_sharded_state`);
         otherwise the ``lead`` copy writes the whole weights and optimizer state (replicas
         hold the same)."""
-        from digen.runtime.checkpoint import write_sharded_state, write_trainer_state
+        from digen.checkpoint import write_sharded_state, write_trainer_state
 
         if self.sharded:
             names = [n for n, _ in self.synced_parameters()]
@@ -407,7 +334,7 @@ class Policy:
     def load_checkpoint(self, directory: str | os.PathLike, version: int) -> None:
         """Continue from the checkpoint in ``directory``, whichever layout wrote it and
         however many trainers (sharded members all call at once)."""
-        from digen.runtime.checkpoint import (
+        from digen.checkpoint import (
             is_sharded_checkpoint,
             load_sharded_state,
             load_trainer_state,

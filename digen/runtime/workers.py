@@ -1,7 +1,7 @@
 """The generator, scorer and trainer actors: what runs inside the worker processes.
 
 Each actor wraps a :class:`~digen.runtime.policy.Policy` on its own device
-(:mod:`digen.runtime.placement`: ``torch.cuda.set_device`` on a GPU) and knows nothing about
+(:mod:`digen.runtime.driver.placement`: ``torch.cuda.set_device`` on a GPU) and knows nothing about
 RPC: the actor layer (:mod:`digen.runtime.actors`) calls its methods one at a time. Methods
 report the wall-clock span of their own work and the process's peak memory so far
 (:class:`Timed`) so the driver can build the trace and the metrics.
@@ -40,7 +40,6 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -51,47 +50,30 @@ from digen.config import DigenConfig, load_config, schedule_plan
 from digen.rewards.loop import RewardLoop
 from digen.rewards.scoring import build_reward
 from digen.runtime.actors import run_sync
+from digen.runtime.driver.placement import is_cuda, peak_memory_gb, worker_device
 from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.groups import init_default_group, make_group, pinned_to_loopback, tcp_store
-from digen.runtime.outputs import thumbnails
-from digen.runtime.placement import is_cuda, peak_memory_gb, worker_device
-from digen.runtime.policy import LossStats, Policy, SampleKey, TrainItem
+from digen.runtime.messages import (
+    NOTES_ENV,
+    LossStats,
+    SampleKey,
+    Scores,
+    Timed,
+    TrainItem,
+    thumbnails,
+)
+from digen.runtime.policy import Policy
 from digen.runtime.store import STORE, fetch_pixels, fetch_rollout, fetch_weights
 from digen.sched.schedule import Pool, index_of, worker_name
 
 __all__ = [
     "GeneratorActor",
-    "Scores",
-    "Timed",
     "TrainerActor",
     "weight_buckets",
 ]
 
 _JITTER_ENV = "DIGEN_TEST_JITTER_S"
-
-
-@dataclass(slots=True)
-class Timed:
-    """A result with the span of the work that made it."""
-
-    value: Any
-    t0: float
-    t1: float
-    memory_gb: float = 0.0
-    """Peak memory of the worker so far: device memory on a GPU, resident size on the CPU."""
-
-
-@dataclass(slots=True)
-class Scores:
-    """Rewards of one micro-batch's samples, in sample order (plain floats: a few bytes)."""
-
-    total: list[float]
-    components: dict[str, list[float]]
-    latency_s: dict[str, float] = field(default_factory=dict)
-    """Seconds each reward's call took."""
-    thumbnails: torch.Tensor | None = None
-    """Small copies of the samples for the run's sample grid, when asked for."""
 
 
 def weight_buckets(params: Sequence[torch.Tensor], max_numel: int) -> list[list[int]]:
@@ -138,10 +120,6 @@ class _Jitter:
     def __call__(self) -> None:
         if self.max_s > 0:
             time.sleep(self.rng.uniform(0.0, self.max_s))
-
-
-NOTES_ENV = "DIGEN_NOTES_LOG"
-"""In a worker's environment: the run's log (``trainer.log``), where its notes go."""
 
 
 class _NotesToRunLog(logging.Handler):
@@ -319,16 +297,6 @@ class _PolicyActor(_Placed):
                 for i in bucket:
                     name, p = named[i]
                     p.copy_(part[name].to(p.device, p.dtype))
-        self.policy.version = version
-        return self._timed(version, t0)
-
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> Timed:
-        """Copy ``state`` (name -> tensor, as :meth:`trainable_state` gives) into the policy."""
-        t0 = time.time()
-        named = dict(self.policy.adapter.transformer.named_parameters())
-        with torch.no_grad():
-            for name, value in state.items():
-                named[name].copy_(value.to(named[name].device, named[name].dtype))
         self.policy.version = version
         return self._timed(version, t0)
 

@@ -1,6 +1,6 @@
 """The driver's book-keeping: what has been handed out, made, scored and trained, and by whom.
 
-Pure and torch-free: the driver (``digen/runtime/driver.py``) tells a :class:`Book` every
+Pure and torch-free: the driver (``digen/runtime/driver/loop.py``) tells a :class:`Book` every
 transition as it happens — a micro-batch handed out, a task started or finished, a
 micro-batch generated, scored, queued for update, trained — and reads back what to do next
 (admission), when a group is complete, when a step is trained, and the

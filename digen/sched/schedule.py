@@ -3,7 +3,7 @@
 Words: task kinds (:class:`TaskKind`), pools and worker names (:class:`Pool`,
 :func:`worker_name`), the admission rule (:class:`Admission`). The numbers a run's rules use
 (micro-batches per step ``B``, GAP groups, trainer slots, the stale cap, ``C_gen``) are
-derived once, in :mod:`digen.sched.plan`. The driver (``digen/runtime/driver.py``) follows
+derived once, in :mod:`digen.sched.plan`. The driver (``digen/runtime/driver/loop.py``) follows
 these rules with real workers; the simulator's engine (:mod:`digen.sched._engine`) models
 them for the simulator and the TAG search; :class:`~digen.sched.book.Book` keeps the
 driver's account in the engine's terms.

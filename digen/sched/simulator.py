@@ -1,6 +1,6 @@
 """Discrete-event simulation of a disaggregated run: G generators, T trainers, S train steps.
 
-The simulator applies the runtime's queue priorities exactly (``digen/runtime/driver.py``),
+The simulator applies the runtime's queue priorities exactly (``digen/runtime/driver/loop.py``),
 so that a TAG policy tuned here behaves the same in a real run and so that the search, which
 runs this very model forward, predicts what the driver will do.
 

@@ -14,8 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from digen.runtime.policy import LossStats
-from digen.runtime.workers import Scores, Timed
+from digen.runtime.messages import LossStats, Scores, Timed
 from digen.sched.schedule import Pool, worker_name
 
 
@@ -144,7 +143,7 @@ class FakeActor:
 
 
 class FakeCluster:
-    """The methods of :class:`~digen.runtime.cluster.Cluster` the driver uses."""
+    """The methods of :class:`~digen.runtime.driver.cluster.Cluster` the driver uses."""
 
     def __init__(self, generators: int, trainers: int, world: World) -> None:
         self.world = world

@@ -17,7 +17,7 @@ import torch
 from digen import DigenRunner, load_config
 from digen.presets import preset
 from digen.prompts import PromptSet
-from digen.runtime.driver import Driver
+from digen.runtime.driver.loop import Driver
 from digen.sched.trace import Trace
 
 COMMON = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]

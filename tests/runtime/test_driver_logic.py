@@ -17,7 +17,7 @@ from fakes import FakeCluster, InjectedFailure, World
 
 from digen.config import load_config, schedule_plan
 from digen.prompts import PromptSet
-from digen.runtime.driver import Driver
+from digen.runtime.driver.loop import Driver
 from digen.sched.trace import Trace
 
 

@@ -206,7 +206,7 @@ def test_a_second_ctrl_c_exits_at_once_leaving_no_process(
         time.sleep(0.1)
     assert run_mark.left() == []  # workers and fork server: no orphan
     assert not [r for r, w in workers.items() if _alive(w["pid"])]
-    from digen.runtime.checkpoint import latest_checkpoint
+    from digen.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(out)  # checksums verified
     assert ckpt is not None and ckpt.step == 2

@@ -9,7 +9,7 @@ import torch
 
 from digen.algos.rollout import Rollout
 from digen.runtime.grads import GradAccumulator
-from digen.runtime.outputs import thumbnails
+from digen.runtime.messages import thumbnails
 from digen.runtime.store import Store
 
 

@@ -1,7 +1,7 @@
 """A soak test of the driver's schedule: random settings, costs and jitter over thousands of
 micro-batches, and failures injected at random calls.
 
-The real :class:`~digen.runtime.driver.Driver` runs against fake actors (``fakes.py``) whose
+The real :class:`~digen.runtime.driver.loop.Driver` runs against fake actors (``fakes.py``) whose
 calls cost a seeded-random number of event-loop iterations (a virtual clock: no wall time,
 and the same interleaving for a seed on any machine). Every run is checked for what the
 schedule promises: no micro-batch lost or made, scored or trained twice; the dependency
@@ -22,7 +22,7 @@ from fakes import FakeCluster, InjectedFailure, VirtualClock, World
 from digen.config import load_config, schedule_plan
 from digen.errors import DigenError
 from digen.prompts import PromptSet
-from digen.runtime.driver import Driver
+from digen.runtime.driver.loop import Driver
 from digen.sched.schedule import stale_cap
 from digen.sched.trace import Trace
 

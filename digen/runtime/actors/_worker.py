@@ -35,7 +35,7 @@ from digen.runtime.actors._transport import (
 )
 
 if TYPE_CHECKING:
-    from digen.runtime.actors._system import WorkerSpec
+    from digen.runtime.actors._spec import WorkerSpec
 
 _EXIT_FLUSH_S = 0.1
 _CLOSE_TIMEOUT_S = 10.0

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from digen.config import DigenConfig
-from digen.runtime.metrics import OVERHEAD_KINDS, Overhead, step_metrics
-from digen.runtime.policy import LossStats, StepResult
+from digen.runtime.driver.metrics import OVERHEAD_KINDS, Overhead, step_metrics
+from digen.runtime.messages import LossStats, StepResult
 from digen.sched.book import StepRecord
 from digen.sched.costs import OnlineProfiler
 from digen.sched.schedule import TaskKind, pool_of

@@ -7,7 +7,7 @@
 Every file is written whole (temp file + rename) or appended line by line, so an interrupted
 run never leaves a half-written file behind; the final weights, like a checkpoint, are written
 under a temporary name, flushed to disk and moved into place by
-:func:`~digen.runtime.checkpoint.publish`, which deletes the ones they replace only after.
+:func:`~digen.checkpoint.publish`, which deletes the ones they replace only after.
 """
 
 from __future__ import annotations
@@ -22,36 +22,9 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["THUMBNAIL_SIDE", "RunOutputs", "caption_lines", "sample_grid", "thumbnails"]
+from digen.runtime.messages import grid_frames
 
-THUMBNAIL_SIDE = 64
-"""Longest side of the thumbnails a disaggregated run brings back for its sample grids."""
-
-
-def grid_frames(frames: int) -> list[int]:
-    """The frames a sample grid shows of a video: first, middle and last."""
-    return [0] if frames == 1 else sorted({0, frames // 2, frames - 1})
-
-
-def thumbnails(pixels: torch.Tensor, max_side: int = THUMBNAIL_SIDE) -> torch.Tensor:
-    """Small copies of decoded samples for sample grids: the grid's frames, area-downscaled.
-
-    pixels: ``uint8 [B, F, H, W, 3]`` -> ``uint8 [B, F', h, w, 3]`` with ``max(h, w) <=
-    max_side`` and ``F'`` the frames :func:`sample_grid` shows, so what crosses the network
-    for a grid does not grow with the image size.
-    """
-    b, f, h, w, _ = pixels.shape
-    x = pixels[:, grid_frames(f)]
-    scale = max_side / max(h, w)
-    if scale >= 1.0:
-        return x.clone()
-    size = (max(1, round(h * scale)), max(1, round(w * scale)))
-    frames = x.shape[1]
-    flat = x.reshape(b * frames, h, w, 3).permute(0, 3, 1, 2).float()  # [B*F', 3, H, W]
-    small = torch.nn.functional.interpolate(flat, size=size, mode="area")
-    small = small.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)  # [B*F', h, w, 3]
-    return small.reshape(b, frames, *size, 3)
-
+__all__ = ["RunOutputs", "caption_lines", "sample_grid"]
 
 MIN_TILE_WIDTH = 192
 """Narrowest tile a sample grid draws, in pixels: smaller samples (tiny flavours, thumbnails)
@@ -168,11 +141,6 @@ class RunOutputs:
         with self.metrics_path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(row, sort_keys=False) + "\n")
             fh.flush()
-
-    def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.is_file():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
 
     def save_samples(self, step: int, pixels: torch.Tensor, captions: Sequence[str]) -> Path:
         path = self.dir / "samples" / f"step_{step:04d}.png"

@@ -4,7 +4,7 @@
 started), builds a :class:`~digen.runtime.workers.GeneratorActor` or
 :class:`~digen.runtime.workers.TrainerActor` in each, wires the trainers' data-parallel group
 and the weight-broadcast group (addresses and free ports on trainer 0's machine), and gives
-every generator version 0. The driver (:mod:`digen.runtime.driver`) then only calls methods;
+every generator version 0. The driver (:mod:`digen.runtime.driver.loop`) then only calls methods;
 everything about sockets and processes stays here.
 """
 
@@ -20,15 +20,14 @@ from typing import Any
 
 import torch
 
+from digen.checkpoint import Checkpoint
 from digen.config import DigenConfig, config_to_dict
 from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec, active_launch
-from digen.runtime.checkpoint import Checkpoint
+from digen.runtime.driver.placement import all_devices, check_groups, device_maps, run_groups
 from digen.runtime.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.fsdp import is_sharded
 from digen.runtime.groups import listen
-from digen.runtime.placement import all_devices, check_groups, device_maps, run_groups
-from digen.runtime.policy import LossStats
-from digen.runtime.workers import NOTES_ENV, Timed
+from digen.runtime.messages import NOTES_ENV, LossStats, Timed
 from digen.sched.schedule import Pool, worker_names
 
 __all__ = ["Cluster", "TrainerGang"]

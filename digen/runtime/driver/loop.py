@@ -23,7 +23,7 @@ naming the worker:
 
 What was handed out, made, scored and trained lives in :class:`~digen.sched.book.Book`
 (pure book-keeping, the model the TAG search plans on); what calls cost is observed by
-:class:`~digen.runtime.accounting.Accounts`. The loops below are the schedule and nothing else.
+:class:`~digen.runtime.driver.accounting.Accounts`. The loops below are the schedule and nothing else.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ from typing import Any
 import torch
 
 from digen.algos.grpo import score_groups, step_terms
+from digen.checkpoint import PROFILER, Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
-from digen.runtime.accounting import Accounts
 from digen.runtime.actors import WorkerDied
-from digen.runtime.checkpoint import PROFILER, Checkpoint
-from digen.runtime.cluster import Cluster
-from digen.runtime.policy import SampleKey, StepResult
+from digen.runtime.driver.accounting import Accounts
+from digen.runtime.driver.cluster import Cluster
+from digen.runtime.messages import SampleKey, StepResult
 from digen.sched.book import Book
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from digen.runtime.policy import LossStats
+from digen.runtime.messages import LossStats
 from digen.sched.schedule import Pool, TaskKind
 from digen.sched.trace import StepUsage
 

@@ -122,7 +122,7 @@ def colocated_variants(s: BenchSettings) -> list[Rung]:
     """The colocated configurations a user would try with ``s.cores`` threads and up to
     ``s.workers`` processes: one process with every thread, and ``workers`` data-parallel
     processes sharing the threads out (data-parallel workers after the first run with
-    one thread each: :func:`digen.runner._dp_worker`)."""
+    one thread each: :func:`digen.run.runner._dp_worker`)."""
     one = Rung(
         f"colocated-1x{s.cores}",
         f"colocated, 1 process x {s.cores} threads",
@@ -244,15 +244,17 @@ def measure_run(rung: Rung, cfg: Any, out_dir: Path, repeat: int) -> RunMeasure:
     """Run ``cfg`` into ``out_dir`` and measure it."""
     import torch
 
-    from digen.runner import DigenRunner
+    from digen.run.runner import DigenRunner
 
     before = torch.get_num_threads()
     if rung.threads is not None:
         torch.set_num_threads(rung.threads)
     t0 = time.perf_counter()
     try:
-        runner = DigenRunner(cfg, out_dir=out_dir, progress=False, save_weights=False)
-        runner._samples_at = _never  # the bench times steps, not sample grids
+        # the bench times steps, not sample grids
+        runner = DigenRunner(
+            cfg, out_dir=out_dir, progress=False, sample_grids=False, save_weights=False
+        )
         result = asyncio.run(runner.run())
     finally:
         torch.set_num_threads(before)
@@ -260,10 +262,6 @@ def measure_run(rung: Rung, cfg: Any, out_dir: Path, repeat: int) -> RunMeasure:
     rows = result.metrics
     trace = Trace.load_jsonl(out_dir / "trace.jsonl")
     return analyse(rung, cfg, rows, trace, repeat=repeat, wall_s=wall)
-
-
-def _never(step: int) -> bool:
-    return False
 
 
 def analyse(

@@ -4,7 +4,7 @@
 
 It resolves the config, loads prompts and rewards (failing early, in one sentence, on bad
 input), runs the training loop, and writes everything a run leaves behind (see
-:mod:`digen.runtime.outputs`). Ctrl-C stops at the next micro-batch boundary with every output
+:mod:`digen.run.outputs`). Ctrl-C stops at the next micro-batch boundary with every output
 written so far intact.
 """
 
@@ -30,23 +30,23 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from digen.config import DigenConfig, config_to_dict, load_config
-from digen.errors import DigenError
-from digen.prompts import PromptSet
-from digen.rewards.scoring import CompositeReward, build_reward
-from digen.runtime.checkpoint import (
+from digen.checkpoint import (
     Checkpoint,
     CheckpointWriter,
     check_out_dir,
     checkpoint_identity,
     previous_outputs,
 )
-from digen.runtime.outputs import RunOutputs
-from digen.runtime.trackers import Trackers, require
+from digen.config import DigenConfig, config_to_dict, load_config
+from digen.errors import DigenError
+from digen.prompts import PromptSet
+from digen.rewards.scoring import CompositeReward, build_reward
+from digen.run.outputs import RunOutputs
+from digen.run.trackers import Trackers, require
 from digen.sched.trace import Trace
 
 if TYPE_CHECKING:
-    from digen.runtime.policy import StepResult
+    from digen.runtime.messages import StepResult
 
 __all__ = ["DigenRunner", "RunResult"]
 
@@ -87,6 +87,7 @@ class DigenRunner:
         out_dir: str | os.PathLike | None = None,
         progress: bool = True,
         sample_every: int = 5,
+        sample_grids: bool = True,
         save_weights: bool = True,
         resume: bool = False,
         overwrite: bool = False,
@@ -100,6 +101,9 @@ class DigenRunner:
             False, and keeps it after the run: ``RunResult.out_dir`` names it; remove it when
             done (the CLI's ``--out`` defaults to ``runs/latest`` instead).
         progress: a progress bar and notes on stderr.
+        sample_every: a sample grid every this many steps (and at the first and last).
+        sample_grids: False writes no sample grid at all (``digen bench`` times steps, not
+            grids).
         resume: continue the run in ``out_dir`` from its newest intact checkpoint, up to
             ``cfg.steps`` steps in all.
         overwrite: replace a previous run's outputs in ``out_dir`` (without it, and without
@@ -126,6 +130,7 @@ class DigenRunner:
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
         self.progress = progress
         self.sample_every = max(1, int(sample_every))
+        self.sample_grids = sample_grids
         self.save_weights = save_weights
         self.resume = resume
         self.overwrite = overwrite
@@ -272,7 +277,7 @@ class DigenRunner:
 
                 try:
                     steps = range(start, cfg.steps)
-                    await backend.run(steps, on_step, samples_at=self._samples_at)
+                    await backend.run(steps, on_step, samples_at=self.samples_at)
                     interrupted = len(metrics) < len(steps)
                 finally:
                     bar.close()
@@ -328,7 +333,7 @@ class DigenRunner:
     def _backend(self, rank: int, world: int, trace: Trace, ckpt: Checkpoint | None = None):
         """The colocated trainer, or the disaggregated driver with its worker processes."""
         if self.cfg.runtime.mode == "disaggregated":
-            from digen.runtime.driver import Driver
+            from digen.runtime.driver.loop import Driver
 
             rewards = self._reward_objects if self._reward_objects is not None else None
             notes = self.out_dir / "trainer.log"  # the workers' notes join the driver's
@@ -344,8 +349,11 @@ class DigenRunner:
             trace=trace,
         )
 
-    def _samples_at(self, step: int) -> bool:
-        """Whether ``step`` writes a sample grid: the first, the last, every ``sample_every``."""
+    def samples_at(self, step: int) -> bool:
+        """Whether ``step`` writes a sample grid: the first, the last, every ``sample_every``
+        (none when ``sample_grids`` is False)."""
+        if not self.sample_grids:
+            return False
         return step == 0 or step == self.cfg.steps - 1 or (step + 1) % self.sample_every == 0
 
     # --- data-parallel colocated: W processes, rank 0 is this one ------------------------
@@ -355,8 +363,8 @@ class DigenRunner:
 
         from digen.runtime import forkserver
         from digen.runtime.colocated import worker_config
+        from digen.runtime.driver.placement import check_groups, colocated_groups
         from digen.runtime.groups import destroy_default_group, pinned_to_loopback, tcp_store
-        from digen.runtime.placement import check_groups, colocated_groups
 
         devices = [worker_config(self.cfg, r).model.device for r in range(world)]
         self._placement_notes = check_groups(self.cfg, colocated_groups(self.cfg, devices))

@@ -1,0 +1,156 @@
+"""The small types that cross between processes: what the driver sends a worker and what a
+worker sends back. Torch-light on purpose (torch, never diffusers or peft), so the driver
+process, which holds no model, can import them (``tests/sched/test_torch_free.py`` checks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from digen.algos.rollout import Rollout
+
+__all__ = [
+    "NOTES_ENV",
+    "THUMBNAIL_SIDE",
+    "LossStats",
+    "SampleKey",
+    "Scores",
+    "StepResult",
+    "Timed",
+    "TrainItem",
+    "grid_frames",
+    "thumbnails",
+]
+
+NOTES_ENV = "DIGEN_NOTES_LOG"
+"""In a worker's environment: the run's log (``trainer.log``), where its notes go."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SampleKey:
+    """Identity of one sample: train step, prompt position in the step, sample in the group."""
+
+    step: int
+    prompt: int
+    sample: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One finished train step, as the runner writes it out."""
+
+    metrics: dict[str, Any]
+    pixels: torch.Tensor | None
+    """Samples of the step for its grid, ``uint8 [B, F, H, W, 3]`` (this worker's share when
+    data-parallel; thumbnails in a disaggregated run); None when the step keeps none."""
+    captions: list[str]
+
+
+@dataclass(slots=True)
+class TrainItem:
+    """The samples of one update call: trajectories, prompts and advantages (rows aligned)."""
+
+    keys: list[SampleKey]
+    prompts: list[str]
+    rollout: Rollout
+    advantages: torch.Tensor
+    """``[B]`` fp32."""
+
+
+@dataclass(slots=True)
+class LossStats:
+    """Sums over (sample, trained timestep) terms; divide by ``terms`` for means."""
+
+    terms: int = 0
+    loss: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    approx_kl: float = 0.0
+    dropped: int = 0
+    """Loss chunks left out for a non-finite loss (``train.on_nonfinite = drop``)."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def add(self, other: LossStats) -> None:
+        self.dropped += other.dropped
+        self.terms += other.terms
+        self.loss += other.loss
+        self.kl += other.kl
+        self.clip_fraction += other.clip_fraction
+        self.approx_kl += other.approx_kl
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor(
+            [self.terms, self.loss, self.kl, self.clip_fraction, self.approx_kl, self.dropped],
+            dtype=torch.float64,
+        )
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> LossStats:
+        terms, loss, kl, clip, akl, dropped = t.tolist()
+        return cls(int(terms), loss, kl, clip, akl, int(dropped))
+
+    def means(self) -> dict[str, float]:
+        n = max(self.terms, 1)
+        return {
+            "loss": self.loss / n,
+            "kl": self.kl / n,
+            "clip_fraction": self.clip_fraction / n,
+            "approx_kl": self.approx_kl / n,
+            "dropped_microbatches": self.dropped,
+        }
+
+
+@dataclass(slots=True)
+class Timed:
+    """A result with the span of the work that made it."""
+
+    value: Any
+    t0: float
+    t1: float
+    memory_gb: float = 0.0
+    """Peak memory of the worker so far: device memory on a GPU, resident size on the CPU."""
+
+
+@dataclass(slots=True)
+class Scores:
+    """Rewards of one micro-batch's samples, in sample order (plain floats: a few bytes)."""
+
+    total: list[float]
+    components: dict[str, list[float]]
+    latency_s: dict[str, float] = field(default_factory=dict)
+    """Seconds each reward's call took."""
+    thumbnails: torch.Tensor | None = None
+    """Small copies of the samples for the run's sample grid, when asked for."""
+
+
+THUMBNAIL_SIDE = 64
+"""Longest side of the thumbnails a disaggregated run brings back for its sample grids."""
+
+
+def grid_frames(frames: int) -> list[int]:
+    """The frames a sample grid shows of a video: first, middle and last."""
+    return [0] if frames == 1 else sorted({0, frames // 2, frames - 1})
+
+
+def thumbnails(pixels: torch.Tensor, max_side: int = THUMBNAIL_SIDE) -> torch.Tensor:
+    """Small copies of decoded samples for sample grids: the grid's frames, area-downscaled.
+
+    pixels: ``uint8 [B, F, H, W, 3]`` -> ``uint8 [B, F', h, w, 3]`` with ``max(h, w) <=
+    max_side`` and ``F'`` the frames :func:`~digen.run.outputs.sample_grid` shows, so what crosses the network
+    for a grid does not grow with the image size.
+    """
+    b, f, h, w, _ = pixels.shape
+    x = pixels[:, grid_frames(f)]
+    scale = max_side / max(h, w)
+    if scale >= 1.0:
+        return x.clone()
+    size = (max(1, round(h * scale)), max(1, round(w * scale)))
+    frames = x.shape[1]
+    flat = x.reshape(b * frames, h, w, 3).permute(0, 3, 1, 2).float()  # [B*F', 3, H, W]
+    small = torch.nn.functional.interpolate(flat, size=size, mode="area")
+    small = small.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)  # [B*F', h, w, 3]
+    return small.reshape(b, frames, *size, 3)
