@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_config
 
-from digen import load_config
 from digen.errors import DigenError
-from digen.presets import preset
 from digen.runtime import checkpoint
 from digen.runtime.checkpoint import (
     CheckpointWriter,
@@ -62,9 +61,7 @@ def _crash_at(monkeypatch: pytest.MonkeyPatch, where: set[int] | str) -> None:
 
 
 def _cfg(steps: int = 5):
-    return load_config(
-        base=preset("sd3", "flowgrpo", mode="colocated"), overrides=[f"steps={steps}"]
-    )
+    return tiny_config("sd3", "flowgrpo", [f"steps={steps}"])
 
 
 def _write_checkpoint(writer: CheckpointWriter, step: int, value: float, cfg) -> Path:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_jsonl, run_config, tiny_config
 
-from digen import DigenRunner, load_config
-from digen.presets import preset
 from digen.prompts import PromptSet
 from digen.runtime.driver import Driver
 from digen.sched.trace import Trace
@@ -26,11 +25,7 @@ COMMON.append("train.lr=1e-3")  # Adam moves each weight ~lr; 1e-6 is then 0.1 %
 
 
 def _cfg(model: str, algo: str, mode: str, extra: list[str]):
-    return load_config(base=preset(model, algo, mode=mode), overrides=[*COMMON, *extra])
-
-
-def _run(cfg, out: Path):
-    return asyncio.run(DigenRunner(cfg, out_dir=out, progress=False).run())
+    return tiny_config(model, algo, [*COMMON, *extra], mode=mode)
 
 
 def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
@@ -88,10 +83,12 @@ def test_disaggregated_step_equals_colocated(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker (runtime.threads_per_worker): the same kernels
     try:
-        colocated = _run(_cfg(model, algo, "colocated", both), tmp_path / "colocated")
+        colocated = run_config(_cfg(model, algo, "colocated", both), tmp_path / "colocated")
     finally:
         torch.set_num_threads(threads)
-    disagg = _run(_cfg(model, algo, "disaggregated", [*both, *extra]), tmp_path / "disaggregated")
+    disagg = run_config(
+        _cfg(model, algo, "disaggregated", [*both, *extra]), tmp_path / "disaggregated"
+    )
     assert set(disagg.metrics[0]) == set(colocated.metrics[0])  # one metrics builder
     keys = ("reward_mean", "reward_std", "loss", "clip_fraction")
     got, want = ({k: r.metrics[0][k] for k in keys} for r in (disagg, colocated))
@@ -213,7 +210,7 @@ def test_digen_run_disaggregated_every_model_and_algo(
     args += ["rollout.num_inference_steps=3"]
     res = CliRunner().invoke(main, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    row = read_jsonl(out / "metrics.jsonl")[0]
     assert row["samples"] == 4 and row["policy_version"] == 1
     assert 0 < row["utilisation"] <= 1 and row["overhead_fraction"] >= 0
     assert row["reward_min"] <= row["reward_mean"] <= row["reward_max"]
