@@ -74,6 +74,7 @@ def hooks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_dropped_groups_are_counted_and_add_nothing_to_the_update(
     tmp_path: Path, hooks: Path
 ) -> None:

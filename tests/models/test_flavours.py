@@ -225,6 +225,7 @@ def _tile_side(vae: Any) -> int:
 TILED_MEAN_DIFF = {"flux": 5.0, "sd3": 11.0, "wan": 0.5, "qwenimage": 0.75, "hunyuanvideo": 6.0}
 
 
+@pytest.mark.slow
 def test_vae_tiling_decodes_in_slices_and_tiles(
     name: str, tiny_adapter: Callable[[str], DiffusionAdapter], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -314,6 +315,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_flavour_built_by_rank_1_of_a_process_group_has_every_weight(tmp_path: Path) -> None:
     """A trainer of rank 1 can be the first to need a flavour: what it saves must hold the
     text encoders' weights too (transformers saves them on rank 0 only, unless told)."""

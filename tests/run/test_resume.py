@@ -32,6 +32,7 @@ def _rows(out: Path) -> list[dict]:
 _SAME = ("step", "reward_mean", "reward_std", "loss", "clip_fraction", "approx_kl", "grad_norm")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_stopped_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path: Path, mode: str) -> None:
     extra = ["runtime.tag=none"] if mode == "disaggregated" else []
@@ -128,6 +129,7 @@ class StopAt:
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "colocated-dp", "disaggregated"])
 def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
     tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
@@ -166,6 +168,7 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
     assert [{k: r[k] for k in _SAME} for r in got] == [{k: r[k] for k in _SAME} for r in want]
 
 
+@pytest.mark.slow
 def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> None:
     """Under fixed TCSS a step's early micro-batches come from the previous version, which a
     resumed run does not have: its first step is on-policy, the next ones stale again."""

@@ -50,6 +50,7 @@ def _invoke(*args: str):
     return CliRunner().invoke(main, ["run", *args], catch_exceptions=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ALGO_NAMES)
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_run_every_model_and_algo(tmp_path: Path, model: str, algo: str) -> None:
@@ -152,6 +153,7 @@ async def test_api_run_is_quiet_and_says_where_it_writes(
     assert len(notes) == 1 and "truncated" in notes[0], notes
 
 
+@pytest.mark.slow
 def test_disaggregated_workers_note_into_the_run_log(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -177,6 +179,7 @@ def test_disaggregated_workers_note_into_the_run_log(
     assert all("truncated" in e["text"] for e in notes)
 
 
+@pytest.mark.slow
 def test_data_parallel_equals_single_process(tmp_path: Path) -> None:
     over = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
     over.append("train.lr=1e-3")  # Adam steps ~lr per weight; 1e-6 is then 0.1 % of a step
@@ -198,6 +201,7 @@ def test_data_parallel_equals_single_process(tmp_path: Path) -> None:
     assert moved > 0  # the step changed the LoRA weights, so equality is not trivial
 
 
+@pytest.mark.slow
 def test_data_parallel_workers_load_config_hooks_by_name_and_a_failed_start_is_named(
     tmp_path: Path,
 ) -> None:
@@ -260,6 +264,7 @@ def test_empty_prompt_file(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "has no usable prompts" in res.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_or_sigterm_stops_with_a_checkpoint(
     tmp_path: Path, sig, code: int, run_mark
@@ -301,6 +306,7 @@ def test_ctrl_c_or_sigterm_stops_with_a_checkpoint(
     assert config_to_dict(load_config(out / "config.yaml"))["steps"] == 50
 
 
+@pytest.mark.slow
 def test_a_run_with_its_stdout_closed_runs(tmp_path: Path, run_mark) -> None:
     """``digen run >&-`` (a daemon's way of starting it): the run completes with its outputs,
     and once the command returns no process of the run is left."""

@@ -56,6 +56,7 @@ def _png(path: Path | bytes) -> np.ndarray:
         return np.asarray(im.convert("RGB"))
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_the_metrics_rows_and_the_pictures(run) -> None:
     out, rows, logger = run
     if "tensorboard" not in logger:
@@ -112,6 +113,7 @@ def _wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics_rows_and_the_pictures(run) -> None:
     out, rows, logger = run
     if "wandb" not in logger:

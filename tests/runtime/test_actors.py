@@ -63,6 +63,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_workers_exit_when_the_driver_is_killed() -> None:
     driver = subprocess.Popen(
         [sys.executable, "-c", _DRIVER_SCRIPT], stdout=subprocess.PIPE, text=True
@@ -84,6 +85,7 @@ def test_workers_exit_when_the_driver_is_killed() -> None:
             driver.stdout.close()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_dead_workers_fail_calls_and_stop_leaves_no_process() -> None:
     names = ["generator-0", "generator-1", "trainer-0"]
@@ -458,6 +460,7 @@ def _reap(procs: list[subprocess.Popen]) -> None:
         proc.communicate(timeout=10)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_external_launch_serves_started_workers_and_reports_a_dead_one() -> None:
     port = free_port()
@@ -499,6 +502,7 @@ async def test_external_launch_serves_started_workers_and_reports_a_dead_one() -
     assert procs["trainer-0"].returncode == 0 and out == "served\n", err
 
 
+@pytest.mark.slow
 def test_external_workers_exit_when_the_driver_is_gone() -> None:
     port = free_port()
     driver = subprocess.Popen(

@@ -41,6 +41,7 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
     assert moved > 1e-4  # the step moved the weights, so equality says something
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "algo", "both", "extra", "exact"),
     [
@@ -157,6 +158,7 @@ async def test_trace_accounts_for_every_microbatch_and_version() -> None:
         assert all(e.t0 >= scored[e.mb] - 1e-6 for e in mine if e.kind == "update")
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process() -> None:
     import os
@@ -185,8 +187,9 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
 
 
 # every backbone with MixGRPO, and Flow-GRPO and DanceGRPO each on image and video backbones;
-# the colocated suite runs every pair in-process (tests/test_run.py); these spawn processes,
+# the colocated suite runs every pair in-process (tests/run/test_run.py); these spawn processes,
 # so each model runs once and each algorithm at least once (the runtime is the same for all)
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "algo"),
     [
@@ -225,6 +228,7 @@ def test_digen_run_disaggregated_every_model_and_algo(
     assert (out / "timeline.png").is_file() and (out / "samples" / "step_0000.png").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["rpc", "broadcast"])
 @pytest.mark.asyncio
 async def test_heterogeneous_pools_sync_in_buckets(sync: str) -> None:

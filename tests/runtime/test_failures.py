@@ -25,6 +25,9 @@ import torch
 from helpers import read_jsonl, run_config
 from safetensors.torch import load_file
 
+# each test stops, kills or hangs whole runs of worker processes: minutes in all
+pytestmark = pytest.mark.slow
+
 STEPS = 4
 _HOLD_HOOK = '''
 import os, time

@@ -184,6 +184,7 @@ def test_sharded_full_finetune_equals_colocated_and_saves_full_weights(tmp_path:
         assert torch.equal(value, sharded.final_state[name]), name
 
 
+@pytest.mark.slow
 def test_all_gathers_per_update_fall_with_the_tsp_degree(tmp_path: Path) -> None:
     """FSDP all-gathers a block's weights once per forward (and once more for its backward),
     so TSP, which runs k timesteps in one pass, needs the all-gathers of ceil(K / k) passes

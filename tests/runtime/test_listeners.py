@@ -77,6 +77,7 @@ COMMON = ["steps=1", "rollout.n=2", "train.micro_batch_size=2", "rollout.num_inf
 COMMON += ["data.train_batch_size=2", "train.mini_batch_size=null"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "extra"),
     [

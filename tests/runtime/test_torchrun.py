@@ -72,6 +72,7 @@ def test_world_size_that_does_not_fit_the_config_is_one_sentence() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_torchrun_launch_runs_a_disaggregated_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
