@@ -1,5 +1,11 @@
-"""Shared test set-up: a per-session cache for tiny flavours, a small thread budget, and the
-fork server every run's workers start from."""
+"""Shared test set-up: a per-session cache for tiny flavours, a small thread budget, the
+fork server every run's workers start from, and :class:`RunMark` (``run_mark``).
+
+Plain helpers the test files share -- ``tiny_config`` (a preset with overrides),
+``run_config`` (a config run to its end), ``read_jsonl`` (``metrics.jsonl`` and the like) and
+``free_port`` -- live in ``helpers.py`` beside this file: ``from helpers import run_config``.
+
+Tiers: ``pytest -m "not slow"`` is the quick run while working; plain ``pytest`` runs all."""
 
 from __future__ import annotations
 

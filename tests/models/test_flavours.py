@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from backbone_helpers import PROMPTS, generators
+from helpers import free_port
 
 from digen.errors import DigenError
 from digen.models import MODEL_NAMES, get_adapter_class, load_adapter
@@ -225,6 +226,7 @@ def _tile_side(vae: Any) -> int:
 TILED_MEAN_DIFF = {"flux": 5.0, "sd3": 11.0, "wan": 0.5, "qwenimage": 0.75, "hunyuanvideo": 6.0}
 
 
+@pytest.mark.slow
 def test_vae_tiling_decodes_in_slices_and_tiles(
     name: str, tiny_adapter: Callable[[str], DiffusionAdapter], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -314,17 +316,15 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_flavour_built_by_rank_1_of_a_process_group_has_every_weight(tmp_path: Path) -> None:
     """A trainer of rank 1 can be the first to need a flavour: what it saves must hold the
     text encoders' weights too (transformers saves them on rank 0 only, unless told)."""
     import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-c", _BUILD_AS_RANK]
     procs = [

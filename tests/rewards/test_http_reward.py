@@ -12,7 +12,6 @@ import logging
 import random
 import re
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import pytest
 import torch
 from aiohttp import web
 from click.testing import CliRunner
+from helpers import free_port
 from PIL import Image
 
 from cli.main import main
@@ -68,12 +68,6 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def png_header(width: int, height: int, data: bytes = b"") -> str:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_config
 
-from digen import DigenRunner, load_config
+from digen import load_config
 from digen.config import RewardSpec, schedule_plan
 from digen.errors import DigenError, RewardError
 from digen.presets import preset
@@ -278,7 +279,7 @@ def test_setup_runs_once_per_scoring_process_and_close_at_the_end(
     if mode == "disaggregated":
         over += ["runtime.generators=2", "runtime.tag=none"]
     cfg = load_config(base=preset("flux", "flowgrpo", mode=mode), overrides=over)
-    result = asyncio.run(DigenRunner(cfg, out_dir=tmp_path / "out", progress=False).run())
+    result = run_config(cfg, tmp_path / "out")
     events = [json.loads(line) for line in log.read_text().splitlines()]
     by_pid: dict[int, list] = {}
     for what, pid, loop in events:
@@ -324,7 +325,7 @@ def test_a_slow_async_hook_does_not_stall_generation(tmp_path: Path, overlap: bo
     over += [f"rewards=[{{name: '{hook}:slow'}}]", f"runtime.score_overlap={str(overlap).lower()}"]
     cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over)
     assert schedule_plan(cfg).microbatches == 4
-    result = asyncio.run(DigenRunner(cfg, out_dir=tmp_path / "out", progress=False).run())
+    result = run_config(cfg, tmp_path / "out")
     events = Trace.load_jsonl(tmp_path / "out" / "trace.jsonl").events
     gens = [e for e in events if e.kind == "generate"]
     scores = [e for e in events if e.kind == "score"]

@@ -23,6 +23,7 @@ import pytest
 import pytest_asyncio
 import torch
 from actor_classes import Accumulator, Broken, echo, where_am_i
+from helpers import free_port
 
 from digen.runtime.actors import (
     ActorHandle,
@@ -62,6 +63,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_workers_exit_when_the_driver_is_killed() -> None:
     driver = subprocess.Popen(
         [sys.executable, "-c", _DRIVER_SCRIPT], stdout=subprocess.PIPE, text=True
@@ -83,6 +85,7 @@ def test_workers_exit_when_the_driver_is_killed() -> None:
             driver.stdout.close()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_dead_workers_fail_calls_and_stop_leaves_no_process() -> None:
     names = ["generator-0", "generator-1", "trainer-0"]
@@ -438,14 +441,6 @@ asyncio.run(main())
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _external_worker(name: str, rank: int, world: int, port: int) -> subprocess.Popen:
     here = os.path.dirname(os.path.abspath(__file__))  # actor_classes must import there
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
@@ -465,9 +460,10 @@ def _reap(procs: list[subprocess.Popen]) -> None:
         proc.communicate(timeout=10)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_external_launch_serves_started_workers_and_reports_a_dead_one() -> None:
-    port = _free_port()
+    port = free_port()
     names = ["generator-0", "trainer-0"]
     procs = {n: _external_worker(n, rank, 3, port) for rank, n in enumerate(names, start=1)}
     launch = ExternalLaunch("127.0.0.1", port, 3)
@@ -506,8 +502,9 @@ async def test_external_launch_serves_started_workers_and_reports_a_dead_one() -
     assert procs["trainer-0"].returncode == 0 and out == "served\n", err
 
 
+@pytest.mark.slow
 def test_external_workers_exit_when_the_driver_is_gone() -> None:
-    port = _free_port()
+    port = free_port()
     driver = subprocess.Popen(
         [sys.executable, "-c", _EXTERNAL_DRIVER, str(port)], stdout=subprocess.PIPE, text=True
     )

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_jsonl, run_config, tiny_config
 
-from digen import DigenRunner, load_config
-from digen.presets import preset
 from digen.prompts import PromptSet
 from digen.runtime.driver.loop import Driver
 from digen.sched.trace import Trace
@@ -26,11 +25,7 @@ COMMON.append("train.lr=1e-3")  # Adam moves each weight ~lr; 1e-6 is then 0.1 %
 
 
 def _cfg(model: str, algo: str, mode: str, extra: list[str]):
-    return load_config(base=preset(model, algo, mode=mode), overrides=[*COMMON, *extra])
-
-
-def _run(cfg, out: Path):
-    return asyncio.run(DigenRunner(cfg, out_dir=out, progress=False).run())
+    return tiny_config(model, algo, [*COMMON, *extra], mode=mode)
 
 
 def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
@@ -46,6 +41,7 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
     assert moved > 1e-4  # the step moved the weights, so equality says something
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "algo", "both", "extra", "exact"),
     [
@@ -88,10 +84,12 @@ def test_disaggregated_step_equals_colocated(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker (runtime.threads_per_worker): the same kernels
     try:
-        colocated = _run(_cfg(model, algo, "colocated", both), tmp_path / "colocated")
+        colocated = run_config(_cfg(model, algo, "colocated", both), tmp_path / "colocated")
     finally:
         torch.set_num_threads(threads)
-    disagg = _run(_cfg(model, algo, "disaggregated", [*both, *extra]), tmp_path / "disaggregated")
+    disagg = run_config(
+        _cfg(model, algo, "disaggregated", [*both, *extra]), tmp_path / "disaggregated"
+    )
     assert set(disagg.metrics[0]) == set(colocated.metrics[0])  # one metrics builder
     keys = ("reward_mean", "reward_std", "loss", "clip_fraction")
     got, want = ({k: r.metrics[0][k] for k in keys} for r in (disagg, colocated))
@@ -160,6 +158,7 @@ async def test_trace_accounts_for_every_microbatch_and_version() -> None:
         assert all(e.t0 >= scored[e.mb] - 1e-6 for e in mine if e.kind == "update")
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process() -> None:
     import os
@@ -188,8 +187,9 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
 
 
 # every backbone with MixGRPO, and Flow-GRPO and DanceGRPO each on image and video backbones;
-# the colocated suite runs every pair in-process (tests/test_run.py); these spawn processes,
+# the colocated suite runs every pair in-process (tests/run/test_run.py); these spawn processes,
 # so each model runs once and each algorithm at least once (the runtime is the same for all)
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "algo"),
     [
@@ -213,7 +213,7 @@ def test_digen_run_disaggregated_every_model_and_algo(
     args += ["rollout.num_inference_steps=3"]
     res = CliRunner().invoke(main, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    row = read_jsonl(out / "metrics.jsonl")[0]
     assert row["samples"] == 4 and row["policy_version"] == 1
     assert 0 < row["utilisation"] <= 1 and row["overhead_fraction"] >= 0
     assert row["reward_min"] <= row["reward_mean"] <= row["reward_max"]
@@ -228,6 +228,7 @@ def test_digen_run_disaggregated_every_model_and_algo(
     assert (out / "timeline.png").is_file() and (out / "samples" / "step_0000.png").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["rpc", "broadcast"])
 @pytest.mark.asyncio
 async def test_heterogeneous_pools_sync_in_buckets(sync: str) -> None:

@@ -22,7 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_jsonl, run_config
 from safetensors.torch import load_file
+
+# each test stops, kills or hangs whole runs of worker processes: minutes in all
+pytestmark = pytest.mark.slow
 
 STEPS = 4
 _HOLD_HOOK = '''
@@ -81,15 +85,13 @@ def hook(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def uninterrupted(hook: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The same run never interrupted, through the API (the command line's config)."""
-    import asyncio
-
-    from digen import DigenRunner, load_config
+    from digen import load_config
 
     args = _args(hook)
     overrides = [a for a in args if "=" in a]
     cfg = load_config(None, overrides, {"steps": STEPS}, model="sd3", mode="disaggregated")
     out = tmp_path_factory.mktemp("whole") / "run"
-    asyncio.run(DigenRunner(cfg, out_dir=out, progress=False).run())
+    run_config(cfg, out)
     return _weights(out)
 
 
@@ -167,7 +169,7 @@ def test_a_lost_worker_stops_the_run_naming_it_and_resume_finishes_it_exactly(
     resumed = _cli("--resume", str(out))
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(STEPS))  # step 2 made again, once
     got = _weights(out)
     assert got.keys() == uninterrupted.keys()

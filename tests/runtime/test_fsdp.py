@@ -7,12 +7,10 @@ compared to a tolerance well below what one step moves them.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -20,10 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import free_port, run_config, tiny_config
 
-from digen import DigenRunner, load_config
 from digen.models import load_adapter
-from digen.presets import preset
 from digen.runtime.fsdp import lockstep_chunks
 
 COMMON = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
@@ -31,8 +28,7 @@ COMMON += ["train.mini_batch_size=null", "train.lr=1e-3"]
 
 
 def _run(mode: str, extra: list[str], out: Path):
-    cfg = load_config(base=preset("flux", "flowgrpo", mode=mode), overrides=[*COMMON, *extra])
-    return asyncio.run(DigenRunner(cfg, out_dir=out, progress=False).run())
+    return run_config(tiny_config("flux", "flowgrpo", [*COMMON, *extra], mode=mode), out)
 
 
 def _moved(state: dict[str, torch.Tensor]) -> float:
@@ -188,18 +184,13 @@ def test_sharded_full_finetune_equals_colocated_and_saves_full_weights(tmp_path:
         assert torch.equal(value, sharded.final_state[name]), name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_all_gathers_per_update_fall_with_the_tsp_degree(tmp_path: Path) -> None:
     """FSDP all-gathers a block's weights once per forward (and once more for its backward),
     so TSP, which runs k timesteps in one pass, needs the all-gathers of ceil(K / k) passes
     instead of K: counted on 2 gloo members for degree 1, 2 and 4."""
     script = Path(__file__).with_name("fsdp_ranks.py")
-    out, port = tmp_path / "report.json", _free_port()
+    out, port = tmp_path / "report.json", free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(

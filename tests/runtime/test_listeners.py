@@ -9,16 +9,13 @@ its descendants (the driver, the fork server, every worker) from ``/proc``.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
 import os
 from pathlib import Path
 
 import pytest
-
-from digen import DigenRunner, load_config
-from digen.presets import preset
+from helpers import run_config, tiny_config
 
 _HOOK = '''
 import json, os
@@ -80,6 +77,7 @@ COMMON = ["steps=1", "rollout.n=2", "train.micro_batch_size=2", "rollout.num_inf
 COMMON += ["data.train_batch_size=2", "train.mini_batch_size=null"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "extra"),
     [
@@ -109,8 +107,7 @@ def test_only_loopback_listens(
     monkeypatch.setenv("DIGEN_TEST_ROOT_PID", str(os.getpid()))
     monkeypatch.setenv("DIGEN_TEST_LISTEN_OUT", str(seen))
     over = [*COMMON, *extra, f"rewards=[{{name: '{hook}:reward'}}]"]
-    cfg = load_config(base=preset("sd3", "flowgrpo", mode=mode), overrides=over)
-    asyncio.run(DigenRunner(cfg, out_dir=tmp_path / "run", progress=False).run())
+    run_config(tiny_config("sd3", "flowgrpo", over, mode=mode), tmp_path / "run")
     looks = [json.loads(p.read_text()) for p in seen.iterdir()]
     assert looks  # the hook looked
     listening = [_address(a) for look in looks for a in look]

@@ -9,15 +9,11 @@ driver stays off the data plane: what crosses it per step is small and the same 
 
 from __future__ import annotations
 
-import asyncio
-import json
 from pathlib import Path
 
 import pytest
 import torch
-
-from digen import DigenRunner, load_config
-from digen.presets import preset
+from helpers import read_jsonl, run_config, tiny_config
 
 NUMBERS = ("reward_mean", "reward_std", "reward_min", "reward_max", "loss", "kl")
 NUMBERS += ("clip_fraction", "approx_kl", "grad_norm", "reward/jpeg_incompressibility")
@@ -26,10 +22,10 @@ NUMBERS += ("clip_fraction", "approx_kl", "grad_norm", "reward/jpeg_incompressib
 def _run(out: Path, extra: list[str]):
     over = ["steps=3", "runtime.generators=2", "rollout.n=4", "rollout.num_inference_steps=4"]
     over.append("save_every=0")  # a checkpoint call carries the run's path, of any length
-    cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over + extra)
-    result = asyncio.run(DigenRunner(cfg, out_dir=out, progress=False, save_weights=False).run())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    events = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    cfg = tiny_config("flux", "flowgrpo", over + extra, mode="disaggregated")
+    result = run_config(cfg, out, save_weights=False)
+    rows = read_jsonl(out / "metrics.jsonl")
+    events = read_jsonl(out / "trace.jsonl")
     return result.final_state, rows, events
 
 

@@ -26,6 +26,9 @@ from digen.runtime.driver.loop import Driver
 from digen.sched.schedule import stale_cap
 from digen.sched.trace import Trace
 
+# thousands of micro-batches a test; test_driver_logic.py is the quick check of the driver
+pytestmark = pytest.mark.slow
+
 RUNS = 24
 LIMIT = 2_000_000
 """Virtual ticks a run may take: reaching it means the driver stalled."""

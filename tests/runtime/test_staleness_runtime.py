@@ -9,23 +9,20 @@ numbers. The eager schedule's bounds are checked with fake actors
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import read_jsonl, run_config, tiny_config
 
-from digen import DigenRunner, load_config
-from digen.presets import preset
 from digen.sched.schedule import stale_cap
 
 
 def _run(out: Path, extra: list[str]):
     over = ["runtime.generators=2", *extra]
-    cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over)
-    result = asyncio.run(DigenRunner(cfg, out_dir=out, progress=False, save_weights=False).run())
-    events = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    cfg = tiny_config("flux", "flowgrpo", over, mode="disaggregated")
+    result = run_config(cfg, out, save_weights=False)
+    events = read_jsonl(out / "trace.jsonl")
     return result, events
 
 

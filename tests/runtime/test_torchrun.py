@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import free_port, read_jsonl
 
 from cli.main import _torchrun_world, role_for_rank
 from digen import load_config
@@ -71,6 +72,7 @@ def test_world_size_that_does_not_fit_the_config_is_one_sentence() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_torchrun_launch_runs_a_disaggregated_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
@@ -83,7 +85,7 @@ def test_torchrun_launch_runs_a_disaggregated_step(tmp_path: Path) -> None:
 
     rows = (out / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1 and json.loads(rows[0])["policy_version"] == 1
-    events = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    events = read_jsonl(out / "trace.jsonl")
     done = Counter((e["kind"], e["worker"]) for e in events)
     # 2 prompts x 2 samples, one group per micro-batch with one generator: 2 of each; the
     # run's first trainer bubble makes one of them on trainer-0 (the TAG probe)
@@ -93,14 +95,6 @@ def test_torchrun_launch_runs_a_disaggregated_step(tmp_path: Path) -> None:
     assert done[("update", "trainer-0")] == 2
     assert done[("step", "trainer-0")] == 1
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -115,11 +109,11 @@ def test_a_worker_killed_on_another_node_stops_both_nodes_leaving_no_process(
 
     from test_failures import _alive
 
-    out, port = tmp_path / "out", _free_port()
+    out, port = tmp_path / "out", free_port()
     run = ["-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "200"]
     run += ["--out", str(out), "--quiet", *SMALL, "runtime.generators=2", "runtime.trainers=1"]
     run += ["save_every=1", "runtime.tag=none"]
-    env = _env(DIGEN_RPC_PORT=str(_free_port()))
+    env = _env(DIGEN_RPC_PORT=str(free_port()))
     nodes = []
     for node in (0, 1):
         agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]

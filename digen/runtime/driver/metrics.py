@@ -1,7 +1,7 @@
 """One train step's row of ``metrics.jsonl``: the same keys whatever the mode.
 
 Both the colocated trainer and the disaggregated driver build their rows here, so a run's
-metrics can be compared across modes column by column (``tests/test_run.py`` checks the keys
+metrics can be compared across modes column by column (``tests/run/test_run.py`` checks the keys
 match). Per-reward means appear as ``reward/<name>``, one column per configured reward, and
 ``reward_latency_ms/<name>`` the mean time of one call of that reward in the step (a
 generator's micro-batch, or a colocated worker's share of the batch; retries included).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -16,6 +15,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from helpers import read_jsonl, run_config, tiny_config
 
 from cli.main import main
 from digen import DigenRunner, load_config
@@ -50,6 +50,7 @@ def _invoke(*args: str):
     return CliRunner().invoke(main, ["run", *args], catch_exceptions=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ALGO_NAMES)
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_run_every_model_and_algo(tmp_path: Path, model: str, algo: str) -> None:
@@ -65,7 +66,7 @@ def test_run_every_model_and_algo(tmp_path: Path, model: str, algo: str) -> None
     assert (cfg.model.name, cfg.algo.name, cfg.rollout.n, cfg.steps) == (model, algo, 2, 1)
     assert cfg.rollout.sde_type == get_algorithm(algo).sde_types[0]
 
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 1 and set(rows[0]) >= METRIC_KEYS
     row = rows[0]
     assert row["step"] == 0 and row["samples"] == 4 and row["policy_version"] == 2
@@ -83,14 +84,14 @@ def test_run_every_model_and_algo(tmp_path: Path, model: str, algo: str) -> None
         tile = (cfg.model.width or adapter_cls.tiny_width) * frames
         zoom = -(-MIN_TILE_WIDTH // tile)  # tiny samples are scaled up to show their captions
         assert im.width == 4 * tile * zoom  # 4 samples in one row
-    log = [json.loads(line) for line in (out / "trainer.log").read_text().splitlines()]
+    log = read_jsonl(out / "trainer.log")
     assert [e["event"] for e in log][0] == "run_start" and log[-1]["event"] == "run_end"
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 
 def test_saved_lora_loads_into_the_diffusers_pipeline(tmp_path: Path) -> None:
-    cfg = load_config(base=preset("flux", "flowgrpo"), overrides=[*SMALL, "steps=1"])
-    result = _run(DigenRunner(cfg, out_dir=tmp_path, progress=False))
+    cfg = tiny_config("flux", "flowgrpo", [*SMALL, "steps=1"])
+    result = run_config(cfg, tmp_path)
     cls = get_adapter_class("flux")
     pipe = cls.pipeline_class.from_pretrained(str(cls.tiny_path()))
     pipe.load_lora_weights(str(result.weights))
@@ -105,12 +106,6 @@ def test_saved_lora_loads_into_the_diffusers_pipeline(tmp_path: Path) -> None:
     assert any(float(p.abs().max()) > 0 for n, p in loaded.items() if "lora_B" in n)
 
 
-def _run(runner: DigenRunner):
-    import asyncio
-
-    return asyncio.run(runner.run())
-
-
 @pytest.mark.asyncio
 async def test_runner_api_with_async_reward_hook(tmp_path: Path) -> None:
     seen: list[int] = []
@@ -119,7 +114,7 @@ async def test_runner_api_with_async_reward_hook(tmp_path: Path) -> None:
         seen.append(samples.shape[0])
         return samples[..., 0].float().mean(dim=(1, 2, 3)).tolist()
 
-    cfg = load_config(base=preset("sd3", "flowgrpo"), overrides=[*SMALL, "steps=2"])
+    cfg = tiny_config("sd3", "flowgrpo", [*SMALL, "steps=2"])
     result = await DigenRunner(
         cfg, rewards=[(mean_red, 2.0)], out_dir=tmp_path, progress=False
     ).run()
@@ -128,9 +123,7 @@ async def test_runner_api_with_async_reward_hook(tmp_path: Path) -> None:
     for m in result.metrics:
         assert m["reward_mean"] == pytest.approx(2.0 * m["reward/mean_red"], rel=1e-6)
         assert 0 < m["reward/mean_red"] < 255
-    assert result.metrics == [
-        json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
-    ]
+    assert result.metrics == read_jsonl(tmp_path / "metrics.jsonl")
 
 
 @pytest.mark.asyncio
@@ -155,11 +148,12 @@ async def test_api_run_is_quiet_and_says_where_it_writes(
     assert err.count(f"writing to {result.out_dir} ") == 1
     for noise in ("truncated", "Token indices", "Loading", "torchvision"):
         assert noise not in err, err
-    log = [json.loads(line) for line in (result.out_dir / "trainer.log").read_text().splitlines()]
+    log = read_jsonl(result.out_dir / "trainer.log")
     notes = [e["text"] for e in log if e["event"] == "note"]
     assert len(notes) == 1 and "truncated" in notes[0], notes
 
 
+@pytest.mark.slow
 def test_disaggregated_workers_note_into_the_run_log(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -172,12 +166,12 @@ def test_disaggregated_workers_note_into_the_run_log(
     )
     over = [*SMALL, "steps=1", f"data.prompts={prompts}", "runtime.generators=2"]
     over += ["runtime.tag=none", "save_every=0"]
-    cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over)
+    cfg = tiny_config("flux", "flowgrpo", over, mode="disaggregated")
     capfd.readouterr()
-    asyncio.run(DigenRunner(cfg, out_dir=tmp_path / "out", progress=False).run())
+    run_config(cfg, tmp_path / "out")
     err = capfd.readouterr().err
     assert "truncated" not in err and "Token indices" not in err, err
-    log = [json.loads(x) for x in (tmp_path / "out" / "trainer.log").read_text().splitlines()]
+    log = read_jsonl(tmp_path / "out" / "trainer.log")
     notes = [e for e in log if e["event"] == "note"]
     by = Counter(e.get("worker") for e in notes)
     # both generators encoded a long prompt; each says so once (trainers take the embeddings)
@@ -185,21 +179,16 @@ def test_disaggregated_workers_note_into_the_run_log(
     assert all("truncated" in e["text"] for e in notes)
 
 
+@pytest.mark.slow
 def test_data_parallel_equals_single_process(tmp_path: Path) -> None:
     over = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
     over.append("train.lr=1e-3")  # Adam steps ~lr per weight; 1e-6 is then 0.1 % of a step
     base = preset("flux", "flowgrpo")
-    one = _run(
-        DigenRunner(load_config(base=base, overrides=over), out_dir=tmp_path / "a", progress=False)
-    )
+    one = run_config(load_config(base=base, overrides=over), tmp_path / "a")
     pinned = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
     before = {k: os.environ.get(k) for k in pinned}
-    two = _run(
-        DigenRunner(
-            load_config(base=base, overrides=[*over, "train.num_devices=2"]),
-            out_dir=tmp_path / "b",
-            progress=False,
-        )
+    two = run_config(
+        load_config(base=base, overrides=[*over, "train.num_devices=2"]), tmp_path / "b"
     )
     # the group's transports were pinned to loopback for the run only
     assert {k: os.environ.get(k) for k in pinned} == before
@@ -212,6 +201,7 @@ def test_data_parallel_equals_single_process(tmp_path: Path) -> None:
     assert moved > 0  # the step changed the LoRA weights, so equality is not trivial
 
 
+@pytest.mark.slow
 def test_data_parallel_workers_load_config_hooks_by_name_and_a_failed_start_is_named(
     tmp_path: Path,
 ) -> None:
@@ -228,15 +218,15 @@ def test_data_parallel_workers_load_config_hooks_by_name_and_a_failed_start_is_n
     )
     over = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
     over += ["train.num_devices=2", f"rewards=[{{name: '{hook}:score'}}]"]
-    cfg = load_config(base=preset("flux", "flowgrpo"), overrides=over)
-    result = _run(DigenRunner(cfg, out_dir=tmp_path / "a", progress=False))
+    cfg = tiny_config("flux", "flowgrpo", over)
+    result = run_config(cfg, tmp_path / "a")
     assert [m["step"] for m in result.metrics] == [0]
     assert 0.0 < result.metrics[0]["reward_mean"] < 255.0  # the mean pixel
     os.environ["ONLY_IN"] = str(os.getpid())
     try:
         t0 = time.monotonic()
         with pytest.raises(DigenError, match=r"data-parallel worker 1 exited with code 1 while"):
-            _run(DigenRunner(cfg, out_dir=tmp_path / "b", progress=False))
+            run_config(cfg, tmp_path / "b")
         assert time.monotonic() - t0 < 120  # not the process group's 30-minute wait
     finally:
         del os.environ["ONLY_IN"]
@@ -274,6 +264,7 @@ def test_empty_prompt_file(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "has no usable prompts" in res.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_or_sigterm_stops_with_a_checkpoint(
     tmp_path: Path, sig, code: int, run_mark
@@ -308,13 +299,14 @@ def test_ctrl_c_or_sigterm_stops_with_a_checkpoint(
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["interrupted"] is True and 1 <= summary["steps"] < 50
     assert summary["checkpoint"] == str(out / "checkpoints" / f"step-{summary['steps']:06d}")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = read_jsonl(metrics)
     assert [r["step"] for r in rows] == list(range(summary["steps"]))
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert yaml.safe_load((out / "config.yaml").read_text())["steps"] == 50
     assert config_to_dict(load_config(out / "config.yaml"))["steps"] == 50
 
 
+@pytest.mark.slow
 def test_a_run_with_its_stdout_closed_runs(tmp_path: Path, run_mark) -> None:
     """``digen run >&-`` (a daemon's way of starting it): the run completes with its outputs,
     and once the command returns no process of the run is left."""
@@ -326,7 +318,7 @@ def test_a_run_with_its_stdout_closed_runs(tmp_path: Path, run_mark) -> None:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert run_mark.left() == []
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
@@ -334,9 +326,9 @@ def test_a_run_with_its_stdout_closed_runs(tmp_path: Path, run_mark) -> None:
 @pytest.mark.slow
 def test_tiny_flux_learns_jpeg_incompressibility(tmp_path: Path) -> None:
     """The quick-start run (tiny FLUX, Flow-GRPO, JPEG incompressibility, seed 0) improves."""
-    cfg = load_config(base=preset("flux", "flowgrpo"))
+    cfg = tiny_config("flux", "flowgrpo")
     assert cfg.steps == 30 and cfg.rewards[0].name == "jpeg_incompressibility"
-    result = _run(DigenRunner(cfg, out_dir=tmp_path, progress=False, save_weights=False))
+    result = run_config(cfg, tmp_path, save_weights=False)
     rewards = [m["reward_mean"] for m in result.metrics]
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
     # measured: 3.655 kB -> 3.724 kB; the per-step noise of the batch mean is about 0.03 kB
@@ -348,8 +340,8 @@ def test_tiny_flux_learns_jpeg_incompressibility(tmp_path: Path) -> None:
 
 def test_full_finetune_with_kl_saves_a_transformer(tmp_path: Path) -> None:
     over = [*SMALL, "steps=2", "train.lora_rank=0", "train.lr=1e-3", "algo.kl_coef=0.1"]
-    cfg = load_config(base=preset("sd3", "flowgrpo"), overrides=over)
-    result = _run(DigenRunner(cfg, out_dir=tmp_path, progress=False))
+    cfg = tiny_config("sd3", "flowgrpo", over)
+    result = run_config(cfg, tmp_path)
     assert result.weights == tmp_path / "transformer"
     cls = get_adapter_class("sd3")
     saved = cls.pipeline_class.from_pretrained(str(cls.tiny_path())).transformer

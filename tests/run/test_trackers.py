@@ -4,7 +4,6 @@ missing package stops ``digen run`` in one sentence before anything starts."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import io
 import json
@@ -17,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers import read_jsonl, run_config, tiny_config
 from PIL import Image
 
 from cli.main import main
-from digen import DigenRunner, load_config
-from digen.presets import preset
+from digen import load_config
 from digen.run.trackers import TRACKERS, wandb_mode
 
 SMALL = ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=4", "steps=2"]
@@ -40,13 +39,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, 
         mp.setenv("WANDB_MODE", "offline")
         for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
             mp.setenv(var, str(tmp / var.lower()))
-        cfg = load_config(
-            base=preset("flux", "flowgrpo"), overrides=[*SMALL, f"logger=[{', '.join(logger)}]"]
-        )
+        cfg = tiny_config("flux", "flowgrpo", [*SMALL, f"logger=[{', '.join(logger)}]"])
         assert cfg.logger == logger
-        runner = DigenRunner(cfg, out_dir=out, progress=False, save_weights=False)
-        asyncio.run(runner.run())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        run_config(cfg, out, save_weights=False)
+    rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
     return out, rows, logger
 
@@ -60,6 +56,7 @@ def _png(path: Path | bytes) -> np.ndarray:
         return np.asarray(im.convert("RGB"))
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_the_metrics_rows_and_the_pictures(run) -> None:
     out, rows, logger = run
     if "tensorboard" not in logger:
@@ -116,6 +113,7 @@ def _wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics_rows_and_the_pictures(run) -> None:
     out, rows, logger = run
     if "wandb" not in logger:

@@ -3,18 +3,16 @@ does; damaged checkpoints are skipped; a run is never silently overwritten."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_jsonl, run_config, tiny_config
 
-from digen import DigenRunner, load_config
 from digen.checkpoint import CheckpointWriter, latest_checkpoint, write_trainer_state
 from digen.errors import DigenError
-from digen.presets import preset
 from digen.prompts import PromptSet
 from digen.sched.trace import Trace
 
@@ -24,33 +22,29 @@ COMMON += ["rollout.num_inference_steps=4", "save_every=1"]
 
 
 def _cfg(mode: str, steps: int, extra: list[str] = ()):
-    over = [*COMMON, f"steps={steps}", *extra]
-    return load_config(base=preset("sd3", "flowgrpo", mode=mode), overrides=over)
-
-
-def _run(cfg, out: Path, **kw):
-    return asyncio.run(DigenRunner(cfg, out_dir=out, progress=False, **kw).run())
+    return tiny_config("sd3", "flowgrpo", [*COMMON, f"steps={steps}", *extra], mode=mode)
 
 
 def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return read_jsonl(out / "metrics.jsonl")
 
 
 _SAME = ("step", "reward_mean", "reward_std", "loss", "clip_fraction", "approx_kl", "grad_norm")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_stopped_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path: Path, mode: str) -> None:
     extra = ["runtime.tag=none"] if mode == "disaggregated" else []
-    whole = _run(_cfg(mode, 3, extra), tmp_path / "whole")
-    first = _run(_cfg(mode, 2, extra), tmp_path / "split")
+    whole = run_config(_cfg(mode, 3, extra), tmp_path / "whole")
+    first = run_config(_cfg(mode, 2, extra), tmp_path / "split")
     assert first.checkpoint == tmp_path / "split" / "checkpoints" / "step-000002"
     # what a full disk or a crash left unfinished goes at the next start
     junk = tmp_path / "split" / "checkpoints" / ".tmp-step-000007"
     junk.mkdir()
     (junk / "weights.safetensors").write_bytes(b"\0" * 64)
     (tmp_path / "split" / ".tmp-lora").mkdir()
-    resumed = _run(_cfg(mode, 3, extra), tmp_path / "split", resume=True)
+    resumed = run_config(_cfg(mode, 3, extra), tmp_path / "split", resume=True)
     assert resumed.first_step == 2 and len(resumed.metrics) == 1
     assert whole.final_state.keys() == resumed.final_state.keys()
     for name, value in whole.final_state.items():
@@ -92,16 +86,16 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: P
 
 def test_a_run_is_never_silently_overwritten_and_resume_checks_the_model(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    _run(_cfg("colocated", 1), out)
+    run_config(_cfg("colocated", 1), out)
     with pytest.raises(DigenError, match="holds a previous run.*--resume"):
-        _run(_cfg("colocated", 1), out)
+        run_config(_cfg("colocated", 1), out)
     with pytest.raises(DigenError, match="lora_rank = 16, but this run has lora_rank = 4"):
-        _run(_cfg("colocated", 2, ["train.lora_rank=4"]), out, resume=True)
+        run_config(_cfg("colocated", 2, ["train.lora_rank=4"]), out, resume=True)
     with pytest.raises(DigenError, match="already trained 1 steps"):
-        _run(_cfg("colocated", 1), out, resume=True)
+        run_config(_cfg("colocated", 1), out, resume=True)
     with pytest.raises(DigenError, match="no complete checkpoint"):
-        _run(_cfg("colocated", 2), tmp_path / "empty", resume=True)
-    again = _run(_cfg("colocated", 1), out, overwrite=True)
+        run_config(_cfg("colocated", 2), tmp_path / "empty", resume=True)
+    again = run_config(_cfg("colocated", 1), out, overwrite=True)
     assert len(_rows(out)) == 1 and again.metrics[0]["step"] == 0
 
 
@@ -135,6 +129,7 @@ class StopAt:
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "colocated-dp", "disaggregated"])
 def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
     tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
@@ -154,18 +149,18 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
     monkeypatch.setenv("STOP_PID", str(os.getpid()))
     monkeypatch.setenv("STOP_FROM", "any" if mode == "disaggregated" else "lead")
     monkeypatch.setenv("STOP_AT", "-1")
-    whole = _run(cfg, tmp_path / "whole")
+    whole = run_config(cfg, tmp_path / "whole")
     # the first scoring call of step 1: one per step colocated, one per micro-batch else
     per_step = 1 if mode != "disaggregated" else schedule_plan(cfg).microbatches
     assert per_step > 1 or mode != "disaggregated"
     monkeypatch.setenv("STOP_AT", str(per_step))
-    stopped = _run(cfg, tmp_path / "split")
+    stopped = run_config(cfg, tmp_path / "split")
     assert stopped.interrupted and stopped.stop_signal == "SIGTERM"
     assert len(stopped.metrics) == 1  # step 1 was left, not finished
     assert stopped.checkpoint == tmp_path / "split" / "checkpoints" / "step-000001"
     assert len(_rows(tmp_path / "split")) == 1
     monkeypatch.setenv("STOP_AT", "-1")
-    resumed = _run(cfg, tmp_path / "split", resume=True)
+    resumed = run_config(cfg, tmp_path / "split", resume=True)
     assert resumed.first_step == 1 and len(resumed.metrics) == 2
     for name, value in whole.final_state.items():
         assert torch.equal(resumed.final_state[name], value), name
@@ -173,12 +168,13 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
     assert [{k: r[k] for k in _SAME} for r in got] == [{k: r[k] for k in _SAME} for r in want]
 
 
+@pytest.mark.slow
 def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> None:
     """Under fixed TCSS a step's early micro-batches come from the previous version, which a
     resumed run does not have: its first step is on-policy, the next ones stale again."""
     extra = ["runtime.max_staleness=1", "runtime.staleness_ratio=0.5", "runtime.tag=none"]
-    _run(_cfg("disaggregated", 2, extra), tmp_path)
-    resumed = _run(_cfg("disaggregated", 4, extra), tmp_path, resume=True)
+    run_config(_cfg("disaggregated", 2, extra), tmp_path)
+    resumed = run_config(_cfg("disaggregated", 4, extra), tmp_path, resume=True)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     stale = [r["stale_microbatches"] for r in rows]
@@ -212,8 +208,8 @@ def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
     from safetensors import safe_open
 
     fsdp = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
-    whole = _run(_cfg("disaggregated", 3, fsdp), tmp_path / "whole")
-    split = _run(_cfg("disaggregated", 2, fsdp), tmp_path / "split")
+    whole = run_config(_cfg("disaggregated", 3, fsdp), tmp_path / "whole")
+    split = run_config(_cfg("disaggregated", 2, fsdp), tmp_path / "split")
     files = sorted((split.checkpoint / "sharded").iterdir())
     assert len(files) == 2 and not (split.checkpoint / "weights.safetensors").exists()
     manifest = json.loads((split.checkpoint / "manifest.json").read_text())["files"]
@@ -226,9 +222,9 @@ def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
         numel = sum(torch.Size(shape).numel() for shape in held)
         assert len(held) == len(split.final_state) and 0.3 * total < numel < 0.7 * total
     shutil.copytree(tmp_path / "split", tmp_path / "moved")
-    resumed = _run(_cfg("disaggregated", 3, fsdp), tmp_path / "split", resume=True)
+    resumed = run_config(_cfg("disaggregated", 3, fsdp), tmp_path / "split", resume=True)
     one = ["runtime.tag=none"]
-    moved = _run(_cfg("disaggregated", 3, one), tmp_path / "moved", resume=True)
+    moved = run_config(_cfg("disaggregated", 3, one), tmp_path / "moved", resume=True)
     for name, value in whole.final_state.items():
         assert torch.equal(resumed.final_state[name], value), name
         torch.testing.assert_close(moved.final_state[name], value, rtol=1e-5, atol=1e-6)

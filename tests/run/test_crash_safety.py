@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_config
 
-from digen import checkpoint, load_config
+from digen import checkpoint
 from digen.checkpoint import (
     CheckpointWriter,
     check_out_dir,
@@ -24,7 +25,6 @@ from digen.checkpoint import (
     write_trainer_state,
 )
 from digen.errors import DigenError
-from digen.presets import preset
 
 CRASHES = {
     "moving the old one aside": {1},
@@ -61,9 +61,7 @@ def _crash_at(monkeypatch: pytest.MonkeyPatch, where: set[int] | str) -> None:
 
 
 def _cfg(steps: int = 5):
-    return load_config(
-        base=preset("sd3", "flowgrpo", mode="colocated"), overrides=[f"steps={steps}"]
-    )
+    return tiny_config("sd3", "flowgrpo", [f"steps={steps}"])
 
 
 def _write_checkpoint(writer: CheckpointWriter, step: int, value: float, cfg) -> Path:

@@ -18,7 +18,7 @@ import pytest
 
 from digen.sched.simulate_cli import load_costs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_config, tiny_config
 
-from digen import DigenRunner, load_config
+from digen import load_config
 from digen.algos.grpo import score_groups
 from digen.errors import NonFiniteError, RewardError
 from digen.presets import preset
@@ -63,11 +64,7 @@ def test_scores_fail_or_come_back_nan() -> None:
 def _cfg(mode: str, hook: str, extra: list[str] = ()):
     over = ["steps=2", "rollout.num_inference_steps=4", "algo.kl_coef=0", "train.lr=1e-3"]
     over += ["save_every=0", f"rewards=[{{name: '{hook}', weight: 1.0}}]", *extra]
-    return load_config(base=preset("sd3", "flowgrpo", mode=mode), overrides=over)
-
-
-def _run(cfg, out: Path):
-    return asyncio.run(DigenRunner(cfg, out_dir=out, progress=False, save_weights=False).run())
+    return tiny_config("sd3", "flowgrpo", over, mode=mode)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +74,18 @@ def hooks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_dropped_groups_are_counted_and_add_nothing_to_the_update(
     tmp_path: Path, hooks: Path
 ) -> None:
     drop = ["train.on_nonfinite=drop"]
-    dropped = _run(_cfg("colocated", f"{hooks}:nan_for_marked", drop), tmp_path / "drop")
+    dropped = run_config(
+        _cfg("colocated", f"{hooks}:nan_for_marked", drop), tmp_path / "drop", save_weights=False
+    )
     # a group of equal rewards has advantage 0: it moves nothing, as a dropped group must
-    flat = _run(_cfg("colocated", f"{hooks}:constant_for_marked"), tmp_path / "flat")
+    flat = run_config(
+        _cfg("colocated", f"{hooks}:constant_for_marked"), tmp_path / "flat", save_weights=False
+    )
     cfg = _cfg("colocated", f"{hooks}:nan_for_marked")
     prompts = PromptSet.builtin()
     want = [
@@ -105,20 +107,29 @@ def test_dropped_groups_are_counted_and_add_nothing_to_the_update(
         torch.testing.assert_close(dropped.final_state[name], p, rtol=1e-2, atol=1e-5)
         moved = max(moved, float(p.abs().max()) if "lora_B" in name else 0.0)
     assert moved > 1e-4
-    disagg = _run(_cfg("disaggregated", f"{hooks}:nan_for_marked", drop), tmp_path / "disagg")
+    disagg = run_config(
+        _cfg("disaggregated", f"{hooks}:nan_for_marked", drop),
+        tmp_path / "disagg",
+        save_weights=False,
+    )
     assert [m["dropped_groups"] for m in disagg.metrics] == want
     with pytest.raises(RewardError, match="nan_for_marked.*non-finite value \\(nan\\)"):
-        _run(_cfg("colocated", f"{hooks}:nan_for_marked"), tmp_path / "fail")
+        run_config(
+            _cfg("colocated", f"{hooks}:nan_for_marked"), tmp_path / "fail", save_weights=False
+        )
 
 
 def test_a_non_finite_loss_fails_or_is_left_out(tmp_path: Path) -> None:
     # a huge learning rate makes the weights overflow after the first optimizer update
     boom = ["train.lr=1e30", "rewards=[{name: jpeg_incompressibility}]"]
     with pytest.raises(NonFiniteError, match=r"the loss of train step 0 .* is nan"):
-        _run(_cfg("colocated", "jpeg_incompressibility", boom), tmp_path / "fail")
-    res = _run(
+        run_config(
+            _cfg("colocated", "jpeg_incompressibility", boom), tmp_path / "fail", save_weights=False
+        )
+    res = run_config(
         _cfg("colocated", "jpeg_incompressibility", [*boom, "train.on_nonfinite=drop"]),
         tmp_path / "drop",
+        save_weights=False,
     )
     assert len(res.metrics) == 2
     assert res.metrics[0]["dropped_microbatches"] > 0 and res.metrics[1]["loss"] == 0.0

@@ -1,0 +1,41 @@
+"""Plain helpers the test files share (``from helpers import ...``; ``tests/`` is on the path
+through its ``conftest.py``). Plain functions rather than fixtures, so module-scoped fixtures
+and helper functions can call them too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from digen import DigenConfig, DigenRunner, RunResult, load_config
+from digen.presets import preset
+
+
+def tiny_config(
+    model: str, algo: str, overrides: Iterable[str] = (), *, mode: str = "colocated"
+) -> DigenConfig:
+    """The preset of ``model`` x ``algo`` (tiny flavour) in ``mode``, with ``key=value``
+    overrides on top: the config most tests start from."""
+    return load_config(base=preset(model, algo, mode=mode), overrides=list(overrides))
+
+
+def run_config(cfg: DigenConfig, out_dir: Path | None, **kwargs: Any) -> RunResult:
+    """Run ``cfg`` to its end with :class:`DigenRunner` in ``out_dir``, without progress bars;
+    ``kwargs`` go to the runner (``save_weights=False``, ``resume=True``, ...)."""
+    return asyncio.run(DigenRunner(cfg, out_dir=out_dir, progress=False, **kwargs).run())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file (``metrics.jsonl``, ``trace.jsonl``, ``trainer.log``)."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it; nothing holds it afterwards)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
