@@ -118,7 +118,7 @@ class Plan:
     train_sizes: tuple[int, ...]
     tsp_degrees: tuple[int, ...]
     repeats: int
-    """Timed calls per curve point (the median is kept)."""
+    """TimedResult calls per curve point (the median is kept)."""
     microbatch: int
     """Micro-batch size at which the profile's costs are taken."""
     extra: tuple[str, ...]

@@ -339,7 +339,11 @@ def utilisation(events: Sequence[TraceEvent], first: int) -> tuple[dict[str, flo
     return util, 1.0 - total
 
 
-_COLOCATED_PHASES = (("generate", "score"), ("update",), ("step",))
+_COLOCATED_PHASES = (
+    (TaskKind.GENERATE, TaskKind.SCORE),
+    (TaskKind.UPDATE,),
+    (TaskKind.STEP,),
+)
 PREDICTION_DRAWS = 32
 """Simulations per prediction, each with task costs drawn from the run's own task times."""
 
@@ -409,10 +413,10 @@ def _bound_and_prediction(
         kind: statistics.median(r.get(f"overhead_ms/{kind}", 0.0) for r in rows) / 1e3
         if rows
         else 0.0
-        for kind in ("generate", "score", "update")
+        for kind in (TaskKind.GENERATE, TaskKind.SCORE, TaskKind.UPDATE)
     }
-    extra = {"gen": over["generate"], "gen_tag": over["generate"]}
-    extra |= {"score": over["score"], "update": over["update"]}
+    extra = {"gen": over[TaskKind.GENERATE], "gen_tag": over[TaskKind.GENERATE]}
+    extra |= {"score": over[TaskKind.SCORE], "update": over[TaskKind.UPDATE]}
     # Task times vary (a TAG here took 0.34-0.44 s), and a step can hinge on whether an
     # update and a TAG fit inside one generation: simulate with costs drawn from the run's
     # own task times, and take the median step over the draws.

@@ -201,7 +201,7 @@ class ColocatedTrainer:
         every = self.my_keys(step, everyone=True)
 
         # 1. sample, micro-batch by micro-batch
-        _phase(on_phase, "generate")
+        _phase(on_phase, TaskKind.GENERATE)
         t0 = time.perf_counter()
         parts: list[Generated] = []
         mb = cfg.train.micro_batch_size
@@ -211,7 +211,7 @@ class ColocatedTrainer:
             if rows is None and not self.sharded:
                 continue  # a pass only sharded workers run, to keep in step
             chunk = [every[i] for i in rows or [0]]
-            with self._span("generate", step, c):
+            with self._span(TaskKind.GENERATE, step, c):
                 out = self.policy.generate(chunk, [texts[k.prompt] for k in chunk])
             if rows is not None:  # else made only to keep sharded workers in step
                 parts.append(out)
@@ -220,9 +220,9 @@ class ColocatedTrainer:
         t_generate = time.perf_counter() - t0
 
         # 2. score, gather, advantages
-        _phase(on_phase, "score")
+        _phase(on_phase, TaskKind.SCORE)
         t0 = time.perf_counter()
-        with self._span("score", step, -1):
+        with self._span(TaskKind.SCORE, step, -1):
             scored = await self.reward(
                 pixels, [texts[k.prompt] for k in keys], [meta[k.prompt] for k in keys]
             )
@@ -277,12 +277,12 @@ class ColocatedTrainer:
                 # micro-batch ids interleave the workers: one order for every worker
                 index = c * self.world + self.rank
                 scale = 1.0 / total_terms if rows is not None else 0.0
-                with self._span("update", step, c), self.grads.micro_batch(index):
+                with self._span(TaskKind.UPDATE, step, c), self.grads.micro_batch(index):
                     got = self.policy.accumulate(item, scale)
                 if rows is not None:
                     stats.add(got)
             t_opt = time.perf_counter()
-            with self._span("step", step, -1):
+            with self._span(TaskKind.STEP, step, -1):
                 count = most * self.world
                 group = dist.group.WORLD if self.world > 1 and not self.sharded else None
                 self.grads.reduce(count, group)
@@ -319,7 +319,7 @@ class ColocatedTrainer:
         return StepResult(metrics=metrics, pixels=pixels, captions=captions)
 
     @contextlib.contextmanager
-    def _span(self, kind: str, step: int, mb: int) -> Iterator[None]:
+    def _span(self, kind: TaskKind, step: int, mb: int) -> Iterator[None]:
         """Record the enclosed work as a trace event of this worker."""
         version, t0 = self.policy.version, time.time()
         yield

@@ -20,7 +20,7 @@ __all__ = [
     "SampleKey",
     "Scores",
     "StepResult",
-    "Timed",
+    "TimedResult",
     "TrainItem",
     "grid_frames",
     "thumbnails",
@@ -105,7 +105,7 @@ class LossStats:
 
 
 @dataclass(slots=True)
-class Timed:
+class TimedResult:
     """A result with the span of the work that made it."""
 
     value: Any

@@ -4,7 +4,7 @@ Each actor wraps a :class:`~digen.runtime.policy.Policy` on its own device
 (:mod:`digen.runtime.driver.placement`: ``torch.cuda.set_device`` on a GPU) and knows nothing about
 RPC: the actor layer (:mod:`digen.runtime.actors`) calls its methods one at a time. Methods
 report the wall-clock span of their own work and the process's peak memory so far
-(:class:`Timed`) so the driver can build the trace and the metrics.
+(:class:`TimedResult`) so the driver can build the trace and the metrics.
 
 The data plane (:mod:`digen.runtime.store`): ``generate`` keeps the micro-batch's rollout
 and pixels in this process and returns only its version; ``score`` (on the
@@ -59,7 +59,7 @@ from digen.runtime.messages import (
     LossStats,
     SampleKey,
     Scores,
-    Timed,
+    TimedResult,
     TrainItem,
     thumbnails,
 )
@@ -178,8 +178,8 @@ class _Placed:
     def ping(self) -> int:
         return os.getpid()
 
-    def _timed(self, value: Any, t0: float) -> Timed:
-        return Timed(value, t0, time.time(), peak_memory_gb(self.device))
+    def _timed(self, value: Any, t0: float) -> TimedResult:
+        return TimedResult(value, t0, time.time(), peak_memory_gb(self.device))
 
     def _wire_from(self, peer: str) -> str | None:
         """How ``peer`` must send tensors to this worker: as they are, or staged on the CPU."""
@@ -218,7 +218,7 @@ class _PolicyActor(_Placed):
         with pinned_to_loopback(host):
             self.sync_group = make_group(store, rank, size, members or [self.device], timeout_s)
 
-    def generate(self, step: int, mb: int, keys: Sequence[SampleKey], prompt: str) -> Timed:
+    def generate(self, step: int, mb: int, keys: Sequence[SampleKey], prompt: str) -> TimedResult:
         """Sample and decode one trajectory per key with the current weights; keep them here.
 
         Returns the policy version that made them.
@@ -268,7 +268,7 @@ class _PolicyActor(_Placed):
         gen, trainer = rt.generator_dtype, rt.trainer_dtype
         return p.dtype if gen == trainer else torch.float32
 
-    def broadcast_weights(self, version: int) -> Timed:
+    def broadcast_weights(self, version: int) -> TimedResult:
         """Enter the weight broadcast (every member at once, bucket by bucket): trainer 0
         sends, the others receive."""
         t0 = time.time()
@@ -286,7 +286,7 @@ class _PolicyActor(_Placed):
     def _sync_backend(self) -> str:
         return "nccl" if isinstance(self.sync_group, dist.ProcessGroupNCCL) else "gloo"
 
-    def pull_weights(self, source: str, version: int) -> Timed:
+    def pull_weights(self, source: str, version: int) -> TimedResult:
         """Load the weights ``source`` (trainer 0) serves as ``version``, bucket by bucket."""
         t0 = time.time()
         named = self._synced()
@@ -334,7 +334,7 @@ class _Scoring(_Placed):
         prompts: Sequence[str],
         metadata: Sequence[dict],
         with_thumbnails: bool = False,
-    ) -> Timed:
+    ) -> TimedResult:
         """Rewards of micro-batch ``(step, mb)``, whose pixels ``holder`` keeps (here or not)."""
         if self.rewards is None:
             raise RuntimeError(f"{self.name}: its scoring actor scores (runtime.score_overlap)")
@@ -505,7 +505,7 @@ class TrainerActor(_PolicyActor):
         prompt: str,
         advantages: Sequence[float],
         loss_scale: float,
-    ) -> Timed:
+    ) -> TimedResult:
         """Forward/backward the samples ``keys`` of micro-batch ``(step, mb)``.
 
         ``rows``: their positions in the micro-batch, whose rollout ``holder`` keeps;
@@ -563,7 +563,7 @@ class TrainerActor(_PolicyActor):
         state = self._full if self.sharded else None
         return str(self.policy.save_weights(out_dir, state))
 
-    def step(self, microbatches: int) -> Timed:
+    def step(self, microbatches: int) -> TimedResult:
         """Sum the step's gradients over the trainers, clip, step. Returns ``(version, grad
         norm)``; trainer 0 then serves the new weights."""
         self._jitter()

@@ -348,7 +348,7 @@ class Trace:
         last_step_ev: dict[int, float] = {}
         for e in self.events:
             last[e.step] = max(last.get(e.step, e.t1), e.t1)
-            if e.kind == "step":
+            if e.kind == TaskKind.STEP:
                 last_step_ev[e.step] = max(last_step_ev.get(e.step, e.t1), e.t1)
         return {s: last_step_ev.get(s, last[s]) for s in sorted(last)}
 

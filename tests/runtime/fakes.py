@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from digen.runtime.messages import LossStats, Scores, Timed
+from digen.runtime.messages import LossStats, Scores, TimedResult
 from digen.sched.schedule import Pool, worker_name
 
 
@@ -126,19 +126,19 @@ class FakeActor:
             w.made[(step, mb)] = self.version
             w.untrained += 1
             w.untrained_max = max(w.untrained_max, w.untrained)
-            return Timed(self.version, t0, t1)
+            return TimedResult(self.version, t0, t1)
         if method == "score":
             n = len(args[3])
-            return Timed(
+            return TimedResult(
                 Scores([float(args[1] + i) for i in range(n)], {"fake": [1.0] * n}), t0, t1
             )
         if method == "update":
             assert self.version == args[0], f"step {args[0]} trained on version {self.version}"
             w.untrained -= 1
-            return Timed(LossStats(terms=len(args[3]), loss=1.0), t0, t1)
+            return TimedResult(LossStats(terms=len(args[3]), loss=1.0), t0, t1)
         if method == "step":
             self.version += 1
-            return Timed((self.version, 0.5), t0, t1)
+            return TimedResult((self.version, 0.5), t0, t1)
         raise AssertionError(method)
 
 
@@ -165,13 +165,13 @@ class FakeCluster:
     def serve_weights(self, version: int) -> None:
         return None
 
-    async def send_weights(self, i: int, version: int) -> Timed:
+    async def send_weights(self, i: int, version: int) -> TimedResult:
         gen = self.gens[i]
         async with gen.busy:  # behind what the generator is running
             t0, t1 = await self.world.work(gen.worker, "load_weights")
             self.world.log.append((gen.worker, "load_weights", version))
             gen.version = version
-        return Timed(version, t0, t1)
+        return TimedResult(version, t0, t1)
 
     async def release(self, holder: str, keys: list) -> None:
         self.world.log.append((holder, "release", *keys[0]))

@@ -13,7 +13,7 @@ import pytest
 
 from digen import load_config
 from digen.presets import preset
-from digen.runtime.driver.accounting import Accounts
+from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.messages import LossStats
 from digen.sched.book import StepRecord
 from digen.sched.schedule import DRIVER, TaskKind
@@ -22,7 +22,7 @@ from digen.sched.trace import Trace
 WORKERS = ["generator-0", "generator-1", "trainer-0"]
 
 
-def _step(acc: Accounts, s: int, b: int, n: int) -> dict:
+def _step(acc: CostLedger, s: int, b: int, n: int) -> dict:
     """One step ``s`` of ten seconds from ``T = 10 s``; generator-1 makes the next step's
     micro-batch while this one trains, so two steps are open at once:
 
@@ -93,7 +93,7 @@ def test_two_thousand_steps_cost_what_the_first_hundred_do(tmp_path: Path, to_fi
     cfg = load_config(base=preset("sd3", "flowgrpo", mode="disaggregated"))
     b, n = cfg.data.train_batch_size, cfg.rollout.n
     path = tmp_path / "trace.jsonl" if to_file else None
-    acc = Accounts(cfg, Trace(path=path), WORKERS)
+    acc = CostLedger(cfg, Trace(path=path), WORKERS)
     held: set[int] = set()
     work: dict[int, int] = {}
 

@@ -1,9 +1,9 @@
 """What the driver's calls cost, observed from outside the loops that make them.
 
-Every actor call the driver makes is reported here once it returns (:meth:`Accounts.record`):
+Every actor call the driver makes is reported here once it returns (:meth:`CostLedger.record`):
 it becomes a trace event (for ``trace.json`` and the timeline), feeds the online profiler the
 TAG search plans with, and adds to its step's work and call overhead. At the end of a step,
-:meth:`Accounts.step_result` turns the step's book-keeping record into the metrics row and
+:meth:`CostLedger.step_result` turns the step's book-keeping record into the metrics row and
 the sample grid the runner writes, and closes the step in the trace: what the accounts hold
 is the steps under way, whatever the length of the run.
 """
@@ -25,7 +25,7 @@ from digen.sched.costs import OnlineProfiler
 from digen.sched.schedule import TaskKind, pool_of
 from digen.sched.trace import Trace, device_of
 
-__all__ = ["Accounts"]
+__all__ = ["CostLedger"]
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class _Step:
     """Per reward, the seconds of each of its calls in the step."""
 
 
-class Accounts:
+class CostLedger:
     """The trace, the profiler and per-step costs of one disaggregated run."""
 
     def __init__(self, cfg: DigenConfig, trace: Trace, workers: Sequence[str]) -> None:

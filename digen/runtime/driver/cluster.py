@@ -27,10 +27,10 @@ from digen.runtime.driver.placement import all_devices, check_groups, device_map
 from digen.runtime.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.fsdp import is_sharded
 from digen.runtime.groups import listen
-from digen.runtime.messages import NOTES_ENV, LossStats, Timed
+from digen.runtime.messages import NOTES_ENV, LossStats, TimedResult
 from digen.sched.schedule import Pool, worker_names
 
-__all__ = ["Cluster", "TrainerGang"]
+__all__ = ["Cluster", "ShardedTrainers"]
 
 
 class Cluster:
@@ -119,7 +119,7 @@ class Cluster:
             path, version = str(self.resume.path), self.resume.version
             await asyncio.gather(*(t.call("restore", path, version) for t in self.trainers))
         if rt.trainers > 1 and is_sharded(rt.trainer_parallel):
-            self.trainers = [TrainerGang(self.trainers)]
+            self.trainers = [ShardedTrainers(self.trainers)]
         if rt.weight_sync == "broadcast":
             size = 1 + len(self.gens)
             await asyncio.gather(
@@ -145,14 +145,14 @@ class Cluster:
 
     # --- weights ---------------------------------------------------------------------------
 
-    def serve_weights(self, version: int) -> Coroutine[Any, Any, Timed] | None:
+    def serve_weights(self, version: int) -> Coroutine[Any, Any, TimedResult] | None:
         """Trainer 0's side of a weight sync: the call that enters the broadcast; None when
         the generators pull (trainer 0 serves its live weights, bucket by bucket)."""
         if self.cfg.runtime.weight_sync != "broadcast":
             return None
         return self.trainers[0].call("broadcast_weights", version)
 
-    async def send_weights(self, i: int, version: int) -> Timed:
+    async def send_weights(self, i: int, version: int) -> TimedResult:
         """Generator ``i``'s side: it pulls ``version`` from trainer 0, or receives the
         broadcast. Queued behind whatever that generator is running."""
         if self.cfg.runtime.weight_sync == "broadcast":
@@ -177,8 +177,12 @@ class Cluster:
         sharded trainer's, when the trainers as one made them)."""
         from digen.runtime.store import release
 
-        gang = self.trainers[0] if self.trainers else None
-        holders = gang.members if isinstance(gang, TrainerGang) and holder == gang.worker else []
+        sharded = self.trainers[0] if self.trainers else None
+        holders = (
+            sharded.members
+            if isinstance(sharded, ShardedTrainers) and holder == sharded.worker
+            else []
+        )
         await asyncio.gather(*(self.system.run(h, release, keys) for h in holders or [holder]))
 
     @property
@@ -187,13 +191,13 @@ class Cluster:
         return self.system.payload
 
 
-class TrainerGang:
+class ShardedTrainers:
     """Sharded trainers (FSDP / HSDP) called as one trainer named ``trainer-0``.
 
     Their collectives need every member, so the calls that run the model (generate, update,
     step) go to all of them at once, with the same arguments (each trainer takes its own
     share of an update's rows); the rest go to trainer 0, which holds the full weights.
-    A gang call's span runs from the first member's start to the last one's end.
+    A call to all of them's span runs from the first member's start to the last one's end.
     """
 
     _EVERY_MEMBER = ("generate", "update", "step", "write_checkpoint", "ping", "statistics")
@@ -207,14 +211,14 @@ class TrainerGang:
         if method not in self._EVERY_MEMBER:
             return await self.handles[0].call(method, *args)
         results = await asyncio.gather(*(h.call(method, *args) for h in self.handles))
-        if not isinstance(results[0], Timed):
+        if not isinstance(results[0], TimedResult):
             return results[0]
         value = results[0].value
         if method == "update":  # every member's loss terms, added in member order
             value = LossStats()
             for r in results:
                 value.add(r.value)
-        return Timed(
+        return TimedResult(
             value,
             min(r.t0 for r in results),
             max(r.t1 for r in results),

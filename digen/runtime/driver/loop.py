@@ -23,7 +23,7 @@ naming the worker:
 
 What was handed out, made, scored and trained lives in :class:`~digen.sched.book.Book`
 (pure book-keeping, the model the TAG search plans on); what calls cost is observed by
-:class:`~digen.runtime.driver.accounting.Accounts`. The loops below are the schedule and nothing else.
+:class:`~digen.runtime.driver.accounting.CostLedger`. The loops below are the schedule and nothing else.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from digen.checkpoint import PROFILER, Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
 from digen.runtime.actors import WorkerDied
-from digen.runtime.driver.accounting import Accounts
+from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.driver.cluster import Cluster
 from digen.runtime.messages import SampleKey, StepResult
 from digen.sched.book import Book
@@ -68,7 +68,7 @@ GRID_SAMPLES = 16
 
 
 @dataclass(frozen=True, slots=True)
-class Made:
+class RolloutRef:
     """A generated micro-batch: where its rollout and pixels are, and which version made it."""
 
     mb: MicroBatch
@@ -77,10 +77,10 @@ class Made:
 
 
 @dataclass(frozen=True, slots=True)
-class Work:
+class UpdateTask:
     """An update: the kept samples of one micro-batch (``rows`` of it) and their advantages."""
 
-    made: Made
+    rollout: RolloutRef
     rows: tuple[int, ...]
     advantages: tuple[float, ...]
 
@@ -122,18 +122,18 @@ class Driver:
         """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
         workers = worker_names(Pool.GENERATOR, rt.generators)
         workers += worker_names(Pool.TRAINER, self.plan.trainers)
-        self.accounts = Accounts(cfg, trace, workers)
+        self.accounts = CostLedger(cfg, trace, workers)
         if resume is not None and (resume.path / PROFILER).is_file():
             # BTS starts from the cost estimates the run had, not from nothing
             self.accounts.profiler = OnlineProfiler.load(resume.path / PROFILER)
         self.tag_policy = make_tag_policy(self.plan.tag, self.plan.tag_k)
-        self.uq: dict[int, asyncio.Queue[Work | None]] = {}
+        self.uq: dict[int, asyncio.Queue[UpdateTask | None]] = {}
         """Per train step: scored micro-batches ready to train (None: the step is trained)."""
         self.changed = asyncio.Condition()
         """Wakes generators waiting to be admitted: a version, SQ, a trained micro-batch."""
         self._trained: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
         self._stepped: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
-        self._held_back: dict[int, list[Work]] = defaultdict(list)
+        self._held_back: dict[int, list[UpdateTask]] = defaultdict(list)
         self._quota_waiter: tuple[int, asyncio.Future[None]] | None = None
         self._samples_at: Callable[[int], bool] = lambda step: False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -272,7 +272,7 @@ class Driver:
         to :meth:`_scorer_loop`."""
         while True:
             if not self.overlap and (took := self.book.next_to_score()) is not None:
-                await self._score(i, Made(*took))  # SQ: what trainers made, first
+                await self._score(i, RolloutRef(*took))  # SQ: what trainers made, first
             elif (mb := self._hand_out(self.book.gen_version[i])) is not None:
                 made = await self._generate(self.gens[i], mb, TaskKind.GENERATE)
                 if self.overlap:
@@ -294,7 +294,7 @@ class Driver:
                         lambda: not self._stopping and self.book.has_to_score(i)
                     )
                 continue
-            await self._score(i, Made(*took))
+            await self._score(i, RolloutRef(*took))
 
     async def _trainer_loop(self, j: int, steps: range) -> None:
         """Update what UQ holds; at a bubble, maybe generate (TAG); then the step's end."""
@@ -305,10 +305,10 @@ class Driver:
                     await self._generate(self.trainers[j], mb, TaskKind.TAG)  # onto SQ
                     await self._notify()  # a generator scores it
                     continue
-                work = await uq.get()
-                if work is None:  # every micro-batch of step s is trained
+                task = await uq.get()
+                if task is None:  # every micro-batch of step s is trained
                     break
-                await self._update(j, work)
+                await self._update(j, task)
             await self._stepped[s].wait()
 
     async def _trained_or_stopped(self, s: int) -> bool:
@@ -352,14 +352,14 @@ class Driver:
 
     # --- the work ---------------------------------------------------------------------------
 
-    async def _generate(self, actor: Any, mb: MicroBatch, kind: TaskKind) -> Made:
+    async def _generate(self, actor: Any, mb: MicroBatch, kind: TaskKind) -> RolloutRef:
         keys = [SampleKey(mb.step, mb.prompt, s) for s in mb.samples]
         call = actor.call("generate", mb.step, mb.mb, keys, self.prompts(mb.step)[0][mb.prompt])
         version = await self._call(actor, kind, mb.step, mb.mb, None, call)
         self.book.generated(mb, actor.worker, version)
-        return Made(mb, actor.worker, version)
+        return RolloutRef(mb, actor.worker, version)
 
-    async def _score(self, i: int, made: Made) -> None:
+    async def _score(self, i: int, made: RolloutRef) -> None:
         g, mb, k = self.scorers[i], made.mb, len(made.mb.samples)
         texts, meta = self.prompts(mb.step)
         thumbs = self._samples_at(mb.step) and mb.mb * k < GRID_SAMPLES
@@ -399,19 +399,19 @@ class Driver:
                     await self.cluster.release(holder, [(s, mb.mb)])
                     continue
                 advs = tuple(float(adv[row, mb.samples[r]]) for r in rows)
-                self._held_back[s].append(Work(Made(mb, holder, version), rows, advs))
+                self._held_back[s].append(UpdateTask(RolloutRef(mb, holder, version), rows, advs))
         if not self.plan.whole_step or rec.all_scored:  # e.g. naive: train once all is scored
-            for work in self._held_back.pop(s, []):
-                self.book.queued(s, work.made.mb.mb)
-                self._uq(s).put_nowait(work)
+            for task in self._held_back.pop(s, []):
+                self.book.queued(s, task.rollout.mb.mb)
+                self._uq(s).put_nowait(task)
         await self._notify()
         self._maybe_trained(s)
 
-    async def _update(self, j: int, work: Work) -> None:
-        t, mb, s = self.trainers[j], work.made.mb, work.made.mb.step
-        keys = [SampleKey(s, mb.prompt, mb.samples[r]) for r in work.rows]
+    async def _update(self, j: int, task: UpdateTask) -> None:
+        t, mb, s = self.trainers[j], task.rollout.mb, task.rollout.mb.step
+        keys = [SampleKey(s, mb.prompt, mb.samples[r]) for r in task.rows]
         text, scale = self.prompts(s)[0][mb.prompt], 1.0 / step_terms(self.cfg, s)
-        args = (s, mb.mb, work.made.holder, keys, list(work.rows), text, list(work.advantages))
+        args = (s, mb.mb, task.rollout.holder, keys, list(task.rows), text, list(task.advantages))
         stats = await self._call(t, TaskKind.UPDATE, s, mb.mb, s, t.call("update", *args, scale))
         self.book.trained(s, mb.mb, stats)
         await self._notify()
@@ -536,7 +536,7 @@ class Driver:
         async with self.changed:
             self.changed.notify_all()
 
-    def _uq(self, step: int) -> asyncio.Queue[Work | None]:
+    def _uq(self, step: int) -> asyncio.Queue[UpdateTask | None]:
         if step not in self.uq:
             self.uq[step] = asyncio.Queue(self.book.record(step).size + len(self.trainers))
         return self.uq[step]
