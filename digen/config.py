@@ -27,7 +27,7 @@ from digen.rewards.registry import BUILTIN_REWARDS
 from digen.run.trackers import TRACKERS
 from digen.sched.plan import SchedulePlan, plan_schedule
 from digen.sched.schedule import STALENESS_SCHEDULES
-from digen.sched.tag import TAG_POLICIES as TAG_POLICY_FACTORIES
+from digen.sched.tag import TAG_POLICY_NAMES
 
 __all__ = [
     "AlgoConfig",
@@ -411,8 +411,9 @@ class AlgoConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    lr: float = 1e-4
-    """AdamW learning rate."""
+    lr: float = 3e-4
+    """AdamW learning rate; the default is Flow-GRPO's and DanceGRPO's published LoRA rate,
+    which the real-weight presets keep (the tiny flavours' presets use a larger one)."""
     weight_decay: float = 1e-4
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -559,7 +560,6 @@ LR_SCHEDULES = ("constant", "cosine")
 NONFINITE_POLICIES = ("fail", "drop")
 MICROBATCH_AXES = ("generation", "prompt")
 WEIGHT_SYNCS = ("rpc", "broadcast")
-TAG_POLICIES: tuple[str, ...] = tuple(TAG_POLICY_FACTORIES)
 GRAD_ORDERS = ("auto", "fixed", "arrival")
 
 
@@ -654,7 +654,7 @@ class RuntimeConfig:
             _at_least(p, "samples_per_microbatch", self.samples_per_microbatch, 1)
         _at_least(p, "tsp_degree", self.tsp_degree, 1)
         _choice(_key(p, "weight_sync"), self.weight_sync, WEIGHT_SYNCS)
-        _choice(_key(p, "tag"), self.tag, TAG_POLICIES)
+        _choice(_key(p, "tag"), self.tag, TAG_POLICY_NAMES)
         _at_least(p, "tag_k", self.tag_k, 0)
         _at_least(p, "max_staleness", self.max_staleness, 0, " (0 is on-policy)")
         if not 0.0 <= self.staleness_ratio <= 1.0:

@@ -36,8 +36,7 @@ def preset(
             cfg["model"]["num_frames"] = recipe["num_frames"]
         cfg["rollout"] = {"guidance_scale": recipe["guidance_scale"]}
         cfg["data"] = {"train_batch_size": 8}
-        cfg["train"] = {
-            "lr": 3e-4,
+        cfg["train"] = {  # the learning rate is train.lr's default (the published LoRA rate)
             "lora_rank": 32,
             "lora_alpha": 64.0,
             "lora_dtype": "float32",

@@ -78,6 +78,7 @@ class DanceGRPO(Algorithm):
         }
         if video:
             algo["best_of_n"] = 8
-        # the published LoRA recipe (FLUX): rank 128 / alpha 256, lr 3e-4
-        train = {"lr": 3e-4, "lora_rank": 128, "lora_alpha": 256.0, "weight_decay": 1e-4}
+        # the published LoRA recipe (FLUX): rank 128 / alpha 256 at lr 3e-4, weight decay 1e-4
+        # (the last two are train.lr's and train.weight_decay's defaults)
+        train = {"lora_rank": 128, "lora_alpha": 256.0}
         return {"rollout": {**common, **rollout}, "algo": algo, "train": train}

@@ -107,5 +107,5 @@ class FlowGRPO(Algorithm):
                 "kl_coef": rec["kl"],
                 "kl_type": "flowgrpo",
             },
-            "train": {"lr": 3e-4, "lora_rank": rec["rank"], "lora_alpha": rec["alpha"]},
+            "train": {"lora_rank": rec["rank"], "lora_alpha": rec["alpha"]},
         }

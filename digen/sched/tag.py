@@ -48,6 +48,7 @@ from digen.sched.state import SchedState, WorkerClock
 __all__ = [
     "BTS",
     "TAG_POLICIES",
+    "TAG_POLICY_NAMES",
     "make_tag_policy",
     "BTSStats",
     "NoTAG",
@@ -467,6 +468,8 @@ TAG_POLICIES: dict[str, Callable[[int], TagPolicy | None]] = {
     "none": lambda k: None,
 }
 """``runtime.tag`` names -> a factory taking ``runtime.tag_k`` (None: trainers only train)."""
+TAG_POLICY_NAMES: tuple[str, ...] = tuple(TAG_POLICIES)
+"""The values ``runtime.tag`` accepts."""
 
 
 def make_tag_policy(name: str, k: int) -> TagPolicy | None:
