@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 import yaml
 
 from digen.algos.registry import ALGO_NAMES, get_algorithm
-from digen.algos.steps import STEP_KINDS
+from digen.algos.transitions import STEP_KINDS
 from digen.errors import ConfigError
 from digen.models.registry import BACKBONES, FLAVOURS, MODEL_NAMES
 from digen.rewards.registry import BUILTIN_REWARDS

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "digen.prompts",
             "digen.data",
             "digen.algos.registry",
-            "digen.algos.steps",
+            "digen.algos.transitions",
             "digen.models.registry",
             "digen.rewards.registry",
             "digen.run.trackers",

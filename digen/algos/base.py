@@ -9,7 +9,7 @@ asks, so nothing outside it branches on an algorithm's name:
 - **sampling**: the :class:`StepPlan` of each train step — which denoising steps draw noise,
   which of those may be trained, and which latent is decoded — a function of ``(seed,
   step)`` only, so every worker makes the same plan;
-- **the step math**: the :class:`~digen.algos.steps.Transition` of a stochastic step and
+- **the step math**: the :class:`~digen.algos.transitions.Transition` of a stochastic step and
   its log-prob form;
 - **training**: which of a sample's trainable steps it trains (seeded per sample),
   group advantages (and best-of-N), the clipped loss and the KL to the reference.
@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from digen.algos.steps import LOG_PROBS, STEP_KINDS, Transition
+from digen.algos.transitions import LOG_PROBS, STEP_KINDS, Transition
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -123,11 +123,11 @@ class Algorithm:
         sigma_1: Tensor,
     ) -> Transition:
         """The Gaussian of a stochastic step of kind ``kind`` (one of :attr:`sde_types`;
-        :data:`~digen.algos.steps.STEP_KINDS` unless an algorithm brings its own)."""
+        :data:`~digen.algos.transitions.STEP_KINDS` unless an algorithm brings its own)."""
         return STEP_KINDS[kind](x, v, sigma, sigma_next, noise_level, sigma_1)
 
     def log_prob_form(self, kind: str, cfg: DigenConfig) -> str:
-        """Which :data:`~digen.algos.steps.LOG_PROBS` form step kind ``kind`` uses."""
+        """Which :data:`~digen.algos.transitions.LOG_PROBS` form step kind ``kind`` uses."""
         return "gaussian"
 
     def log_prob(self, kind: str, cfg: DigenConfig, x_next: Tensor, tr: Transition) -> Tensor:

@@ -33,7 +33,7 @@ class SamplerSpec:
     stochastic: tuple[int, ...] | None = None
     """Steps that draw noise, ascending (a superset of ``window``); None: ``window``."""
     log_prob: str = "gaussian"
-    """Log-prob form (:data:`digen.algos.steps.LOG_PROBS`)."""
+    """Log-prob form (:data:`digen.algos.transitions.LOG_PROBS`)."""
     algorithm: str | None = None
     """Whose step kinds (:meth:`digen.algos.base.Algorithm.transition`); None: the shared ones."""
 

@@ -6,7 +6,7 @@ explicitly (an int, or one index per sample so a batch may mix timesteps); nothi
 a hidden counter.
 
 The stochastic kinds (``sde``, ``cps``, ``dance``) and the log-prob forms (``gaussian``,
-``mse``) are defined in :mod:`digen.algos.steps`; an algorithm may bring its own kind
+``mse``) are defined in :mod:`digen.algos.transitions`; an algorithm may bring its own kind
 (:meth:`digen.algos.base.Algorithm.transition`). Pass ``noise`` to sample, or
 ``prev_sample`` to score a sample that was drawn earlier (training).
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from digen.algos.registry import get_algorithm
-from digen.algos.steps import LOG_PROBS, STEP_KINDS
+from digen.algos.transitions import LOG_PROBS, STEP_KINDS
 
 __all__ = ["SDE_TYPES", "StepOutput", "gaussian_log_prob", "ode_step", "sde_step"]
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from digen.algos.grpo import score_groups, step_terms
 from digen.algos.rollout import Rollout
+from digen.algos.train_step import score_groups, step_terms
 from digen.checkpoint import Checkpoint
 from digen.config import DigenConfig
 from digen.prompts import PromptSet

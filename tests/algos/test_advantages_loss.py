@@ -111,7 +111,7 @@ def test_advantage_level_weighting_of_several_rewards() -> None:
     and summed, clipped after the sum; ``sum`` (the default) ignores the components; a group
     with a non-finite score is dropped in either form."""
     from digen import load_config
-    from digen.algos.grpo import score_groups
+    from digen.algos.train_step import score_groups
 
     a = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 1.0]])  # [G=2, n=4]
     b = torch.tensor([[100.0, 0.0, 50.0, 25.0], [5.0, 1.0, 3.0, 3.0]])

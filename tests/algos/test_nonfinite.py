@@ -12,7 +12,7 @@ import torch
 from helpers import run_config, tiny_config
 
 from digen import load_config
-from digen.algos.grpo import score_groups
+from digen.algos.train_step import score_groups
 from digen.errors import NonFiniteError, RewardError
 from digen.presets import preset
 from digen.prompts import PromptSet

@@ -21,7 +21,7 @@ import torch.distributed as dist
 def main(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    from digen.algos.grpo import terms_per_sample
+    from digen.algos.train_step import terms_per_sample
     from digen.config import load_config
     from digen.runtime.fsdp import make_mesh
     from digen.runtime.messages import SampleKey, TrainItem

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from digen.algos.grpo import score_groups, step_terms
+from digen.algos.train_step import score_groups, step_terms
 from digen.checkpoint import PROFILER, Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
