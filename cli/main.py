@@ -385,7 +385,7 @@ def role_for_rank(rank: int, generators: int, trainers: int) -> str:
 
     ``role_for_rank(2, 2, 1) == "generator-1"``; ``role_for_rank(3, 2, 1) == "trainer-0"``.
     """
-    from digen.sched.schedule import DRIVER, Pool, worker_name
+    from digen.sched.names import DRIVER, Pool, worker_name
 
     if rank == 0:
         return DRIVER

@@ -25,8 +25,8 @@ from digen.errors import ConfigError
 from digen.models.registry import BACKBONES, FLAVOURS, MODEL_NAMES
 from digen.rewards.registry import BUILTIN_REWARDS
 from digen.run.trackers import TRACKERS
+from digen.sched.admission import STALENESS_SCHEDULES
 from digen.sched.plan import SchedulePlan, plan_schedule
-from digen.sched.schedule import STALENESS_SCHEDULES
 from digen.sched.tag import TAG_POLICY_NAMES
 
 __all__ = [

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from digen.sched.costs import COST_NAMES, EVENT_COST, Costs
-from digen.sched.schedule import DRIVER, Pool, TaskKind, pool_of
+from digen.sched.names import DRIVER, Pool, TaskKind, pool_of
 from digen.sched.trace import KIND_COLOURS, KINDS, Trace, TraceEvent, device_of, union_length
 
 __all__ = [

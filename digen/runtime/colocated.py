@@ -43,7 +43,7 @@ from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_m
 from digen.runtime.grads import GradAccumulator
 from digen.runtime.messages import LossStats, SampleKey, StepResult, TrainItem
 from digen.runtime.policy import Generated, Policy
-from digen.sched.schedule import TaskKind
+from digen.sched.names import TaskKind
 from digen.sched.trace import Trace
 
 __all__ = ["ColocatedTrainer", "worker_config"]

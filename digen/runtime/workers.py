@@ -65,7 +65,7 @@ from digen.runtime.messages import (
 )
 from digen.runtime.policy import Policy
 from digen.runtime.store import STORE, fetch_pixels, fetch_rollout, fetch_weights
-from digen.sched.schedule import Pool, index_of, worker_name
+from digen.sched.names import Pool, index_of, worker_name
 
 __all__ = [
     "GeneratorActor",

@@ -6,7 +6,7 @@ events; the search clones the engine at each stop and explores both answers. Hav
 model is what makes "the search agrees with brute force" and "the search agrees with the
 simulator" the same statement.
 
-The rules it applies, ties included, are the schedule's (:mod:`digen.sched.schedule`); its
+The rules it applies, ties included, are the schedule's (:mod:`digen.sched`); its
 numbers come from the run's :class:`~digen.sched.plan.SchedulePlan`.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 
 from digen.sched.costs import Costs
+from digen.sched.names import Pool, TaskKind, worker_names
 from digen.sched.plan import SchedulePlan
-from digen.sched.schedule import Pool, TaskKind, worker_names
 from digen.sched.state import WORKER_KINDS, SchedState, WorkerClock
 from digen.sched.trace import TraceEvent
 

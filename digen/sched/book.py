@@ -22,8 +22,8 @@ from typing import Any
 
 from digen.sched.costs import Costs
 from digen.sched.microbatch import MicroBatch
+from digen.sched.names import Pool, TaskKind, index_of, pool_of
 from digen.sched.plan import SchedulePlan
-from digen.sched.schedule import Pool, TaskKind, index_of, pool_of
 from digen.sched.state import SchedState, WorkerClock
 
 __all__ = ["Book", "StepRecord"]
@@ -91,7 +91,7 @@ class _Task:
 
 class Book:
     """The driver's ledger of a run's schedule: every micro-batch's hand-out, task, result
-    and update as they happen, and what the rules (:mod:`digen.sched.schedule`) allow next."""
+    and update as they happen, and what the rules (:mod:`digen.sched`) allow next."""
 
     def __init__(self, plan: SchedulePlan) -> None:
         """``plan``: the run's schedule (its micro-batches, pools, GAP groups and admission

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from digen.sched.schedule import Pool, TaskKind, pool_of
+from digen.sched.names import Pool, TaskKind, pool_of
 from digen.sched.trace import TraceEvent
 
 __all__ = ["COST_NAMES", "EVENT_COST", "Costs", "OnlineProfiler", "pool_of"]

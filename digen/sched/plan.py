@@ -19,13 +19,13 @@ The rules (the only place they are written; other modules point here):
 - **trainer slots**: trainers the driver schedules: every replicated trainer, or one when
   they shard the model (fsdp / hsdp trainers move in lockstep, as one trainer);
 - **stale cap** (TCSS): ``floor(staleness_ratio x microbatches)`` micro-batches of a step may
-  (eager) or must (fixed) be made one version early (:func:`~digen.sched.schedule.stale_cap`);
+  (eager) or must (fixed) be made one version early (:func:`~digen.sched.admission.stale_cap`);
 - **C_gen** (``max_inflight``): at most this many micro-batches are handed out and not yet
   trained; by default one step's micro-batches plus what TCSS may start early for each of
   ``max_staleness`` versions, so generators are never held back within a step. A bound
   below what one update needs whole would deadlock, and is refused
   (:func:`plan_schedule`);
-- **admission** (:class:`~digen.sched.schedule.Admission`): which micro-batch a worker
+- **admission** (:class:`~digen.sched.admission.Admission`): which micro-batch a worker
   holding a version may start, with the run's first step (a resumed run's first step is
   on-policy) and last step.
 """
@@ -36,9 +36,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from digen.errors import ConfigError
+from digen.sched.admission import Admission, stale_cap
 from digen.sched.microbatch import MicroBatch, form_microbatches
 from digen.sched.microbatch import samples_per_microbatch as microbatch_size
-from digen.sched.schedule import Admission, stale_cap
 
 __all__ = ["SchedulePlan", "StepLayout", "plan_schedule"]
 

@@ -4,7 +4,7 @@ The simulator applies the runtime's queue priorities exactly (``digen/runtime/dr
 so that a TAG policy tuned here behaves the same in a real run and so that the search, which
 runs this very model forward, predicts what the driver will do.
 
-It follows the schedule's rules (:mod:`digen.sched.schedule`) with the numbers of a
+It follows the schedule's rules (:mod:`digen.sched`) with the numbers of a
 :class:`~digen.sched.plan.SchedulePlan`.
 
 Events use the runtime's format (:class:`~digen.sched.trace.TraceEvent`): kinds ``generate``
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from digen.sched._engine import Engine, Model
+from digen.sched.admission import Admission, stale_cap
 from digen.sched.costs import Costs
+from digen.sched.names import TaskKind
 from digen.sched.plan import SchedulePlan
-from digen.sched.schedule import Admission, TaskKind, stale_cap
 from digen.sched.tag import NoTAG, TagPolicy, make_tag_policy
 from digen.sched.trace import Trace, TraceEvent
 

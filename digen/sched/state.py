@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from digen.sched.admission import Admission
+from digen.sched.names import TaskKind
 from digen.sched.plan import SchedulePlan
-from digen.sched.schedule import Admission, TaskKind
 
 __all__ = ["WORKER_KINDS", "SchedState", "WorkerClock"]
 

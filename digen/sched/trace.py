@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from digen.sched.schedule import DRIVER, Pool, TaskKind, index_of, pool_of
+from digen.sched.names import DRIVER, Pool, TaskKind, index_of, pool_of
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 KINDS: tuple[str, ...] = tuple(TaskKind)
-"""Task kinds (:class:`~digen.sched.schedule.TaskKind`); ``tag`` is a generation run on a
+"""Task kinds (:class:`~digen.sched.names.TaskKind`); ``tag`` is a generation run on a
 trainer (trainer-assisted generation)."""
 
 KIND_COLOURS = {

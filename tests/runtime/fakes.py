@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from digen.runtime.messages import LossStats, Scores, TimedResult
-from digen.sched.schedule import Pool, worker_name
+from digen.sched.names import Pool, worker_name
 
 
 class InjectedFailure(RuntimeError):

@@ -23,7 +23,7 @@ from digen.config import load_config, schedule_plan
 from digen.errors import DigenError
 from digen.prompts import PromptSet
 from digen.runtime.driver.loop import Driver
-from digen.sched.schedule import stale_cap
+from digen.sched.admission import stale_cap
 from digen.sched.trace import Trace
 
 # thousands of micro-batches a test; test_driver_logic.py is the quick check of the driver

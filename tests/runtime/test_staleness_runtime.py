@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import read_jsonl, run_config, tiny_config
 
-from digen.sched.schedule import stale_cap
+from digen.sched.admission import stale_cap
 
 
 def _run(out: Path, extra: list[str]):

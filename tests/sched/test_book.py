@@ -12,9 +12,10 @@ import pytest
 
 from digen.sched import BTS, Costs, StaticTAG, TagPolicy
 from digen.sched._engine import GEN, SCORE, TAG, UPDATE, Engine, Model
+from digen.sched.admission import Admission, stale_cap
 from digen.sched.book import Book
+from digen.sched.names import Pool, worker_name
 from digen.sched.plan import SchedulePlan, StepLayout
-from digen.sched.schedule import Admission, Pool, stale_cap, worker_name
 from digen.sched.state import WORKER_KINDS, SchedState
 
 

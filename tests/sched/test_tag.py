@@ -18,8 +18,8 @@ from digen.sched import (
     search,
     simulate,
 )
+from digen.sched.admission import Admission, stale_cap
 from digen.sched.plan import SchedulePlan
-from digen.sched.schedule import Admission, stale_cap
 
 EXACT = 10**6
 """A budget the small instances never reach: these tests check the algorithm, not the budget."""

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed.rpc as rpc
 
-from digen.sched.schedule import DRIVER
+from digen.sched.names import DRIVER
 
 _PROBE_TIMEOUT_S = 5.0
 """External launch: how long a liveness probe (driver -> worker, worker -> driver) may take."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from digen.sched.schedule import DRIVER
+from digen.sched.names import DRIVER
 
 __all__ = ["ExternalLaunch", "WorkerSpec"]
 

@@ -22,7 +22,7 @@ from digen.runtime.driver.metrics import OVERHEAD_KINDS, Overhead, step_metrics
 from digen.runtime.messages import LossStats, StepResult
 from digen.sched.book import StepRecord
 from digen.sched.costs import OnlineProfiler
-from digen.sched.schedule import TaskKind, pool_of
+from digen.sched.names import TaskKind, pool_of
 from digen.sched.trace import Trace, device_of
 
 __all__ = ["CostLedger"]

@@ -28,7 +28,7 @@ from digen.runtime.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.fsdp import is_sharded
 from digen.runtime.groups import listen
 from digen.runtime.messages import NOTES_ENV, LossStats, TimedResult
-from digen.sched.schedule import Pool, worker_names
+from digen.sched.names import Pool, worker_names
 
 __all__ = ["Cluster", "ShardedTrainers"]
 

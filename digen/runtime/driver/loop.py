@@ -51,13 +51,7 @@ from digen.runtime.messages import SampleKey, StepResult
 from digen.sched.book import Book
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
-from digen.sched.schedule import (
-    DRIVER,
-    Pool,
-    TaskKind,
-    worker_name,
-    worker_names,
-)
+from digen.sched.names import DRIVER, Pool, TaskKind, worker_name, worker_names
 from digen.sched.tag import make_tag_policy
 from digen.sched.trace import Trace
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from digen.runtime.messages import LossStats
-from digen.sched.schedule import Pool, TaskKind
+from digen.sched.names import Pool, TaskKind
 from digen.sched.trace import StepUsage
 
 __all__ = ["OVERHEAD_KINDS", "Overhead", "step_metrics"]

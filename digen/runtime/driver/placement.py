@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from digen.sched.schedule import Pool, worker_name
+from digen.sched.names import Pool, worker_name
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
