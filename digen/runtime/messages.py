@@ -140,8 +140,8 @@ def thumbnails(pixels: torch.Tensor, max_side: int = THUMBNAIL_SIDE) -> torch.Te
     """Small copies of decoded samples for sample grids: the grid's frames, area-downscaled.
 
     pixels: ``uint8 [B, F, H, W, 3]`` -> ``uint8 [B, F', h, w, 3]`` with ``max(h, w) <=
-    max_side`` and ``F'`` the frames :func:`~digen.run.outputs.sample_grid` shows, so what crosses the network
-    for a grid does not grow with the image size.
+    max_side`` and ``F'`` the frames a sample grid shows (:func:`grid_frames`), so what
+    crosses the network for a grid does not grow with the image size.
     """
     b, f, h, w, _ = pixels.shape
     x = pixels[:, grid_frames(f)]
