@@ -93,7 +93,7 @@ def ordered_sum_cost(numel: int, microbatches: int, repeats: int = 5) -> dict[st
 
     import torch
 
-    from digen.runtime.grads import GradAccumulator
+    from digen.runtime.worker.grads import GradAccumulator
 
     torch.set_num_threads(1)
     param = torch.nn.Parameter(torch.zeros(numel))

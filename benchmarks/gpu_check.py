@@ -14,7 +14,7 @@ Prints a JSON report; with ``--out DIR`` also writes ``DIR/report.json`` and
    the reward rose;
 3. reports each role's peak memory, from the runs' ``memory/peak_gb/<pool>`` metrics;
 4. times generation against micro-batch size, and training against micro-batch size and TSP
-   degree, on :class:`digen.runtime.policy.Policy` directly after a warm-up (with each
+   degree, on :class:`digen.runtime.worker.policy.Policy` directly after a warm-up (with each
    point's peak and activation memory on a GPU), and writes them as a profile: the costs at
    one operating point in the format of a run's ``profile.json``, plus every measured point
    under ``curves``; :func:`digen.sched.simulate_cli.load_costs` is checked to read it back;
@@ -81,7 +81,7 @@ from digen import DigenRunner, load_config
 from digen.config import DigenConfig
 from digen.models.registry import MODEL_NAMES
 from digen.presets import preset
-from digen.runtime.forkserver import start_fork_server
+from digen.runtime.transport.forkserver import start_fork_server
 from digen.sched.costs import Costs, OnlineProfiler
 from digen.sched.simulate_cli import load_costs
 
@@ -342,7 +342,7 @@ def measure_curves(plan: Plan, cfg: DigenConfig) -> tuple[dict[str, Any], dict[s
     from digen.prompts import PromptSet
     from digen.rewards.scoring import build_reward
     from digen.runtime.messages import SampleKey, TrainItem
-    from digen.runtime.policy import Policy
+    from digen.runtime.worker.policy import Policy
 
     dev = plan.device
     prompt = PromptSet.builtin().prompts[0]
@@ -526,9 +526,9 @@ def collective_checks(plan: Plan, pools: list[str], work: Path, report: dict[str
 
     import torch.distributed as dist
 
-    from digen.runtime.fsdp import make_mesh
-    from digen.runtime.groups import destroy_default_group, init_default_group, tcp_store
-    from digen.runtime.policy import Policy
+    from digen.runtime.transport.groups import destroy_default_group, init_default_group, tcp_store
+    from digen.runtime.worker.fsdp import make_mesh
+    from digen.runtime.worker.policy import Policy
 
     device = "cuda:0" if plan.device == "cuda" else "cpu"
     out: dict[str, Any] = {}

@@ -10,7 +10,7 @@ traceback too.
 
 Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set, or ``--launcher torchrun``) every rank
 runs the same command: rank 0 is the driver and writes the outputs, the others become the
-workers named by :func:`role_for_rank` (docs/RUNTIME.md, "Multi-node with torchrun").
+workers named by :func:`~digen.runtime.transport.torchrun.role_for_rank` (docs/RUNTIME.md, "Multi-node with torchrun").
 """
 
 from __future__ import annotations
@@ -31,10 +31,7 @@ import click
 from digen.algos.registry import ALGO_NAMES, get_algorithm
 from digen.models.registry import BACKBONES, MODEL_NAMES
 
-__all__ = ["main", "role_for_rank"]
-
-RPC_PORT_ENV = "DIGEN_RPC_PORT"
-"""Under torchrun: the port of digen's RPC rendezvous; default ``MASTER_PORT + 1``."""
+__all__ = ["main"]
 
 
 def _quiet_imports() -> None:
@@ -226,7 +223,9 @@ def run(
 
         if debug:
             raise
-        actors = sys.modules.get("digen.runtime.actors")  # a worker can only die once imported
+        actors = sys.modules.get(
+            "digen.runtime.transport.actors"
+        )  # a worker can only die once imported
         if actors is not None and isinstance(exc, actors.WorkerDied):  # nothing to debug here
             click.echo(f"error: {exc} {_after_failure(out_dir)}", err=True)
             sys.exit(1)
@@ -353,14 +352,16 @@ def _run(
         from digen.models.checks import check_model_dir
 
         check_model_dir(cfg.model.path, cfg.model.name)
-    if launcher == "torchrun" or (launcher == "auto" and _under_torchrun(os.environ)):
+    from digen.runtime.transport.torchrun import under_torchrun
+
+    if launcher == "torchrun" or (launcher == "auto" and under_torchrun(os.environ)):
         return _run_torchrun(cfg, out_dir, quiet, sample_every)
     from digen.checkpoint import check_out_dir
 
     # a previous run in --out, or a checkpoint of other weights: said before torch loads
     check_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite, checksums=False)
     if cfg.runtime.mode == "disaggregated":
-        from digen.runtime.forkserver import start_fork_server
+        from digen.runtime.transport.forkserver import start_fork_server
 
         start_fork_server()  # the workers' imports, beside the driver's below
     _quiet_progress_bars()  # imports diffusers: only once the config is good
@@ -380,78 +381,18 @@ def _run(
 # --- torchrun: one command on every rank ------------------------------------------------
 
 
-def role_for_rank(rank: int, generators: int, trainers: int) -> str:
-    """The role of a torchrun rank: 0 is the driver, 1..G the generators, then the trainers.
-
-    ``role_for_rank(2, 2, 1) == "generator-1"``; ``role_for_rank(3, 2, 1) == "trainer-0"``.
-    """
-    from digen.sched.names import DRIVER, Pool, worker_name
-
-    if rank == 0:
-        return DRIVER
-    if 1 <= rank <= generators:
-        return worker_name(Pool.GENERATOR, rank - 1)
-    if generators < rank <= generators + trainers:
-        return worker_name(Pool.TRAINER, rank - 1 - generators)
-    raise ValueError(
-        f"rank {rank} has no role: ranks run from 0 to {generators + trainers} with "
-        f"{generators} generators and {trainers} trainers."
-    )
-
-
-def _under_torchrun(env) -> bool:
-    return "RANK" in env and "WORLD_SIZE" in env
-
-
-def _torchrun_world(env, cfg) -> tuple[int, int, str, int]:
-    """``(rank, world, address, port)`` of digen's RPC rendezvous from torchrun's variables."""
-    from digen.errors import DigenError
-
-    def number(key: str, default: str | None = None) -> int:
-        value = env.get(key, default)
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise DigenError(
-                f"environment variable {key}={value!r} must be an integer (torchrun sets it)."
-            ) from None
-
-    rank, world = number("RANK"), number("WORLD_SIZE")
-    rt = cfg.runtime
-    if rt.mode != "disaggregated":
-        raise DigenError(
-            f"a torchrun launch runs the disaggregated runtime; runtime.mode is {rt.mode!r}, "
-            "so add --mode disaggregated."
-        )
-    need = 1 + rt.generators + rt.trainers
-    if world != need:
-        raise DigenError(
-            f"torchrun started WORLD_SIZE={world} processes but runtime.generators="
-            f"{rt.generators} and runtime.trainers={rt.trainers} need 1 + {rt.generators} + "
-            f"{rt.trainers} = {need} (one driver, one per generator, one per trainer)."
-        )
-    if not 0 <= rank < world:
-        raise DigenError(f"RANK={rank} is outside 0..{world - 1}.")
-    address = env.get("MASTER_ADDR", "127.0.0.1")
-    if address == "localhost":  # what --standalone sets; one address family for every rank
-        address = "127.0.0.1"
-    if RPC_PORT_ENV in env:
-        port = number(RPC_PORT_ENV)
-    elif "MASTER_PORT" in env:
-        port = number("MASTER_PORT") + 1  # MASTER_PORT itself is torchrun's own store
-    else:
-        raise DigenError(f"set MASTER_PORT (torchrun does) or {RPC_PORT_ENV}.")
-    if not 0 < port < 65536:
-        raise DigenError(f"the RPC rendezvous port {port} is outside 1..65535.")
-    return rank, world, address, port
-
-
 def _run_torchrun(cfg, out_dir, quiet, sample_every):
     """Rank 0: the usual driver, joining workers torchrun started. Others: serve as one."""
     from digen.run.runner import DigenRunner
-    from digen.runtime.actors import ExternalLaunch, WorkerSpec, external_launch, serve_worker
+    from digen.runtime.transport.actors import (
+        ExternalLaunch,
+        WorkerSpec,
+        external_launch,
+        serve_worker,
+    )
+    from digen.runtime.transport.torchrun import role_for_rank, torchrun_world
 
-    rank, world, address, port = _torchrun_world(os.environ, cfg)
+    rank, world, address, port = torchrun_world(os.environ, cfg)
     rt = cfg.runtime
     if rank == 0:
         runner = DigenRunner(cfg, out_dir=out_dir, progress=not quiet, sample_every=sample_every)
@@ -960,7 +901,7 @@ def entry() -> None:
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    forkserver = sys.modules.get("digen.runtime.forkserver")
+    forkserver = sys.modules.get("digen.runtime.transport.forkserver")
     if forkserver is not None:  # no process of the run outlives the command
         forkserver.stop_fork_server()
     sys.stdout.flush()

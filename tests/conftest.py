@@ -20,7 +20,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def pytest_configure(config: pytest.Config) -> None:
     """Start the fork server with the runs' imports now: the first system to start one
     decides what it imports, and the actor tests' bare systems would import nothing."""
-    from digen.runtime.forkserver import start_fork_server
+    from digen.runtime.transport.forkserver import start_fork_server
 
     start_fork_server()
 

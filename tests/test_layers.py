@@ -35,7 +35,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("digen.models",)),  # one backbone a file, single-device code
     ("algos", ("digen.algos",)),  # the RL math
     ("rewards", ("digen.rewards",)),  # scoring samples: built-ins, hooks, HTTP client, server
-    ("runtime", ("digen.runtime",)),  # the processes: driver, workers, transport
+    # the processes. Shared by every process: the messages between them, placement, notes, the
+    # metrics row; then how processes start and reach each other
+    ("runtime", ("digen.runtime",)),
+    ("transport", ("digen.runtime.transport",)),
+    ("worker", ("digen.runtime.worker", "digen.runtime.colocated")),  # the actors; colocated
+    ("driver", ("digen.runtime.driver",)),  # the driver process's loop and its book-keeping
     ("run", ("digen.run", "digen")),  # the user-facing side: runner, its I/O, bench
     # (``digen`` is the package's own __init__, its public names: it matches no submodule)
     ("cli", ("cli",)),

@@ -3,7 +3,7 @@
 A sharded trainer never holds a whole transformer: it builds one whose parameters are on the
 ``meta`` device (shapes and dtypes, no memory), shards it, gives each shard memory on its own
 device, and reads only its own rows of each weight from the saved files
-(:func:`digen.runtime.fsdp.shard_and_load`). What it ends with equals what ``from_pretrained``
+(:func:`digen.runtime.worker.fsdp.shard_and_load`). What it ends with equals what ``from_pretrained``
 loads, shard for shard: the same dtypes (``_keep_in_fp32_modules`` kept in fp32) and the same
 buffers.
 """

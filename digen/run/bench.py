@@ -122,7 +122,7 @@ def colocated_variants(s: BenchSettings) -> list[Rung]:
     """The colocated configurations a user would try with ``s.cores`` threads and up to
     ``s.workers`` processes: one process with every thread, and ``workers`` data-parallel
     processes sharing the threads out (data-parallel workers after the first run with
-    one thread each: :func:`digen.run.runner._dp_worker`)."""
+    one thread each: :func:`digen.run.runner._dp_rank`)."""
     one = Rung(
         f"colocated-1x{s.cores}",
         f"colocated, 1 process x {s.cores} threads",

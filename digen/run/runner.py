@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,11 +38,11 @@ from digen.checkpoint import (
     previous_outputs,
 )
 from digen.config import DigenConfig, config_to_dict, load_config
-from digen.errors import DigenError
 from digen.prompts import PromptSet
 from digen.rewards.scoring import CompositeReward, build_reward
 from digen.run.outputs import RunOutputs
 from digen.run.trackers import Trackers, require
+from digen.runtime.notes import NotesToRunLog
 from digen.sched.trace import Trace
 
 if TYPE_CHECKING:
@@ -359,46 +359,22 @@ class DigenRunner:
     # --- data-parallel colocated: W processes, rank 0 is this one ------------------------
 
     def _run_data_parallel(self, world: int) -> RunResult:
-        from datetime import timedelta
-
-        from digen.runtime import forkserver
         from digen.runtime.colocated import worker_config
-        from digen.runtime.driver.placement import check_groups, colocated_groups
-        from digen.runtime.groups import destroy_default_group, pinned_to_loopback, tcp_store
+        from digen.runtime.placement import check_groups, colocated_groups
+        from digen.runtime.transport.spawn import run_data_parallel
 
         devices = [worker_config(self.cfg, r).model.device for r in range(world)]
         self._placement_notes = check_groups(self.cfg, colocated_groups(self.cfg, devices))
-        timeout = timedelta(seconds=self.cfg.runtime.rpc_timeout_s)
-        # the store takes a free port on loopback as it binds; the workers are told which
-        store = tcp_store(LOCAL_HOST, 0, world, lead=True, timeout=timeout)
-        procs = [
-            forkserver.process(
-                _dp_worker, (self._spawn_state(), rank, world, store.port), daemon=True
-            )
-            for rank in range(1, world)
-        ]
-        for p in procs:
-            forkserver.start(p)
         try:
-            # NCCL may connect at its first collective: the pin lasts the run, then the
-            # caller's environment is as it was
-            with pinned_to_loopback(LOCAL_HOST):
-                _init_group(0, world, store, self.cfg, procs)
-                try:
-                    result = asyncio.run(self._run_worker(0, world))
-                finally:
-                    destroy_default_group()
-        finally:  # on a failure too: no worker outlives the run
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
+            return run_data_parallel(
+                devices,
+                self.cfg.runtime.rpc_timeout_s,
+                lambda: asyncio.run(self._run_worker(0, world)),
+                _dp_rank,
+                self._spawn_state(),
+            )
+        finally:  # on a failure too: the other ranks' events join the lead's trace
             _merge_rank_traces(self.out_dir, world, self.cfg)
-        bad = [(r, p.exitcode) for r, p in enumerate(procs, start=1) if p.exitcode != 0]
-        if bad:
-            rank, code = bad[0]
-            raise DigenError(f"data-parallel worker {rank} exited with code {code}.")
-        return result
 
     def _spawn_state(self) -> dict[str, Any]:
         return {
@@ -409,10 +385,6 @@ class DigenRunner:
             "out_dir": str(self.out_dir),
             "checkpoint": self._checkpoint,
         }
-
-
-LOCAL_HOST = "127.0.0.1"
-"""Where a colocated data-parallel run's workers meet: this machine, on loopback only."""
 
 
 def _write_trace(trace: Trace, out_dir: Path, cfg: DigenConfig) -> None:
@@ -455,14 +427,9 @@ def _write_profile(trace: Trace, path: Path) -> None:
         profiler.save(path)
 
 
-def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
-    # signals to the whole process group (Ctrl-C, a scheduler's SIGTERM) are the lead's to
-    # act on: it stops every worker at one micro-batch boundary (they agree at each)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from digen.runtime.actors import exit_with_parent
-
-    exit_with_parent()  # a worker ends with the lead's process, however it ended
+def _dp_rank(state: dict[str, Any], rank: int, world: int) -> Callable[[], Any]:
+    """A data-parallel rank ``1..W-1``: its runner, and its share of the run to do in the
+    group the lead made (:func:`~digen.runtime.transport.spawn.run_data_parallel`)."""
     torch.set_num_threads(1)
     runner = DigenRunner(
         load_config(base=state["cfg"]),
@@ -472,50 +439,7 @@ def _dp_worker(state: dict[str, Any], rank: int, world: int, port: int) -> None:
         save_weights=False,
     )
     runner._checkpoint = state["checkpoint"]  # rank 0 found it; every worker loads it
-    from datetime import timedelta
-
-    from digen.runtime.groups import destroy_default_group, loopback_env, tcp_store
-
-    for key, value in loopback_env(LOCAL_HOST).items():  # this process is the run's own
-        os.environ.setdefault(key, value)
-    timeout = timedelta(seconds=runner.cfg.runtime.rpc_timeout_s)
-    store = tcp_store(LOCAL_HOST, port, world, lead=False, timeout=timeout)
-    _init_group(rank, world, store, runner.cfg)
-    try:
-        asyncio.run(runner._run_worker(rank, world))
-    finally:
-        destroy_default_group()
-
-
-def _init_group(
-    rank: int, world: int, store: Any, cfg: DigenConfig, workers: Sequence[Any] = ()
-) -> None:
-    """The colocated workers' default group over ``store`` (gloo, or on GPUs NCCL with gloo
-    beside it). The lead (rank 0, holding the worker processes ``workers``) waits until each
-    has reported in, and fails at once, naming it, if one exits before (it would otherwise
-    wait for half an hour)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from digen.runtime.colocated import worker_config
-    from digen.runtime.groups import init_default_group
-
-    devices = [worker_config(cfg, r).model.device for r in range(world)]
-    if rank:
-        store.set(f"digen-up-{rank}", "1")
-    while rank == 0:
-        try:
-            store.wait([f"digen-up-{r}" for r in range(1, world)], timedelta(seconds=0.5))
-            break
-        except (RuntimeError, dist.DistError):  # not all up yet
-            for r, p in enumerate(workers, start=1):
-                if p.exitcode is not None:
-                    raise DigenError(
-                        f"data-parallel worker {r} exited with code {p.exitcode} while "
-                        "starting (its error is printed above)."
-                    ) from None
-    init_default_group(store, rank, world, devices, cfg.runtime.rpc_timeout_s)
+    return lambda: asyncio.run(runner._run_worker(rank, world))
 
 
 def _catch_signals(runner: DigenRunner):
@@ -557,7 +481,7 @@ def _hard_exit(signum: int) -> None:
     SIGINT into a cancelled task, whose clean-up may wait for the very call that hangs), not a
     ``finally`` or a worker's reply. Checkpoints already written stay whole: each is written
     under a temporary name and renamed once complete."""
-    from digen.runtime import forkserver
+    from digen.runtime.transport import forkserver
 
     with contextlib.suppress(Exception):
         print(f"{signal.Signals(signum).name} again: aborting now.", file=sys.stderr)
@@ -611,18 +535,9 @@ def _open_log(path: Path | None):
             structlog.processors.JSONRenderer(),
         ],
     )
-    notes = _NotesToLog(logger)
+    notes = NotesToRunLog(logger)
     logging.getLogger("digen").addHandler(notes)
     closing = contextlib.ExitStack()
     closing.callback(fh.close)
     closing.callback(logging.getLogger("digen").removeHandler, notes)
     return logger, closing
-
-
-class _NotesToLog(logging.Handler):
-    def __init__(self, log: Any) -> None:
-        super().__init__(logging.INFO)
-        self.log = log
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.log.info("note", text=record.getMessage(), source=record.name)

@@ -11,7 +11,7 @@ the baseline every digen speed-up is measured against. One train step:
 With ``W == 1`` it runs in one process; with ``W > 1`` the workers form a torch.distributed
 group (gloo on CPU, NCCL on GPU) and gradients are summed, each backward already scaled by
 ``1 / total terms``, so ``W`` workers reach the parameters one process would. Gradients are
-summed as the disaggregated trainers sum them (:mod:`digen.runtime.grads`: per micro-batch,
+summed as the disaggregated trainers sum them (:mod:`digen.runtime.worker.grads`: per micro-batch,
 in micro-batch order, by default with LoRA), so where the micro-batches coincide the two
 modes end a step with the same bits.
 """
@@ -37,12 +37,12 @@ from digen.config import DigenConfig
 from digen.prompts import PromptSet
 from digen.rewards.loop import scoring_on
 from digen.rewards.scoring import CompositeReward
-from digen.runtime.driver.metrics import step_metrics
-from digen.runtime.driver.placement import is_cuda, peak_memory_gb
-from digen.runtime.fsdp import full_tensors, is_sharded, lockstep_chunks, make_mesh
-from digen.runtime.grads import GradAccumulator
 from digen.runtime.messages import LossStats, SampleKey, StepResult, TrainItem
-from digen.runtime.policy import Generated, Policy
+from digen.runtime.metrics import step_metrics
+from digen.runtime.placement import is_cuda, peak_memory_gb
+from digen.runtime.worker.fsdp import full_tensors, lockstep_chunks, make_mesh
+from digen.runtime.worker.grads import GradAccumulator
+from digen.runtime.worker.policy import Generated, Policy
 from digen.sched.names import TaskKind
 from digen.sched.trace import Trace
 
@@ -80,7 +80,7 @@ class ColocatedTrainer:
         if is_cuda(cfg.model.device):
             torch.cuda.set_device(torch.device(cfg.model.device))
         rt = cfg.runtime
-        self.sharded = world > 1 and is_sharded(rt.trainer_parallel)
+        self.sharded = world > 1 and rt.sharded
         mesh = None
         if self.sharded and policy is None:
             kind = "cuda" if is_cuda(cfg.model.device) else "cpu"

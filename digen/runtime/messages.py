@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from digen.algos.rollout import Rollout
 
 __all__ = [
-    "NOTES_ENV",
     "THUMBNAIL_SIDE",
     "LossStats",
     "SampleKey",
@@ -25,9 +24,6 @@ __all__ = [
     "grid_frames",
     "thumbnails",
 ]
-
-NOTES_ENV = "DIGEN_NOTES_LOG"
-"""In a worker's environment: the run's log (``trainer.log``), where its notes go."""
 
 
 @dataclass(frozen=True, slots=True, order=True)

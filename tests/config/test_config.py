@@ -391,12 +391,12 @@ def test_bad_files(tmp_path: Path) -> None:
 
 
 def test_each_pool_gets_its_own_device_and_dtype() -> None:
-    from digen.runtime.workers import _pool_config
+    from digen.runtime.worker.base import pool_config
 
     cfg = load_config(
         overrides=["runtime.generator_dtype=bfloat16", "runtime.trainer_devices=meta"]
     )
-    gen, trainer = _pool_config(cfg, "generator"), _pool_config(cfg, "trainer")
+    gen, trainer = pool_config(cfg, "generator"), pool_config(cfg, "trainer")
     assert (gen.model.dtype, gen.model.device) == ("bfloat16", "cpu")
     assert (trainer.model.dtype, trainer.model.device) == ("float32", "meta")
     assert cfg.model.dtype == "float32"  # the run's own config is left alone

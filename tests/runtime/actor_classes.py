@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from digen.runtime.actors import ActorHandle, run_sync
+from digen.runtime.transport.actors import ActorHandle, run_sync
 
 
 class Accumulator:

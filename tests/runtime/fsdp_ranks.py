@@ -23,9 +23,9 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
     from digen.algos.train_step import terms_per_sample
     from digen.config import load_config
-    from digen.runtime.fsdp import make_mesh
     from digen.runtime.messages import SampleKey, TrainItem
-    from digen.runtime.policy import Policy
+    from digen.runtime.worker.fsdp import make_mesh
+    from digen.runtime.worker.policy import Policy
 
     torch.set_num_threads(1)
     cfg = load_config(overrides=["rollout.num_inference_steps=5", "algo.kl_coef=0.0"])

@@ -33,8 +33,8 @@ def main(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     from digen.config import load_config
     from digen.models import load_adapter
     from digen.presets import preset
-    from digen.runtime.fsdp import local, make_mesh
-    from digen.runtime.policy import Policy
+    from digen.runtime.worker.fsdp import local, make_mesh
+    from digen.runtime.worker.policy import Policy
 
     torch.set_num_threads(1)
     overrides = [f"model.path={model_dir}", "train.lora_rank=0", "algo.kl_coef=0.0"]

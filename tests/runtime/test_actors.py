@@ -25,7 +25,7 @@ import torch
 from actor_classes import Accumulator, Broken, echo, where_am_i
 from helpers import free_port
 
-from digen.runtime.actors import (
+from digen.runtime.transport.actors import (
     ActorHandle,
     ActorSystem,
     ActorSystemClosed,
@@ -33,8 +33,8 @@ from digen.runtime.actors import (
     WorkerDied,
     WorkerSpec,
 )
-from digen.runtime.actors._system import Payload
-from digen.runtime.actors._transport import payload_bytes
+from digen.runtime.transport.actors._system import Payload
+from digen.runtime.transport.actors._transport import payload_bytes
 
 
 def _gone(pid: int) -> bool:
@@ -52,7 +52,7 @@ def _gone(pid: int) -> bool:
 
 _DRIVER_SCRIPT = """
 import asyncio, json, sys
-from digen.runtime.actors import ActorSystem, WorkerSpec
+from digen.runtime.transport.actors import ActorSystem, WorkerSpec
 
 async def main():
     async with ActorSystem([WorkerSpec("generator-0"), WorkerSpec("trainer-0")]) as system:
@@ -419,7 +419,7 @@ def test_payload_subtracts_and_sums_to_megabytes() -> None:
 
 _EXTERNAL_WORKER = """
 import os, sys
-from digen.runtime.actors import WorkerSpec, serve_worker
+from digen.runtime.transport.actors import WorkerSpec, serve_worker
 
 name, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 serve_worker(WorkerSpec(name), rank, world, "127.0.0.1", port, start_timeout_s=60.0)
@@ -429,7 +429,7 @@ os._exit(0)
 
 _EXTERNAL_DRIVER = """
 import asyncio, sys
-from digen.runtime.actors import ActorSystem, ExternalLaunch, WorkerSpec
+from digen.runtime.transport.actors import ActorSystem, ExternalLaunch, WorkerSpec
 
 async def main():
     launch = ExternalLaunch("127.0.0.1", int(sys.argv[1]), 3)

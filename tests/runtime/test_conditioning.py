@@ -8,7 +8,7 @@ import torch
 
 from digen.config import load_config
 from digen.presets import preset
-from digen.runtime.policy import Policy
+from digen.runtime.worker.policy import Policy
 
 
 def test_offloaded_text_encoders_visit_the_device_once_a_call_and_embed_as_alone(

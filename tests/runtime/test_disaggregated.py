@@ -165,7 +165,7 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
     import signal
     import time
 
-    from digen.runtime.actors import WorkerDied
+    from digen.runtime.transport.actors import WorkerDied
 
     cfg = _cfg("sd3", "flowgrpo", "disaggregated", ["runtime.generators=2", "steps=3"])
     driver = Driver(cfg, None, PromptSet.builtin(), Trace())

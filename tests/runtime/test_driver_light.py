@@ -8,8 +8,8 @@ import sys
 
 CODE = """
 import sys
-from digen.runtime.driver import accounting, cluster, loop, metrics, placement  # noqa: F401
-import digen.runtime.messages  # noqa: F401
+from digen.runtime.driver import accounting, cluster, loop  # noqa: F401
+from digen.runtime import messages, metrics, notes, placement  # noqa: F401
 print(sorted(m for m in ("diffusers", "peft") if m in sys.modules))
 """
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from digen.runtime import forkserver
+from digen.runtime.transport import forkserver
 
 
 def _report(path: str, key: str) -> None:

@@ -21,7 +21,7 @@ import torch
 from helpers import free_port, run_config, tiny_config
 
 from digen.models import load_adapter
-from digen.runtime.fsdp import lockstep_chunks
+from digen.runtime.worker.fsdp import lockstep_chunks
 
 COMMON = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
 COMMON += ["train.mini_batch_size=null", "train.lr=1e-3"]
@@ -64,7 +64,7 @@ def _members(world: int, model: Path, out: Path, port: int) -> list[dict]:
     run's workers are; each one's memory report."""
     import load_ranks
 
-    from digen.runtime import forkserver
+    from digen.runtime.transport import forkserver
 
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -91,7 +91,7 @@ def test_sharded_trainers_read_only_their_own_rows_of_the_weights(tmp_path: Path
     bit."""
     from safetensors.torch import load_file
 
-    from digen.runtime.groups import tcp_store
+    from digen.runtime.transport.groups import tcp_store
 
     model = _mid_size_sd3(tmp_path / "model")
     saved = load_file(str(model / "transformer" / "diffusion_pytorch_model.safetensors"))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from digen.algos.rollout import Rollout
-from digen.runtime.grads import GradAccumulator
 from digen.runtime.messages import thumbnails
-from digen.runtime.store import Store
+from digen.runtime.worker.grads import GradAccumulator
+from digen.runtime.worker.store import Store
 
 
 def _model() -> torch.nn.Linear:
@@ -171,7 +171,7 @@ def test_sharded_trainers_each_take_their_rows_of_one_rollout() -> None:
 
 
 def test_weights_travel_in_bounded_buckets() -> None:
-    from digen.runtime.workers import weight_buckets
+    from digen.runtime.worker.base import weight_buckets
 
     params = [torch.zeros(n) for n in (3, 4, 10, 2, 2)]
     assert weight_buckets(params, 7) == [[0, 1], [2], [3, 4]]  # 10 > 7 gets its own
@@ -195,8 +195,8 @@ def test_trainer_0_serves_a_copy_of_its_weights_not_the_live_parameters() -> Non
     memory with the parameters an optimizer step writes (on a GPU the reply is also
     synchronised before it leaves: ``_finished``)."""
     from digen.config import config_to_dict, load_config
-    from digen.runtime.store import STORE, fetch_weights
-    from digen.runtime.workers import TrainerActor
+    from digen.runtime.worker.store import fetch_weights
+    from digen.runtime.worker.trainer import TrainerActor
 
     cfg = load_config(overrides=["model.name=sd3", "runtime.mode=disaggregated"])
     trainer = TrainerActor(config_to_dict(cfg), 0, 1, 0)
@@ -208,4 +208,4 @@ def test_trainer_0_serves_a_copy_of_its_weights_not_the_live_parameters() -> Non
             assert torch.equal(tensor, live[name])
             assert tensor.untyped_storage().data_ptr() != live[name].untyped_storage().data_ptr()
     finally:
-        STORE.clear()
+        trainer.store.clear()

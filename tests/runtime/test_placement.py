@@ -6,7 +6,7 @@ import pytest
 
 from digen.config import load_config
 from digen.errors import DigenError
-from digen.runtime.driver.placement import (
+from digen.runtime.placement import (
     all_devices,
     check_groups,
     colocated_groups,

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from helpers import free_port, read_jsonl
 
-from cli.main import _torchrun_world, role_for_rank
 from digen import load_config
 from digen.errors import DigenError
 from digen.presets import preset
+from digen.runtime.transport.torchrun import role_for_rank, torchrun_world
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=3"]
@@ -46,12 +46,12 @@ def test_rendezvous_is_master_addr_at_master_port_plus_one() -> None:
         base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=["runtime.generators=2"]
     )
     env = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
-    assert _torchrun_world(env, cfg) == (3, 4, "127.0.0.1", 29501)
+    assert torchrun_world(env, cfg) == (3, 4, "127.0.0.1", 29501)
     env |= {"MASTER_ADDR": "10.0.0.5", "DIGEN_RPC_PORT": "31000"}
-    assert _torchrun_world(env, cfg) == (3, 4, "10.0.0.5", 31000)
+    assert torchrun_world(env, cfg) == (3, 4, "10.0.0.5", 31000)
     colocated = load_config(base=preset("flux", "flowgrpo", mode="colocated"))
     with pytest.raises(DigenError, match="--mode disaggregated"):
-        _torchrun_world(env, colocated)
+        torchrun_world(env, colocated)
 
 
 def test_world_size_that_does_not_fit_the_config_is_one_sentence() -> None:

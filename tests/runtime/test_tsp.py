@@ -9,7 +9,7 @@ import torch
 from digen.config import load_config
 from digen.presets import preset
 from digen.runtime.messages import SampleKey, TrainItem
-from digen.runtime.policy import Policy
+from digen.runtime.worker.policy import Policy
 
 
 def _grads_for(policy: Policy, item: TrainItem, tsp: int) -> tuple[list[torch.Tensor], float]:

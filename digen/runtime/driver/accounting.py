@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from digen.config import DigenConfig
-from digen.runtime.driver.metrics import OVERHEAD_KINDS, Overhead, step_metrics
 from digen.runtime.messages import LossStats, StepResult
+from digen.runtime.metrics import OVERHEAD_KINDS, Overhead, step_metrics
 from digen.sched.book import StepRecord
 from digen.sched.costs import OnlineProfiler
 from digen.sched.names import TaskKind, pool_of

@@ -1,8 +1,8 @@
 """The worker processes of a disaggregated run and the actors in them.
 
 :class:`Cluster` spawns one process per generator and trainer (or joins those a launcher
-started), builds a :class:`~digen.runtime.workers.GeneratorActor` or
-:class:`~digen.runtime.workers.TrainerActor` in each, wires the trainers' data-parallel group
+started), builds a :class:`~digen.runtime.worker.generator.GeneratorActor` or
+:class:`~digen.runtime.worker.trainer.TrainerActor` in each, wires the trainers' data-parallel group
 and the weight-broadcast group (addresses and free ports on trainer 0's machine), and gives
 every generator version 0. The driver (:mod:`digen.runtime.driver.loop`) then only calls methods;
 everything about sockets and processes stays here.
@@ -22,12 +22,12 @@ import torch
 
 from digen.checkpoint import Checkpoint
 from digen.config import DigenConfig, config_to_dict
-from digen.runtime.actors import ActorHandle, ActorSystem, WorkerSpec, active_launch
-from digen.runtime.driver.placement import all_devices, check_groups, device_maps, run_groups
-from digen.runtime.forkserver import PRELOAD, WORKER_ENV
-from digen.runtime.fsdp import is_sharded
-from digen.runtime.groups import listen
-from digen.runtime.messages import NOTES_ENV, LossStats, TimedResult
+from digen.runtime.messages import LossStats, TimedResult
+from digen.runtime.notes import NOTES_ENV
+from digen.runtime.placement import all_devices, check_groups, device_maps, run_groups
+from digen.runtime.transport.actors import ActorHandle, ActorSystem, WorkerSpec, active_launch
+from digen.runtime.transport.forkserver import PRELOAD, WORKER_ENV
+from digen.runtime.transport.groups import listen
 from digen.sched.names import Pool, worker_names
 
 __all__ = ["Cluster", "ShardedTrainers"]
@@ -95,7 +95,9 @@ class Cluster:
             # bound (on that address only) and held there until its store takes it over
             dp_port = await self.system.run(lead, listen, host)
             sync_port = await self.system.run(lead, listen, host)
-        from digen.runtime.workers import GeneratorActor, ScorerActor, TrainerActor
+        from digen.runtime.worker.generator import GeneratorActor
+        from digen.runtime.worker.scorer import ScorerActor
+        from digen.runtime.worker.trainer import TrainerActor
 
         where = {"devices": self.devices, "direct": self.direct}
         self.gens = [
@@ -118,7 +120,7 @@ class Cluster:
         if self.resume is not None:
             path, version = str(self.resume.path), self.resume.version
             await asyncio.gather(*(t.call("restore", path, version) for t in self.trainers))
-        if rt.trainers > 1 and is_sharded(rt.trainer_parallel):
+        if rt.trainers > 1 and rt.sharded:
             self.trainers = [ShardedTrainers(self.trainers)]
         if rt.weight_sync == "broadcast":
             size = 1 + len(self.gens)
@@ -175,7 +177,7 @@ class Cluster:
     async def release(self, holder: str, keys: list[tuple[int, int]]) -> None:
         """Drop micro-batches nothing will train from ``holder``'s store (from every
         sharded trainer's, when the trainers as one made them)."""
-        from digen.runtime.store import release
+        from digen.runtime.worker.store import release
 
         sharded = self.trainers[0] if self.trainers else None
         holders = (

@@ -1,7 +1,7 @@
 """The disaggregated driver: the paper's Algorithm 1 as asyncio coroutines.
 
 The driver holds no model and moves no tensors: generators keep what they make, trainers
-fetch rollouts from whoever holds them (:mod:`digen.runtime.store`), and the driver passes
+fetch rollouts from whoever holds them (:mod:`digen.runtime.worker.store`), and the driver passes
 keys, rewards, advantages and versions. Its coroutines are all owned by one
 :class:`asyncio.TaskGroup`, so a failure anywhere cancels the rest and surfaces as one error
 naming the worker:
@@ -44,10 +44,10 @@ from digen.algos.train_step import score_groups, step_terms
 from digen.checkpoint import PROFILER, Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
-from digen.runtime.actors import WorkerDied
 from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.driver.cluster import Cluster
 from digen.runtime.messages import SampleKey, StepResult
+from digen.runtime.transport.actors import WorkerDied
 from digen.sched.book import Book
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch

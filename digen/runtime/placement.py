@@ -171,7 +171,7 @@ def run_groups(cfg: DigenConfig, devices: Mapping[str, str]) -> list[Group]:
     (:func:`all_devices`): the trainers' group (data-parallel, or their device mesh) when
     there are several, and the weight-broadcast group of trainer 0 and the generators."""
     rt = cfg.runtime
-    sharded = rt.trainer_parallel in ("fsdp", "hsdp")
+    sharded = rt.sharded
     trainers = {w: d for w, d in devices.items() if w.startswith(Pool.TRAINER.value)}
     groups = []
     if len(trainers) > 1:
@@ -190,7 +190,7 @@ def colocated_groups(cfg: DigenConfig, devices: Sequence[str]) -> list[Group]:
         return []
     kind = cfg.runtime.trainer_parallel
     members = {f"rank {r}": d for r, d in enumerate(devices)}
-    return [Group(f"colocated workers' {kind} group", members, kind in ("fsdp", "hsdp"))]
+    return [Group(f"colocated workers' {kind} group", members, cfg.runtime.sharded)]
 
 
 def check_groups(cfg: DigenConfig, groups: Sequence[Group]) -> list[str]:

@@ -61,7 +61,7 @@ class Policy:
         mesh: Any = None,
     ) -> None:
         """``mesh``: a ``DeviceMesh`` to shard the transformer over (FSDP2, every member of
-        the mesh building its policy at once: :mod:`digen.runtime.fsdp`); None keeps it whole."""
+        the mesh building its policy at once: :mod:`digen.runtime.worker.fsdp`); None keeps it whole."""
         if mesh is not None and not trainable:
             raise ValueError("a sharded policy is a trainer's (trainable=True)")
         self.cfg = cfg
@@ -114,7 +114,7 @@ class Policy:
             if t.gradient_checkpointing:
                 transformer.enable_gradient_checkpointing()
             if mesh is not None:
-                from digen.runtime.fsdp import map_params, shard_and_load
+                from digen.runtime.worker.fsdp import map_params, shard_and_load
 
                 names = [n for n, p in transformer.named_parameters() if p.requires_grad]
                 saved = Path(self.adapter.path or "") / "transformer"

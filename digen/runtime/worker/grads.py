@@ -20,7 +20,7 @@ in a disaggregated run, so :class:`GradAccumulator` offers two ways to sum:
   buffer. One gradient buffer, no copies; the last bits depend on the order.
 
 The colocated trainer uses the same class (its order is fixed by construction). With sharded
-trainers (FSDP, :mod:`digen.runtime.fsdp`) each works on its own shards of the gradients,
+trainers (FSDP, :mod:`digen.runtime.worker.fsdp`) each works on its own shards of the gradients,
 already summed over the members by FSDP's reduce-scatter: ``reduce`` is called without a
 group, and the ordered sum adds the shards' micro-batches in order.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from digen.runtime.fsdp import local
+from digen.runtime.worker.fsdp import local
 
 __all__ = ["CHUNK_BYTES", "GradAccumulator", "all_reduce_"]
 

@@ -35,7 +35,7 @@ __all__ = [
     "stop_fork_server",
 ]
 
-PRELOAD = ("digen.runtime.workers",)
+PRELOAD = ("digen.runtime.worker.generator", "digen.runtime.worker.trainer")
 """What the fork server imports before it forks the first worker."""
 
 WORKER_ENV = {

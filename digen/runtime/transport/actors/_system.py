@@ -16,7 +16,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from digen.runtime.actors._remote import (
+from digen.runtime.transport.actors._remote import (
     _PROBE_TIMEOUT_S,
     DRIVER,
     _construct,
@@ -37,8 +36,8 @@ from digen.runtime.actors._remote import (
     _skip,
     _unwrap,
 )
-from digen.runtime.actors._spec import ExternalLaunch, WorkerSpec
-from digen.runtime.actors._transport import (
+from digen.runtime.transport.actors._spec import ExternalLaunch, WorkerSpec
+from digen.runtime.transport.actors._transport import (
     _LISTEN_FDS,
     _backend_options,
     _bridge,
@@ -50,8 +49,9 @@ from digen.runtime.actors._transport import (
     _rendezvous_url,
     payload_bytes,
 )
-from digen.runtime.actors._worker import _worker_main
-from digen.runtime.forkserver import patched_env
+from digen.runtime.transport.actors._worker import _worker_main
+from digen.runtime.transport.forkserver import patched_env
+from digen.runtime.transport.sockets import listening_socket
 
 _WATCHDOG_PERIOD_S = 0.1
 _DEATH_GRACE_S = 0.5
@@ -354,14 +354,9 @@ class ActorSystem:
         return await asyncio.shield(self._lost)
 
     async def _start(self) -> None:
-        family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.address, self.port or 0))
-            sock.listen(128)
+            sock = listening_socket(self.address, self.port or 0)
         except OSError as exc:
-            sock.close()
             if self.launch is None:
                 raise
             raise OSError(
@@ -370,9 +365,6 @@ class ActorSystem:
                 f"rendezvous ({exc.strerror}); it must be a free port on an address of the "
                 "driver's own machine",
             ) from exc
-        except BaseException:
-            sock.close()
-            raise
         self.port = sock.getsockname()[1]
         _LISTEN_FDS[self.port] = sock.detach()
         url = _rendezvous_url(self.address, self.port, self.start_timeout_s)
@@ -435,7 +427,7 @@ class ActorSystem:
                 )
 
     def _spawn(self, env: dict[str, str], url: str, world: int) -> None:
-        from digen.runtime import forkserver
+        from digen.runtime.transport import forkserver
 
         for rank, spec in enumerate(self.workers, start=1):
             child_env = {**os.environ, **env, "OMP_NUM_THREADS": str(spec.threads), **spec.env}

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed.rpc as rpc
 
-from digen.runtime.actors import _remote
-from digen.runtime.actors._remote import (
+from digen.runtime.transport.actors import _remote
+from digen.runtime.transport.actors._remote import (
     _EXIT,
     _PROBE_TIMEOUT_S,
     DRIVER,
@@ -26,7 +26,7 @@ from digen.runtime.actors._remote import (
     _request_exit,
     _wait_closed,
 )
-from digen.runtime.actors._transport import (
+from digen.runtime.transport.actors._transport import (
     _backend_options,
     _is_loopback,
     _loopback_ifname,
@@ -35,7 +35,7 @@ from digen.runtime.actors._transport import (
 )
 
 if TYPE_CHECKING:
-    from digen.runtime.actors._spec import WorkerSpec
+    from digen.runtime.transport.actors._spec import WorkerSpec
 
 _EXIT_FLUSH_S = 0.1
 _CLOSE_TIMEOUT_S = 10.0

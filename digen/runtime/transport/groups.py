@@ -8,7 +8,7 @@ port 0 takes a free one at bind time, and :attr:`TCPStore.port` says which; :fun
 binds one ahead of the store, for a port that must be known before the store exists (the
 socket is held, so nothing can take the port meanwhile).
 
-The group's backend follows :func:`digen.runtime.driver.placement.group_backend`. On a loopback
+The group's backend follows :func:`digen.runtime.placement.group_backend`. On a loopback
 address the transports' interfaces (gloo, NCCL's bootstrap) are pinned to loopback for the
 group's creation only (:func:`loopback_env`): the caller's environment is left as it was.
 """
@@ -24,8 +24,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from digen.runtime.actors._transport import _is_loopback, _loopback_ifname
-from digen.runtime.driver.placement import default_group_backend, group_backend
+from digen.runtime.placement import default_group_backend, group_backend
+from digen.runtime.transport.actors._transport import _is_loopback, _loopback_ifname
+from digen.runtime.transport.sockets import listening_socket
 
 __all__ = ["listen", "loopback_env", "make_group", "pinned_to_loopback", "tcp_store"]
 
@@ -46,30 +47,17 @@ def loopback_env(address: str) -> dict[str, str]:
 def pinned_to_loopback(address: str) -> Iterator[None]:
     """:func:`loopback_env` in ``os.environ`` for the block, where the caller did not set the
     variable itself; restored after."""
-    from digen.runtime.forkserver import patched_env
+    from digen.runtime.transport.forkserver import patched_env
 
     env = {k: v for k, v in loopback_env(address).items() if k not in os.environ}
     with patched_env(env):
         yield
 
 
-def _bound(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def listen(host: str) -> int:
     """Bind a free port on ``host`` now, for a store this process will lead (:func:`tcp_store`
     with that port adopts the socket); the port."""
-    sock = _bound(host, 0)
+    sock = listening_socket(host, 0)
     port = sock.getsockname()[1]
     _LISTENING[port] = sock
     return port
@@ -83,7 +71,7 @@ def tcp_store(
     from ``store.port``); the others connect."""
     if not lead:
         return dist.TCPStore(host, port, world, False, timeout)
-    sock = _LISTENING.pop(port, None) or _bound(host, port)
+    sock = _LISTENING.pop(port, None) or listening_socket(host, port)
     bound = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the socket from here
     return dist.TCPStore(

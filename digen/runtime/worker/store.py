@@ -3,7 +3,7 @@
 A generated micro-batch stays in the process that made it — its rollout (the window's
 latents and log-probs) and its prompt's embedding until a trainer has trained it, its
 decoded pixels until they are scored — keyed by ``(step, micro-batch)``. Other workers read it directly, actor to actor,
-with :func:`~digen.runtime.actors.run_sync` on the module-level functions below. Those run
+with :func:`~digen.runtime.transport.actors.run_sync` on the module-level functions below. Those run
 on RPC threads, not on the holder's actor thread, so a worker busy with a long generation
 still serves its data at once; the store therefore has its own lock. The driver only ever
 sees keys.
@@ -12,7 +12,7 @@ Trainer 0 also serves its weights from here, bucket by bucket from its live para
 generators pull new weights from it directly (:func:`fetch_weights`), not through the driver.
 Whatever leaves is staged on the CPU unless both ends are GPUs joined by a device map.
 
-One store per process (the worker processes hold one actor each).
+One store per process (:func:`open_store`): a generator and its scoring actor share it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ import torch
 
 from digen.algos.rollout import Rollout
 
-__all__ = ["STORE", "Store", "fetch_pixels", "fetch_rollout", "fetch_weights", "release"]
+__all__ = [
+    "Store",
+    "fetch_pixels",
+    "fetch_rollout",
+    "fetch_weights",
+    "local_store",
+    "open_store",
+    "release",
+]
 
 Key = tuple[int, int]
 """``(step, micro-batch)``."""
@@ -147,14 +155,38 @@ class Store:
             del self._items[key]
 
 
-STORE = Store()
-"""This process's store."""
+_OPENED: Store | None = None
+_OPENING = threading.Lock()
+
+
+def open_store(capacity: int | None = None) -> Store:
+    """This process's store, for an actor being built here: the first one makes it, the
+    others of the process (a generator's scoring actor) share it. ``capacity``: what the
+    run lets be generated and not yet trained (its ``C_gen``); None keeps the store's own.
+
+    Actors hand the store to whatever they do with it; the functions below, which peers run
+    here over RPC, find it with :func:`local_store`.
+    """
+    global _OPENED
+    with _OPENING:
+        if _OPENED is None:
+            _OPENED = Store()
+        if capacity is not None:
+            _OPENED.capacity = capacity
+        return _OPENED
+
+
+def local_store() -> Store:
+    """The store an actor of this process opened (:func:`open_store`)."""
+    if _OPENED is None:
+        raise RuntimeError("no actor of this worker process holds data: its store is not open")
+    return _OPENED
 
 
 def fetch_pixels(key: Key, wire: str | None = None) -> torch.Tensor:
     """Run in the holder (actor to actor): take the decoded samples of ``key``; ``wire``:
     the device they leave on (``"cpu"`` stages them; None sends them as they are)."""
-    return _on(STORE.take_pixels(key), wire)
+    return _on(local_store().take_pixels(key), wire)
 
 
 def fetch_rollout(
@@ -167,7 +199,7 @@ def fetch_rollout(
     """Run in the holder (actor to actor): take the trajectories of ``key``; with
     ``conditioning``, also its prompt's embedding: ``(rollout, embedding or None)``.
     ``takers``: how many trainers take rows of it (:meth:`Store.take_training`)."""
-    rollout, embeds = STORE.take_training(key, rows, takers)
+    rollout, embeds = local_store().take_training(key, rows, takers)
     if not conditioning:
         embeds = None
     elif embeds is not None and wire is not None:
@@ -177,7 +209,7 @@ def fetch_rollout(
 
 def fetch_weights(version: int, bucket: int = 0, wire: str | None = None) -> dict[str, Any]:
     """Run in trainer 0: bucket ``bucket`` of its weights of ``version``, on ``wire``."""
-    return STORE.weights(version, bucket, wire)
+    return local_store().weights(version, bucket, wire)
 
 
 def _on(value: Any, wire: str | None) -> Any:
@@ -186,5 +218,6 @@ def _on(value: Any, wire: str | None) -> Any:
 
 def release(keys: list[Key]) -> None:
     """Run in the holder: drop what is held for ``keys``."""
+    store = local_store()
     for key in keys:
-        STORE.release(key)
+        store.release(key)

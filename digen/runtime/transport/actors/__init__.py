@@ -43,7 +43,7 @@ The layer is four private modules, one layer each, importing only those above th
 - ``_system``: the driver's view (:class:`ActorSystem`, handles, errors, payload counters).
 """
 
-from digen.runtime.actors._system import (
+from digen.runtime.transport.actors._system import (
     ActorHandle,
     ActorSystem,
     ActorSystemClosed,
@@ -54,7 +54,7 @@ from digen.runtime.actors._system import (
     external_launch,
     run_sync,
 )
-from digen.runtime.actors._worker import exit_with_parent, serve_worker
+from digen.runtime.transport.actors._worker import exit_with_parent, serve_worker
 
 __all__ = [
     "ActorHandle",

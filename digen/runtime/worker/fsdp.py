@@ -44,7 +44,6 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 __all__ = [
     "block_modules",
     "full_tensors",
-    "is_sharded",
     "local",
     "lockstep_chunks",
     "hsdp_shard_size",
@@ -52,13 +51,6 @@ __all__ = [
     "shard_and_load",
     "shard_transformer",
 ]
-
-SHARDED = ("fsdp", "hsdp")
-"""Values of ``runtime.trainer_parallel`` that shard the model."""
-
-
-def is_sharded(trainer_parallel: str) -> bool:
-    return trainer_parallel in SHARDED
 
 
 def make_mesh(kind: str, world: int, device_type: str, shard_size: int | None = None) -> Any:

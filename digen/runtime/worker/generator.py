@@ -1,0 +1,54 @@
+"""The generator actor: samples trajectories with its copy of the policy, keeps them in its
+process's store, and scores them when no scoring actor beside it does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from digen.config import DigenConfig
+from digen.runtime.messages import TimedResult
+from digen.runtime.worker.base import PolicyActor, pool_config
+from digen.runtime.worker.scorer import Scoring, reward_loop
+from digen.sched.names import Pool, index_of, worker_name
+
+__all__ = ["GeneratorActor"]
+
+
+class GeneratorActor(PolicyActor):
+    """Samples trajectories; scores them too, unless its :class:`ScorerActor` does
+    (``runtime.score_overlap``, the default)."""
+
+    def __init__(
+        self,
+        cfg: DigenConfig | dict[str, Any],
+        rewards: Sequence[Any] | None = None,
+        name: str = worker_name(Pool.GENERATOR, 0),
+        devices: dict[str, str] | None = None,
+        direct: bool = False,
+    ) -> None:
+        cfg = pool_config(cfg, Pool.GENERATOR, max(index_of(name), 0))
+        super().__init__(cfg, name, trainable=False, devices=devices, direct=direct)
+        self.scoring = None
+        if not cfg.runtime.score_overlap:
+            self.scoring = Scoring(self, reward_loop(cfg, rewards))
+
+    def score(
+        self,
+        step: int,
+        mb: int,
+        holder: str,
+        prompts: Sequence[str],
+        metadata: Sequence[dict],
+        with_thumbnails: bool = False,
+    ) -> TimedResult:
+        """Rewards of micro-batch ``(step, mb)``, when this generator scores its own."""
+        if self.scoring is None:
+            raise RuntimeError(f"{self.name}: its scoring actor scores (runtime.score_overlap)")
+        return self.scoring.score(step, mb, holder, prompts, metadata, with_thumbnails)
+
+    def close(self) -> None:
+        """The worker is stopping: the reward hooks' ``close()`` where they are here."""
+        if self.scoring is not None:
+            self.scoring.close()

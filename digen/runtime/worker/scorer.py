@@ -1,0 +1,107 @@
+"""The scoring actor: the rewards of one generator's micro-batches, in its process, and the
+:class:`Scoring` it and a generator that scores its own samples hold.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from digen.config import DigenConfig
+from digen.rewards.loop import RewardLoop
+from digen.rewards.scoring import build_reward
+from digen.runtime.messages import Scores, TimedResult, thumbnails
+from digen.runtime.transport.actors import run_sync
+from digen.runtime.worker.base import WorkerActor, pool_config
+from digen.runtime.worker.store import fetch_pixels
+from digen.sched.names import Pool, index_of, worker_name
+
+__all__ = ["ScorerActor", "Scoring", "reward_loop"]
+
+
+def reward_loop(cfg: DigenConfig, rewards: Sequence[Any] | None) -> RewardLoop:
+    """The run's rewards, set up here once, every score of the run on one event loop."""
+    hooks = list(rewards) if rewards is not None else cfg.rewards
+    return RewardLoop(build_reward(hooks, cfg.train.on_nonfinite), device=cfg.model.device)
+
+
+class Scoring:
+    """The run's rewards in a generator's process, and scoring a micro-batch with them.
+
+    Held by the actor that scores there: the generator's :class:`ScorerActor`
+    (``runtime.score_overlap``, the default) or else the generator itself.
+    """
+
+    def __init__(self, actor: WorkerActor, rewards: RewardLoop) -> None:
+        self.actor, self.rewards = actor, rewards
+
+    def close(self) -> None:
+        """The worker is stopping: the hooks' ``close()``."""
+        self.rewards.close()
+
+    def score(
+        self,
+        step: int,
+        mb: int,
+        holder: str,
+        prompts: Sequence[str],
+        metadata: Sequence[dict],
+        with_thumbnails: bool = False,
+    ) -> TimedResult:
+        """Rewards of micro-batch ``(step, mb)``, whose pixels ``holder`` keeps (here or not)."""
+        actor = self.actor
+        actor.jitter()
+        t0 = time.time()
+        key = (step, mb)
+        if holder == actor.name:
+            pixels = actor.store.take_pixels(key)
+        else:
+            pixels = run_sync(holder, fetch_pixels, key, actor.wire_from(holder))
+        pixels = pixels.cpu()  # rewards take uint8 images on the CPU
+        res = self.rewards.score(pixels, prompts, metadata)
+        scores = Scores(
+            total=res.total.tolist(),
+            components={name: v.tolist() for name, v in res.components.items()},
+            latency_s=res.latency_s,
+            thumbnails=thumbnails(pixels) if with_thumbnails else None,
+        )
+        return actor.timed(scores, t0)
+
+
+class ScorerActor(WorkerActor):
+    """The rewards of one generator's micro-batches, in the generator's process.
+
+    An actor of its own (its own thread), so scoring runs beside generation: a slow reward
+    never holds up the generator's next micro-batch. It reads the pixels its generator left
+    in this process's store, or fetches those a trainer made (TAG). The hooks' ``setup()``
+    runs here once, every score of the run runs on the same event loop
+    (:class:`~digen.rewards.loop.RewardLoop`), and ``close()`` at the stop.
+    """
+
+    def __init__(
+        self,
+        cfg: DigenConfig | dict[str, Any],
+        rewards: Sequence[Any] | None = None,
+        name: str = worker_name(Pool.GENERATOR, 0),
+        devices: dict[str, str] | None = None,
+        direct: bool = False,
+    ) -> None:
+        cfg = pool_config(cfg, Pool.GENERATOR, max(index_of(name), 0))
+        super().__init__(cfg, name, devices, direct)  # the generator's name: its process
+        self.scoring = Scoring(self, reward_loop(cfg, rewards))
+
+    def score(
+        self,
+        step: int,
+        mb: int,
+        holder: str,
+        prompts: Sequence[str],
+        metadata: Sequence[dict],
+        with_thumbnails: bool = False,
+    ) -> TimedResult:
+        """Rewards of micro-batch ``(step, mb)`` (:meth:`Scoring.score`)."""
+        return self.scoring.score(step, mb, holder, prompts, metadata, with_thumbnails)
+
+    def close(self) -> None:
+        self.scoring.close()

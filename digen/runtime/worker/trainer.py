@@ -1,0 +1,227 @@
+"""The trainer actor: accumulates gradients over update micro-batches and steps once per
+train step, data-parallel or sharded (FSDP / HSDP) with the other trainers; trainer 0 serves
+the new weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from digen.config import DigenConfig
+from digen.runtime.messages import LossStats, SampleKey, TimedResult, TrainItem
+from digen.runtime.placement import is_cuda
+from digen.runtime.transport.actors import run_sync
+from digen.runtime.transport.groups import (
+    init_default_group,
+    make_group,
+    pinned_to_loopback,
+    tcp_store,
+)
+from digen.runtime.worker.base import PolicyActor, pool_config
+from digen.runtime.worker.fsdp import full_tensors, lockstep_chunks, make_mesh
+from digen.runtime.worker.grads import GradAccumulator
+from digen.runtime.worker.store import fetch_rollout
+from digen.sched.names import Pool, worker_name
+
+__all__ = ["TrainerActor"]
+
+
+class TrainerActor(PolicyActor):
+    """Accumulates gradients over update micro-batches; steps once per train step."""
+
+    def __init__(
+        self,
+        cfg: DigenConfig | dict[str, Any],
+        rank: int,
+        world: int,
+        dp_port: int,
+        dp_host: str | None = None,
+        name: str | None = None,
+        devices: dict[str, str] | None = None,
+        direct: bool = False,
+    ) -> None:
+        """``dp_host``: where trainer 0 serves the data-parallel group's store
+        (``runtime.address`` when None).
+
+        With ``runtime.trainer_parallel`` fsdp or hsdp (and ``world > 1``) the trainers shard
+        the transformer over a device mesh and act as one (:mod:`digen.runtime.worker.fsdp`): each
+        takes its share of every update's rows, and trainer 0 keeps a full copy of the
+        trained weights, gathered after each step, to serve, save and return.
+        """
+        cfg = pool_config(cfg, Pool.TRAINER, rank)
+        rt = cfg.runtime
+        self.rank, self.world = rank, world
+        self.sharded = world > 1 and rt.sharded
+        trainers = [d for w, d in (devices or {}).items() if w.startswith(Pool.TRAINER.value)]
+        trainers = trainers or [cfg.model.device]
+        host = dp_host or rt.address
+        mesh = store = None
+        if world > 1:
+            timeout = timedelta(seconds=rt.rpc_timeout_s)
+            store = tcp_store(host, dp_port, world, lead=rank == 0, timeout=timeout)
+        if self.sharded:
+            if is_cuda(cfg.model.device):
+                torch.cuda.set_device(torch.device(cfg.model.device))
+            mesh = _trainer_mesh(cfg, store, rank, world, trainers, host)
+        super().__init__(
+            cfg,
+            name or worker_name(Pool.TRAINER, rank),
+            trainable=True,
+            devices=devices,
+            direct=direct,
+            mesh=mesh,
+        )
+        self.dp_group = None
+        if world > 1 and not self.sharded:
+            with pinned_to_loopback(host):
+                self.dp_group = make_group(store, rank, world, trainers, rt.rpc_timeout_s)
+        self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
+        self._full: dict[str, torch.Tensor] = {}
+        """Sharded: trainer 0's full copy of the trained weights (the others hold none)."""
+        if self.sharded:
+            self._gather_full()
+        if rank == 0:
+            self.store.serve_weights(self._weights_bucket)
+
+    @property
+    def _scored_here(self) -> bool:
+        return not self.sharded or self.rank == 0
+
+    def _holds(self, holder: str) -> bool:
+        """Whether ``holder``'s micro-batch is in this process (sharded trainers all made
+        their own copy of what trainer 0, the pool as one, generated)."""
+        return holder == self.name or (self.sharded and holder == worker_name(Pool.TRAINER, 0))
+
+    def _gather_full(self) -> None:
+        """Sharded: every trainer gathers the trained weights in full, one tensor at a time;
+        trainer 0 keeps them (on the CPU: a full copy need not fit next to the shards)."""
+        named = self.policy.synced_parameters()
+        self._full = full_tensors(named, keep=self.rank == 0)
+
+    def _synced(self) -> list[tuple[str, torch.Tensor]]:
+        if self.sharded:
+            return list(self._full.items())
+        return super()._synced()
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        if self.sharded:
+            return {k: v.clone() for k, v in self._full.items()}
+        return super().trainable_state()
+
+    def _weights_bucket(self, version: int, bucket: int, wire: str | None) -> dict[str, Any]:
+        """A copy of bucket ``bucket`` of the weights of ``version`` (served on an RPC
+        thread: the weights change only at :meth:`step`, and no pull overlaps a step; a copy
+        all the same, so what is sent cannot change while it is in flight)."""
+        if self.policy.version != version:
+            raise RuntimeError(
+                f"weights of version {version} were asked for; trainer 0 holds "
+                f"{self.policy.version}"
+            )
+        named = self._synced()
+        return {
+            named[i][0]: named[i][1]
+            .detach()
+            .to(wire or self.device, self._sync_dtype(named[i][1]), copy=True)
+            for i in self._buckets()[bucket]
+        }
+
+    def update(
+        self,
+        step: int,
+        mb: int,
+        holder: str,
+        keys: Sequence[SampleKey],
+        rows: Sequence[int],
+        prompt: str,
+        advantages: Sequence[float],
+        loss_scale: float,
+    ) -> TimedResult:
+        """Forward/backward the samples ``keys`` of micro-batch ``(step, mb)``.
+
+        ``rows``: their positions in the micro-batch, whose rollout ``holder`` keeps;
+        ``advantages``: one per key. TSP chunks of ``runtime.tsp_degree`` timesteps.
+        """
+        self.jitter()
+        t0 = time.time()
+        key, keys, rows = (step, mb), list(keys), list(rows)
+        size = self.cfg.train.micro_batch_size
+        members, me = (self.world, self.rank) if self.sharded else (1, 0)
+        chunks = lockstep_chunks(len(keys), members, me, size)
+        mine = [i for c in chunks if c is not None for i in c] or [0]  # call's row indices
+        takers = members if not self._holds(holder) else 1
+        if self._holds(holder):
+            rollout = self.store.take_rollout(key, [rows[i] for i in mine])
+        else:  # the prompt's embedding comes along the first time (cheaper than encoding)
+            need = self.policy.cached_conditioning(prompt) is None
+            wire = self.wire_from(holder)
+            picked = [rows[i] for i in mine]
+            rollout, embeds = run_sync(holder, fetch_rollout, key, picked, need, wire, takers)
+            if embeds is not None:
+                self.policy.add_conditioning(prompt, embeds)
+        rollout = rollout.to(self.device)
+        at = {i: j for j, i in enumerate(mine)}  # call's row -> row of ``rollout``
+        adv = torch.tensor(list(advantages), dtype=torch.float32, device=self.device)
+        stats = LossStats()
+        with self.grads.micro_batch(mb):
+            for chunk in chunks:
+                # a chunk this member runs only to keep in step adds nothing (scale 0)
+                idx, scale = (chunk, loss_scale) if chunk is not None else (mine[:1], 0.0)
+                part = TrainItem(
+                    keys=[keys[i] for i in idx],
+                    prompts=[prompt] * len(idx),
+                    rollout=rollout.select(torch.tensor([at[i] for i in idx])),
+                    advantages=adv[idx],
+                )
+                got = self.policy.accumulate(part, scale, self.cfg.runtime.tsp_degree)
+                if chunk is not None:
+                    stats.add(got)
+        return self.timed(stats, t0)
+
+    def write_checkpoint(self, directory: str) -> None:
+        """Write the weights and optimizer state into a checkpoint directory: trainer 0
+        (replicated trainers hold the same), or every sharded trainer its shards."""
+        self.policy.write_checkpoint(directory, lead=self.rank == 0)
+
+    def restore(self, directory: str, version: int) -> None:
+        """Continue from the checkpoint in ``directory`` (every trainer loads it; sharded
+        ones their shards, whatever the trainer count that wrote it)."""
+        self.policy.load_checkpoint(directory, version)
+        if self.sharded:
+            self._gather_full()
+
+    def save_weights(self, out_dir: str) -> str:
+        state = self._full if self.sharded else None
+        return str(self.policy.save_weights(out_dir, state))
+
+    def step(self, microbatches: int) -> TimedResult:
+        """Sum the step's gradients over the trainers, clip, step. Returns ``(version, grad
+        norm)``; trainer 0 then serves the new weights."""
+        self.jitter()
+        t0 = time.time()
+        self.policy.set_step_lr(self.policy.version)  # version == the train step here
+        self.grads.reduce(microbatches, self.dp_group)
+        norm = self.policy.optimizer_step()
+        if self.sharded:
+            self._gather_full()
+        return self.timed((self.policy.version, norm), t0)
+
+
+def _trainer_mesh(
+    cfg: DigenConfig, store: Any, rank: int, world: int, devices: Sequence[str], host: str
+) -> Any:
+    """The sharded trainers' device mesh, over a default process group of the trainers
+    (they are the only members of this process's default group)."""
+    kinds = {"cuda" if is_cuda(d) else "cpu" for d in devices}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"runtime.trainer_parallel={cfg.runtime.trainer_parallel} needs every trainer on "
+            f"the same kind of device, not {sorted(kinds)}"
+        )
+    with pinned_to_loopback(host):
+        init_default_group(store, rank, world, devices, cfg.runtime.rpc_timeout_s)
+    return make_mesh(cfg.runtime.trainer_parallel, world, kinds.pop(), cfg.runtime.shard_size)
