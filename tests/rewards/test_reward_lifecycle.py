@@ -5,7 +5,6 @@ that still fails does (stop the run, or leave its groups out: never a zero rewar
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import textwrap
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_config
+from helpers import read_jsonl, run_config
 
 from digen import load_config
 from digen.config import RewardSpec, schedule_plan
@@ -280,7 +279,7 @@ def test_setup_runs_once_per_scoring_process_and_close_at_the_end(
         over += ["runtime.generators=2", "runtime.tag=none"]
     cfg = load_config(base=preset("flux", "flowgrpo", mode=mode), overrides=over)
     result = run_config(cfg, tmp_path / "out")
-    events = [json.loads(line) for line in log.read_text().splitlines()]
+    events = read_jsonl(log)
     by_pid: dict[int, list] = {}
     for what, pid, loop in events:
         by_pid.setdefault(pid, []).append((what, loop))

@@ -217,9 +217,7 @@ def test_digen_run_disaggregated_every_model_and_algo(
     assert row["samples"] == 4 and row["policy_version"] == 1
     assert 0 < row["utilisation"] <= 1 and row["overhead_fraction"] >= 0
     assert row["reward_min"] <= row["reward_mean"] <= row["reward_max"]
-    kinds = Counter(
-        json.loads(line)["kind"] for line in (out / "trace.jsonl").read_text().splitlines()
-    )
+    kinds = Counter(e["kind"] for e in read_jsonl(out / "trace.jsonl"))
     # 2 prompts x 2 samples, one group per micro-batch with one generator: 2 of each
     made = kinds["generate"] + kinds["tag"]  # the first bubble is filled by a TAG probe
     assert (made, kinds["score"], kinds["update"], kinds["step"]) == (2, 2, 2, 1)

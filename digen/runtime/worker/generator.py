@@ -17,7 +17,8 @@ __all__ = ["GeneratorActor"]
 
 
 class GeneratorActor(PolicyActor):
-    """Samples trajectories; scores them too, unless its :class:`ScorerActor` does
+    """Samples trajectories; scores them too, unless its
+    :class:`~digen.runtime.worker.scorer.ScorerActor` does
     (``runtime.score_overlap``, the default)."""
 
     def __init__(
