@@ -35,19 +35,12 @@ class GeneratorActor(PolicyActor):
         if not cfg.runtime.score_overlap:
             self.scoring = Scoring(self, reward_loop(cfg, rewards))
 
-    def score(
-        self,
-        step: int,
-        mb: int,
-        holder: str,
-        prompts: Sequence[str],
-        metadata: Sequence[dict],
-        with_thumbnails: bool = False,
-    ) -> TimedResult:
-        """Rewards of micro-batch ``(step, mb)``, when this generator scores its own."""
+    def score(self, *args: Any) -> TimedResult:
+        """Rewards of a micro-batch (:meth:`~digen.runtime.worker.scorer.Scoring.score`), when
+        this generator scores its own."""
         if self.scoring is None:
             raise RuntimeError(f"{self.name}: its scoring actor scores (runtime.score_overlap)")
-        return self.scoring.score(step, mb, holder, prompts, metadata, with_thumbnails)
+        return self.scoring.score(*args)
 
     def close(self) -> None:
         """The worker is stopping: the reward hooks' ``close()`` where they are here."""

@@ -91,17 +91,9 @@ class ScorerActor(WorkerActor):
         super().__init__(cfg, name, devices, direct)  # the generator's name: its process
         self.scoring = Scoring(self, reward_loop(cfg, rewards))
 
-    def score(
-        self,
-        step: int,
-        mb: int,
-        holder: str,
-        prompts: Sequence[str],
-        metadata: Sequence[dict],
-        with_thumbnails: bool = False,
-    ) -> TimedResult:
-        """Rewards of micro-batch ``(step, mb)`` (:meth:`Scoring.score`)."""
-        return self.scoring.score(step, mb, holder, prompts, metadata, with_thumbnails)
+    def score(self, *args: Any) -> TimedResult:
+        """Rewards of a micro-batch (:meth:`Scoring.score`)."""
+        return self.scoring.score(*args)
 
     def close(self) -> None:
         self.scoring.close()
