@@ -58,6 +58,10 @@ class Accumulator:
         """Worker-to-worker: call an actor in another worker from inside this one."""
         return peer.call_sync("add", x)
 
+    def ask_peer_to(self, peer: ActorHandle, method: str, *args: object) -> object:
+        """Worker-to-worker: any method of an actor in another worker."""
+        return peer.call_sync(method, *args)
+
     def run_on(self, worker: str, a: int, b: int) -> tuple[int, int]:
         """Worker-to-worker: run a module-level function in another worker."""
         return run_sync(worker, where_am_i, a, b)

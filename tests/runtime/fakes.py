@@ -153,6 +153,8 @@ class FakeCluster:
         self.scorers = [FakeActor(world, gen.worker) for gen in self.gens]
         self.payload = Payload()
         self.released: list[tuple[str, list]] = []
+        self.lost_worker: Exception | None = None
+        """What :meth:`lost_behind` finds: a worker lost behind a failed call, if a test says."""
 
     async def start(self) -> None: ...
 
@@ -161,6 +163,9 @@ class FakeCluster:
     async def lost(self) -> Exception:
         """Fake workers are never lost between calls: injected failures fail calls."""
         return await asyncio.get_running_loop().create_future()
+
+    async def lost_behind(self, error: BaseException) -> Exception | None:
+        return self.lost_worker
 
     def serve_weights(self, version: int) -> None:
         return None

@@ -503,6 +503,45 @@ async def test_external_launch_serves_started_workers_and_reports_a_dead_one() -
 
 
 @pytest.mark.slow
+@pytest.mark.asyncio
+async def test_a_worker_lost_behind_another_workers_call_is_found_and_named() -> None:
+    """generator-0's actor is inside a call to trainer-0 when trainer-0 is killed: the driver
+    hears only generator-0's transport error, which names nobody. With external launch and a
+    heartbeat too slow to have noticed, ``lost_behind`` probes the workers and names
+    trainer-0; an error that is not the transport's is explained by no one."""
+    port = free_port()
+    names = ["generator-0", "trainer-0"]
+    procs = {n: _external_worker(n, rank, 3, port) for rank, n in enumerate(names, start=1)}
+    launch = ExternalLaunch("127.0.0.1", port, 3)
+    system = ActorSystem(
+        [WorkerSpec(n) for n in names], launch=launch, heartbeat_s=3600.0, stop_timeout_s=1.0
+    )
+    try:
+        await system.start()
+        gen = system.actor("generator-0", Accumulator, 2)
+        trainer = system.actor("trainer-0", Accumulator, 2)
+        assert await trainer.call("ping") is None
+        with pytest.raises(ValueError, match="on purpose") as info:
+            await gen.call("fail", "on purpose")
+        assert await system.lost_behind(info.value) is None  # everyone answers
+
+        relayed = asyncio.create_task(gen.call("ask_peer_to", trainer, "sleep", 600.0))
+        await asyncio.sleep(0.5)  # the relayed call is running in trainer-0
+        procs["trainer-0"].kill()
+        with pytest.raises(Exception) as info:
+            await asyncio.wait_for(relayed, 120.0)
+        assert not isinstance(info.value, WorkerDied)  # generator-0 is alive and answered
+        assert system.dead() == {}  # nothing has noticed trainer-0 yet
+        died = await asyncio.wait_for(system.lost_behind(info.value), 120.0)
+        assert died is not None and died.worker == "trainer-0", info.value
+        assert list(system.dead()) == ["trainer-0"]
+        assert (await gen.call("add", torch.ones(2))).tolist() == [1.0, 1.0]
+    finally:
+        await system.stop()
+        _reap(list(procs.values()))
+
+
+@pytest.mark.slow
 def test_external_workers_exit_when_the_driver_is_gone() -> None:
     port = free_port()
     driver = subprocess.Popen(

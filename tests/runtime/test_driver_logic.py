@@ -133,3 +133,17 @@ async def test_a_failing_actor_is_one_error_and_nothing_keeps_running() -> None:
     assert len(world.log) == before  # every loop was cancelled with the run
     others = [t for t in asyncio.all_tasks() if t.get_name().startswith("loop-")]
     assert others == []
+
+
+@pytest.mark.asyncio
+async def test_a_failure_behind_which_a_worker_was_lost_names_the_lost_worker() -> None:
+    """A trainer's call fails because a generator it was fetching from was killed: the run's
+    error is the generator's loss, with the failed call as its cause."""
+    from digen.runtime.transport.actors import WorkerDied
+
+    _, driver, _ = _driver(["steps=3", "runtime.generators=2"], fail_on=("trainer-0", "update"))
+    driver.cluster.lost_worker = WorkerDied("generator-1", 4242, -9)
+    with pytest.raises(WorkerDied) as info:
+        await driver.run(3)
+    assert str(info.value) == "worker 'generator-1' (pid 4242) was killed by signal SIGKILL."
+    assert isinstance(info.value.__cause__, InjectedFailure)

@@ -145,6 +145,12 @@ class Cluster:
         once there is one."""
         return (await self.system.lost()).again()
 
+    async def lost_behind(self, error: BaseException) -> Exception | None:
+        """The error of a lost worker that explains ``error`` (see
+        :meth:`ActorSystem.lost_behind`), or None when no worker was lost."""
+        died = await self.system.lost_behind(error)
+        return None if died is None else died.again()
+
     # --- weights ---------------------------------------------------------------------------
 
     def serve_weights(self, version: int) -> Coroutine[Any, Any, TimedResult] | None:

@@ -252,8 +252,12 @@ class Driver:
                 for task in loops:
                     task.cancel()
         except BaseExceptionGroup as group:
-            raise _main_error(group) from None
-        return results
+            error = _main_error(group)
+        else:
+            return results
+        if not isinstance(error, WorkerDied) and (died := await self.cluster.lost_behind(error)):
+            raise died from error  # a call between two workers met the loss first
+        raise error from None
 
     async def _watch_workers(self) -> None:
         """A worker lost while no call to it is running (an idle trainer killed while a

@@ -61,6 +61,13 @@ _SHUTDOWN_TIMEOUT_S = 10.0
 _REMOTE_MARK = re.compile(r"^On WorkerInfo\(|^Error on Node |\n\nAt:\n")
 """Torch's wording for failures it caught in Python code (remote or local), as opposed to
 the transport's ("EOF: end of file (this error originated at tensorpipe/...)")."""
+_TRANSPORT_WORDS = re.compile(
+    r"tensorpipe|ECONNRESET|ECONNREFUSED|EPIPE|ENOTCONN|connection (reset|refused|closed)"
+    r"|pipe (is )?closed|broken pipe",
+    re.IGNORECASE,
+)
+"""A transport failure's wording, wherever it was raised: in the driver's own call, or in a
+worker whose call to another worker failed (then it arrives as that worker's error)."""
 
 
 _LAUNCH: ExternalLaunch | None = None
@@ -110,6 +117,20 @@ class WorkerDied(RuntimeError):
 
 class ActorSystemClosed(RuntimeError):
     """The actor system was stopped (or never started) when a call was made."""
+
+
+def _is_transport_error(error: BaseException) -> bool:
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        exc = stack.pop()
+        if id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if _TRANSPORT_WORDS.search(str(exc)):
+            return True
+        stack += [e for e in (exc.__cause__, exc.__context__) if e is not None]
+    return False
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -571,6 +592,20 @@ class ActorSystem:
         for fut in self._pending[worker]:
             if not fut.done():
                 fut.set_exception(died.again())
+
+    async def lost_behind(self, error: BaseException) -> WorkerDied | None:
+        """The lost worker that explains ``error``, if there is one, else None.
+
+        A worker killed while another worker is calling it (a trainer fetching from a
+        generator's store, a generator pulling weights) first shows up as that other worker's
+        transport error, naming nobody; the watchdog may not have seen the loss yet. So a
+        transport error, wherever raised, gets every worker checked as :meth:`_death_of`
+        checks one (exit status, or with external launch a probe), and the first worker
+        found lost is the answer. Other errors are only explained by a loss already seen.
+        """
+        if not self._dead and self._state == "running" and _is_transport_error(error):
+            await asyncio.gather(*(self._death_of(w.name) for w in self.workers))
+        return next(iter(self._dead.values()), None)
 
     async def _death_of(self, worker: str) -> WorkerDied | None:
         """A transport error just arrived: wait briefly for the exit status that explains it,
