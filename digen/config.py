@@ -590,7 +590,7 @@ class RuntimeConfig:
     samples_per_microbatch: int | None = None
     """Samples in one generation micro-batch; None = ceil(n / generators) on the generation axis, n on the prompt axis."""
     tsp_degree: int = 1
-    """Timesteps a trainer evaluates in one batched forward/backward (TSP); 1 = one timestep at a time."""
+    """Timesteps a trainer evaluates in one batched forward/backward (TSP), in either mode; 1 = one timestep at a time."""
     pipeline: bool = True
     """Overlap generation and training; false = naive disaggregation (generate the whole batch, then train)."""
     score_overlap: bool = True
@@ -851,13 +851,6 @@ def _check_cross(cfg: DigenConfig) -> None:
             train.num_devices,
             f"it must divide the {prompts * rollout.n} samples of a train step "
             f"(data.train_batch_size {prompts} x rollout.n {rollout.n}), which it shares out",
-        )
-    if cfg.runtime.mode == "disaggregated" and mini != prompts:
-        raise _bad(
-            "train.mini_batch_size",
-            mini,
-            "disaggregated runs step the optimizer once per train step, so leave it null "
-            f"or equal to data.train_batch_size = {prompts}",
         )
     schedule_plan(cfg)  # its C_gen bound must let an update start (digen.sched.plan)
 

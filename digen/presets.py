@@ -22,7 +22,8 @@ def preset(
 ) -> dict[str, Any]:
     """The nested config dict for ``model`` x ``algo`` (tiny flavour unless ``real_weights``).
 
-    ``mode="disaggregated"`` steps the optimizer once per train step (no mini-batches).
+    ``mode`` is only written into ``runtime.mode``: both modes run the same recipe (the
+    same mini-batches and optimizer steps), so a comparison of modes compares speed alone.
     """
     backbone = get_backbone(model)
     algorithm = get_algorithm(algo)
@@ -61,6 +62,4 @@ def preset(
     for section, values in algorithm.preset(backbone, real_weights).items():
         cfg[section] = {**cfg.get(section, {}), **values}
     cfg["runtime"] = {"mode": mode}
-    if mode == "disaggregated":
-        cfg["train"].pop("mini_batch_size", None)
     return cfg

@@ -7,7 +7,9 @@ Each function asks the run's algorithm (:mod:`digen.algos.registry`):
   (all of them, or DanceGRPO's best-of-N);
 - :func:`terms_per_sample` / :func:`step_terms`: how many (sample, timestep) loss terms a step
   has, which scales every backward so the summed gradient is that of the mean loss however
-  the terms are split over calls, workers and micro-batches.
+  the terms are split over calls, workers and micro-batches;
+- :func:`mini_batches`: the prompts of each optimizer step of a train step
+  (``train.mini_batch_size``; one mini-batch, one optimizer step, when it is null).
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from digen.algos.base import StepPlan
 from digen.algos.registry import get_algorithm
 from digen.config import AlgoConfig, DigenConfig
 
-__all__ = ["dropped_groups", "score_groups", "step_plan", "step_terms", "terms_per_sample"]
+__all__ = [
+    "dropped_groups",
+    "mini_batches",
+    "score_groups",
+    "step_plan",
+    "step_terms",
+    "terms_per_sample",
+]
 
 
 def score_groups(
@@ -77,3 +86,16 @@ def step_terms(cfg: DigenConfig, step: int, prompts: int | None = None) -> int:
     groups = cfg.data.train_batch_size if prompts is None else prompts
     kept = cfg.algo.best_of_n or cfg.rollout.n
     return groups * kept * terms_per_sample(cfg, step)
+
+
+def mini_batches(cfg: DigenConfig) -> list[range]:
+    """The prompts of each mini-batch of a train step, in the order they are trained.
+
+    A train step samples ``data.train_batch_size`` prompts with one policy, then takes one
+    optimizer step per mini-batch of ``train.mini_batch_size`` prompts (whole groups), as
+    flow_grpo's inner loop does; every step after the first is off-policy, which the clipped
+    ratio bounds. Null: one mini-batch, one optimizer step.
+    """
+    prompts = cfg.data.train_batch_size
+    size = cfg.train.mini_batch_size or prompts
+    return [range(lo, lo + size) for lo in range(0, prompts, size)]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from digen.algos.rollout import Rollout
-from digen.algos.train_step import score_groups, step_terms
+from digen.algos.train_step import mini_batches, score_groups, step_terms
 from digen.checkpoint import Checkpoint
 from digen.config import DigenConfig
 from digen.prompts import PromptSet
@@ -242,12 +242,10 @@ class ColocatedTrainer:
         stats = LossStats()
         grad_norms = []
         optimizer_s = 0.0
-        mini = cfg.train.mini_batch_size or b
         row_of = {k: i for i, k in enumerate(keys)}
-        for m0 in range(0, b, mini):
-            prompts_m = range(m0, m0 + mini)
+        for m, prompts_m in enumerate(mini_batches(cfg)):
             # the planned count, as the driver scales: a dropped group adds nothing
-            total_terms = step_terms(cfg, step, prompts=mini)
+            total_terms = step_terms(cfg, step, prompts=len(prompts_m))
             chosen = {k for k in every if k.prompt in prompts_m and keep[k.prompt, k.sample]}
             mine_m = [k for k in keys if k in chosen]
             chunks: list[list[SampleKey] | None] = [
@@ -261,9 +259,7 @@ class ColocatedTrainer:
             )
             chunks += [None] * (most - len(chunks))
             for c, rows in enumerate(chunks):
-                if (
-                    m0 == 0 and self._stop_here()
-                ):  # no optimizer step yet: the weights are the step's
+                if m == 0 and self._stop_here():  # no optimizer step yet: the step's weights
                     raise _Stopped
                 if rows is None and not self.sharded:
                     continue
@@ -278,7 +274,7 @@ class ColocatedTrainer:
                 index = c * self.world + self.rank
                 scale = 1.0 / total_terms if rows is not None else 0.0
                 with self._span(TaskKind.UPDATE, step, c), self.grads.micro_batch(index):
-                    got = self.policy.accumulate(item, scale)
+                    got = self.policy.accumulate(item, scale, cfg.runtime.tsp_degree)
                 if rows is not None:
                     stats.add(got)
             t_opt = time.perf_counter()
@@ -288,6 +284,7 @@ class ColocatedTrainer:
                 self.grads.reduce(count, group)
                 grad_norms.append(self.policy.optimizer_step())
             optimizer_s += time.perf_counter() - t_opt
+        self.policy.finish_step()
         t_train = time.perf_counter() - t0 - optimizer_s
         stats = self._reduce_stats(stats)
         usage = None
@@ -300,7 +297,7 @@ class ColocatedTrainer:
             rewards=rewards,
             components={c: float(table[:, 1 + j].mean()) for j, c in enumerate(names)},
             loss=stats,
-            grad_norm=sum(grad_norms) / len(grad_norms),
+            grad_norms=grad_norms,
             version=self.policy.version,
             trained_samples=int(keep.sum()),
             step_time_s=time.perf_counter() - t_start,

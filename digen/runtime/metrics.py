@@ -11,7 +11,9 @@ Columns:
 - ``reward_mean / _std / _min / _max``: over the step's ``B x n`` samples (those of the
   groups kept: ``dropped_groups`` counts groups left out for a non-finite reward);
 - ``loss``, ``kl``, ``clip_fraction``, ``approx_kl``: means over trained (sample, timestep)
-  terms; ``grad_norm`` before clipping; ``policy_version`` after the step;
+  terms; ``grad_norm`` before clipping (the mean over the step's optimizer steps);
+  ``optimizer_steps``: one per mini-batch (``train.mini_batch_size``); ``policy_version``
+  after the step (it counts train steps);
 - ``dropped_microbatches``, ``skipped_steps``: loss chunks left out and optimizer updates
   skipped for a non-finite loss or gradient (``train.on_nonfinite = drop``);
 - ``samples``, ``trained_samples`` (best-of-N trains fewer);
@@ -71,7 +73,7 @@ def step_metrics(
     rewards: torch.Tensor,
     components: Mapping[str, float],
     loss: LossStats,
-    grad_norm: float,
+    grad_norms: Sequence[float],
     version: int,
     trained_samples: int,
     step_time_s: float,
@@ -109,8 +111,9 @@ def step_metrics(
     per_call = {k: over.by_kind.get(k, []) for k in OVERHEAD_KINDS}
     row.update(
         {
-            "grad_norm": float(grad_norm),
-            "skipped_steps": int(not math.isfinite(grad_norm)),
+            "grad_norm": _mean(grad_norms),
+            "optimizer_steps": len(grad_norms),
+            "skipped_steps": sum(not math.isfinite(g) for g in grad_norms),
             "policy_version": version,
             "samples": rewards.numel(),
             "trained_samples": trained_samples,

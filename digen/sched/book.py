@@ -76,6 +76,10 @@ class StepRecord:
     def all_trained(self) -> bool:
         return len(self.trained) + len(self.dropped) == self.size
 
+    def all_trained_in(self, ids: range) -> bool:
+        """Every micro-batch of ``ids`` (one mini-batch's) is trained or has nothing to train."""
+        return all(m in self.trained or m in self.dropped for m in ids)
+
     def stats_in_order(self) -> list[Any]:
         """The trained micro-batches' statistics in micro-batch order (a fixed sum order)."""
         return [self.trained[m] for m in sorted(self.trained)]

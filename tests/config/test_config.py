@@ -279,11 +279,6 @@ BAD = [
     (["runtime.max_staleness=-1"], "runtime.max_staleness", "-1"),
     (["runtime.staleness_ratio=1.5"], "runtime.staleness_ratio", "1.5"),
     (["runtime.rpc_timeout_s=0"], "runtime.rpc_timeout_s", "0.0"),
-    (
-        ["runtime.mode=disaggregated", "data.train_batch_size=2", "train.mini_batch_size=1"],
-        "train.mini_batch_size",
-        "1",
-    ),
     # C_gen below what must be generated before anything trains would deadlock the driver:
     # a GAP group (2 of 2 samples each), or the whole step with a batch-wide std
     (

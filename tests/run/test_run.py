@@ -69,7 +69,8 @@ def test_run_every_model_and_algo(tmp_path: Path, model: str, algo: str) -> None
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 1 and set(rows[0]) >= METRIC_KEYS
     row = rows[0]
-    assert row["step"] == 0 and row["samples"] == 4 and row["policy_version"] == 2
+    assert row["step"] == 0 and row["samples"] == 4 and row["policy_version"] == 1
+    assert row["optimizer_steps"] == 2  # the preset's two mini-batches
     assert row["reward_min"] <= row["reward_mean"] <= row["reward_max"]
     assert row["reward_mean"] == pytest.approx(row["reward/jpeg_incompressibility"], rel=1e-6)
     assert row["reward_mean"] > 0  # a JPEG of a decoded sample has a size

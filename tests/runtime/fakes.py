@@ -137,7 +137,7 @@ class FakeActor:
             w.untrained -= 1
             return TimedResult(LossStats(terms=len(args[3]), loss=1.0), t0, t1)
         if method == "step":
-            self.version += 1
+            self.version += args[1]  # the train step's last optimizer step bumps the version
             return TimedResult((self.version, 0.5), t0, t1)
         raise AssertionError(method)
 

@@ -48,7 +48,7 @@ def _step(acc: CostLedger, s: int, b: int, n: int) -> dict:
         rec,
         texts,
         version=s + 1,
-        grad_norm=0.5,
+        grad_norms=[0.5],
         step_time_s=10.0,
         optimizer_s=1.0,
         sync_s=1.0,

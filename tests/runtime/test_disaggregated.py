@@ -62,6 +62,22 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
             ["runtime.generators=3", "runtime.tag=static", "runtime.tag_k=2"],
             True,
         ),
+        # a published recipe's mini-batches: two optimizer steps in the train step (the
+        # second off-policy), with GAP, TSP (in both modes: the same batched forwards), TAG
+        # and two data-parallel trainers. Each optimizer step sums its own mini-batch's
+        # micro-batches in order, as the colocated trainer does: the same bits.
+        (
+            "flux",
+            "flowgrpo",
+            ["train.mini_batch_size=1", "runtime.tsp_degree=2"],
+            [
+                "runtime.generators=2",
+                "runtime.trainers=2",
+                "runtime.tag=static",
+                "runtime.tag_k=2",
+            ],
+            True,
+        ),
         # two data-parallel trainers, weights by broadcast, whole groups, no pipelining;
         # the colocated reference samples whole groups too (one batch shape, the same bits)
         (
@@ -218,9 +234,11 @@ def test_digen_run_disaggregated_every_model_and_algo(
     assert 0 < row["utilisation"] <= 1 and row["overhead_fraction"] >= 0
     assert row["reward_min"] <= row["reward_mean"] <= row["reward_max"]
     kinds = Counter(e["kind"] for e in read_jsonl(out / "trace.jsonl"))
-    # 2 prompts x 2 samples, one group per micro-batch with one generator: 2 of each
+    # 2 prompts x 2 samples, one group per micro-batch with one generator: 2 of each, and
+    # an optimizer step for each of the preset's two mini-batches
     made = kinds["generate"] + kinds["tag"]  # the first bubble is filled by a TAG probe
-    assert (made, kinds["score"], kinds["update"], kinds["step"]) == (2, 2, 2, 1)
+    assert (made, kinds["score"], kinds["update"], kinds["step"]) == (2, 2, 2, 2)
+    assert row["optimizer_steps"] == 2
     assert kinds["tag"] == row["tag_microbatches"]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (out / "timeline.png").is_file() and (out / "samples" / "step_0000.png").is_file()

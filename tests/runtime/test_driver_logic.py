@@ -147,3 +147,66 @@ async def test_a_failure_behind_which_a_worker_was_lost_names_the_lost_worker() 
         await driver.run(3)
     assert str(info.value) == "worker 'generator-1' (pid 4242) was killed by signal SIGKILL."
     assert isinstance(info.value.__cause__, InjectedFailure)
+
+
+MINI = [
+    "steps=3",
+    "data.train_batch_size=4",
+    "train.mini_batch_size=2",
+    "runtime.generators=2",
+    "runtime.trainers=2",
+    "runtime.tag=static",
+    "runtime.tag_k=2",
+]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("stale", [[], ["runtime.max_staleness=1", "runtime.staleness_ratio=0.5"]])
+@pytest.mark.asyncio
+async def test_mini_batches_train_in_turn_with_an_optimizer_step_after_each(seed, stale) -> None:
+    """Two mini-batches a step: every trainer updates mini-batch 0's micro-batches, steps on
+    exactly them, then mini-batch 1's; the version moves once per train step; a trainer
+    generates (TAG) only while it holds the step's own weights."""
+    cfg, driver, world = _driver([*MINI, *stale], seed)
+    results = await driver.run(3)
+    assert [r.metrics["policy_version"] for r in results] == [1, 2, 3]
+    assert [r.metrics["optimizer_steps"] for r in results] == [2, 2, 2]
+    mbs = schedule_plan(cfg).microbatches_of(0)
+    mini_of = {m.mb: m.prompt // 2 for m in mbs}
+    assert driver.mini_ids == [range(0, 4), range(4, 8)]  # 2 prompts x 2 micro-batches each
+    assert sorted(set(mini_of.values())) == [0, 1]
+    for trainer in ("trainer-0", "trainer-1"):
+        ministeps, steps, updates = 0, 0, 0
+        for _, method, *args in (e for e in world.log if e[0] == trainer):
+            if method == "update":
+                assert mini_of[args[1]] == ministeps, (trainer, args)
+                updates += 1
+            elif method == "step":
+                ids, last = args
+                assert ids == driver.mini_ids[ministeps] and last == (ministeps == 1)
+                ministeps, steps = (0, steps + 1) if last else (ministeps + 1, steps)
+            elif method == "generate":  # TAG
+                assert ministeps == 0, (trainer, args)
+        assert steps == 3 and ministeps == 0
+        assert updates > 0
+    trained = Counter((e[2], e[3]) for e in world.log if e[1] == "update")
+    assert set(trained.values()) == {1} and len(trained) == 3 * len(mbs)
+
+
+@pytest.mark.asyncio
+async def test_a_stop_after_a_steps_first_optimizer_step_waits_for_the_steps_end() -> None:
+    """Mid-step weights belong to no version: a stop asked for between a step's two optimizer
+    steps lets the step finish, so the run ends on a whole step."""
+    _, driver, world = _driver(MINI)
+
+    async def stop_mid_step() -> None:
+        while not any(e[1] == "step" for e in world.log):
+            await asyncio.sleep(0)
+        driver.request_stop()
+
+    stopper = asyncio.create_task(stop_mid_step())
+    results = await driver.run(3)
+    await stopper
+    assert [r.metrics["policy_version"] for r in results] == [1]
+    steps = [e for e in world.log if e[1] == "step"]
+    assert [e[3] for e in steps] == [False, False, True, True]  # two trainers, two mini-batches

@@ -21,6 +21,7 @@ NUMBERS += ("clip_fraction", "approx_kl", "grad_norm", "reward/jpeg_incompressib
 
 def _run(out: Path, extra: list[str]):
     over = ["steps=3", "runtime.generators=2", "rollout.n=4", "rollout.num_inference_steps=4"]
+    over.append("train.micro_batch_size=4")  # the preset's two mini-batches of one group each
     over.append("save_every=0")  # a checkpoint call carries the run's path, of any length
     cfg = tiny_config("flux", "flowgrpo", over + extra, mode="disaggregated")
     result = run_config(cfg, out, save_weights=False)

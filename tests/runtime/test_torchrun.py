@@ -93,7 +93,7 @@ def test_torchrun_launch_runs_a_disaggregated_step(tmp_path: Path) -> None:
     assert done[("tag", "trainer-0")] == 1
     assert done[("score", "scorer-0")] == 2  # on the scoring lane beside generator-0
     assert done[("update", "trainer-0")] == 2
-    assert done[("step", "trainer-0")] == 1
+    assert done[("step", "trainer-0")] == 2  # one per mini-batch (the preset's two)
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 

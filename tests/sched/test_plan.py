@@ -70,6 +70,7 @@ def test_config_hands_its_settings_to_the_plan() -> None:
             "runtime.tag_k=3",
             "data.train_batch_size=2",
             "rollout.n=4",
+            "train.micro_batch_size=4",
             "steps=7",
         ],
     )

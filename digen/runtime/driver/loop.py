@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from digen.algos.train_step import score_groups, step_terms
+from digen.algos.train_step import mini_batches, score_groups, step_terms
 from digen.checkpoint import PROFILER, Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
@@ -121,12 +121,24 @@ class Driver:
             # BTS starts from the cost estimates the run had, not from nothing
             self.accounts.profiler = OnlineProfiler.load(resume.path / PROFILER)
         self.tag_policy = make_tag_policy(self.plan.tag, self.plan.tag_k)
-        self.uq: dict[int, asyncio.Queue[UpdateTask | None]] = {}
-        """Per train step: scored micro-batches ready to train (None: the step is trained)."""
+        minis = mini_batches(cfg)
+        self.mini_size = len(minis[0])
+        """Prompts per mini-batch: one optimizer step each (``train.mini_batch_size``)."""
+        self.mini_ids = [_ids_of(self.plan.microbatches_of(0), prompts) for prompts in minis]
+        """Per mini-batch, the ids of its micro-batches (the same in every step)."""
+        self.uq: dict[tuple[int, int], asyncio.Queue[UpdateTask | None]] = {}
+        """Per (train step, mini-batch): scored micro-batches ready to train (None: that
+        mini-batch is trained)."""
         self.changed = asyncio.Condition()
         """Wakes generators waiting to be admitted: a version, SQ, a trained micro-batch."""
-        self._trained: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
-        self._stepped: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
+        self._trained: dict[tuple[int, int], asyncio.Event] = defaultdict(asyncio.Event)
+        self._stepped: dict[tuple[int, int], asyncio.Event] = defaultdict(asyncio.Event)
+        self._ministeps = 0
+        """Optimizer steps started in the train step being trained, not counting its last:
+        after the first, the trainers' weights are no longer the version generators hold
+        (no TAG, and a stop waits for the step's end)."""
+        self._stop_after_step = False
+        """A stop asked for after the step's first optimizer step: it waits for the step's end."""
         self._held_back: dict[int, list[UpdateTask]] = defaultdict(list)
         self._quota_waiter: tuple[int, asyncio.Future[None]] | None = None
         self._samples_at: Callable[[int], bool] = lambda step: False
@@ -194,6 +206,9 @@ class Driver:
             self._loop.call_soon_threadsafe(self._begin_stop)
 
     def _begin_stop(self) -> None:
+        if self._ministeps and not self._stopping:
+            self._stop_after_step = True  # mid-step weights must not be what a checkpoint holds
+            return
         self._stopping = True
         if self._inflight == 0:
             self._quiet.set()
@@ -240,9 +255,16 @@ class Driver:
                 loops.append(tg.create_task(self._watch_workers(), name="loop-watch"))
                 for s in steps:
                     since = self.clock(), self.cluster.payload  # the previous step's end
-                    if not await self._trained_or_stopped(s):
-                        break  # stopped at a micro-batch boundary inside step s
-                    results.append(await self._finish_step(s, since))
+                    stepped = []  # (version, grad norm, seconds) per mini-batch
+                    for m in range(len(self.mini_ids)):
+                        if not await self._trained_or_stopped(s, m):
+                            break  # stopped at a micro-batch boundary inside step s
+                        stepped.append(await self._optimizer_step(s, m))
+                    if len(stepped) < len(self.mini_ids):
+                        break
+                    results.append(await self._finish_step(s, since, stepped))
+                    if self._stop_after_step:
+                        self._begin_stop()
                     if on_step is not None:
                         go = on_step(results[-1])
                         if inspect.isawaitable(go):
@@ -295,55 +317,76 @@ class Driver:
             await self._score(i, RolloutRef(*took))
 
     async def _trainer_loop(self, j: int, steps: range) -> None:
-        """Update what UQ holds; at a bubble, maybe generate (TAG); then the step's end."""
+        """Update what UQ holds, mini-batch by mini-batch; at a bubble, maybe generate (TAG);
+        after each mini-batch, its optimizer step."""
         for s in steps:
-            uq = self._uq(s)
-            while True:
-                if uq.empty() and (mb := self._bubble(j, s)) is not None:
-                    await self._generate(self.trainers[j], mb, TaskKind.TAG)  # onto SQ
-                    await self._notify()  # a generator scores it
-                    continue
-                task = await uq.get()
-                if task is None:  # every micro-batch of step s is trained
-                    break
-                await self._update(j, task)
-            await self._stepped[s].wait()
+            for m in range(len(self.mini_ids)):
+                uq = self._uq(s, m)
+                while True:
+                    if uq.empty() and (mb := self._bubble(j, s)) is not None:
+                        await self._generate(self.trainers[j], mb, TaskKind.TAG)  # onto SQ
+                        await self._notify()  # a generator scores it
+                        continue
+                    task = await uq.get()
+                    if task is None:  # every micro-batch of mini-batch m is trained
+                        break
+                    await self._update(j, task)
+                await self._stepped[s, m].wait()
 
-    async def _trained_or_stopped(self, s: int) -> bool:
-        """Wait until step ``s`` is trained (True) or a stop has every worker idle (False)."""
-        trained = asyncio.ensure_future(self._trained[s].wait())
+    async def _trained_or_stopped(self, s: int, m: int) -> bool:
+        """Wait until mini-batch ``m`` of step ``s`` is trained (True) or a stop has every
+        worker idle (False)."""
+        trained = asyncio.ensure_future(self._trained[s, m].wait())
         quiet = asyncio.ensure_future(self._quiet.wait())
         try:
             await asyncio.wait({trained, quiet}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             trained.cancel()
             quiet.cancel()
-        return self._trained[s].is_set()
+        return self._trained[s, m].is_set()
 
-    async def _finish_step(self, s: int, since: tuple[float, Any]) -> StepResult:
-        """Once step ``s`` is trained: the optimizer step, then the new weights out.
+    async def _optimizer_step(self, s: int, m: int) -> tuple[int, float, float]:
+        """Mini-batch ``m`` of step ``s`` is trained: every trainer steps on its gradients.
+        Returns ``(version, grad norm, seconds)``; the version moves at the step's last."""
+        t0, last = self.clock(), m == len(self.mini_ids) - 1
+        ids = self.mini_ids[m]
+        if not last:
+            self._ministeps += 1  # from its start: a stop now must wait for the step's end
+        stepped = await asyncio.gather(
+            *(
+                self._call(t, TaskKind.STEP, s, -1, s, t.call("step", ids, last))
+                for t in self.trainers
+            )
+        )
+        if not last:
+            self._stepped[s, m].set()  # the trainers go on to the next mini-batch
+        version, grad_norm = stepped[0]
+        return version, grad_norm, self.clock() - t0
+
+    async def _finish_step(
+        self, s: int, since: tuple[float, Any], stepped: list[tuple[int, float, float]]
+    ) -> StepResult:
+        """Once step ``s`` has taken its optimizer steps (``stepped``): the new weights out.
         ``since``: the clock and the driver's payload count when the previous step ended."""
         t_start, mark = since
-        t0 = self.clock()
-        size = self.book.record(s).size
-        stepped = await asyncio.gather(
-            *(self._call(t, TaskKind.STEP, s, -1, s, t.call("step", size)) for t in self.trainers)
-        )
-        version, grad_norm = stepped[0]
+        version = stepped[-1][0]
         rec = self.book.advance(version)
-        self._stepped[s].set()
-        for book_keeping in (self.uq, self._trained):  # every trainer loop is past step s - 1
-            book_keeping.pop(s - 1, None)
-        self._stepped.pop(s - 2, None)
+        self._ministeps = 0
+        self._stepped[s, len(self.mini_ids) - 1].set()
+        for key in [k for k in (*self.uq, *self._trained) if k[0] < s]:
+            self.uq.pop(key, None)  # every trainer loop is past step s - 1
+            self._trained.pop(key, None)
+        for key in [k for k in self._stepped if k[0] < s - 1]:
+            self._stepped.pop(key)
         t1 = self.clock()
         await self._sync(version)
         return self.accounts.step_result(
             rec,
             self.prompts(s)[0],
             version=version,
-            grad_norm=grad_norm,
+            grad_norms=[norm for _, norm, _ in stepped],
             step_time_s=self.clock() - t_start,  # since the previous step ended
-            optimizer_s=t1 - t0,
+            optimizer_s=sum(seconds for _, _, seconds in stepped),
             sync_s=self.clock() - t1,
             driver_mb=(self.cluster.payload - mark).megabytes,
         )
@@ -400,15 +443,17 @@ class Driver:
                 self._held_back[s].append(UpdateTask(RolloutRef(mb, holder, version), rows, advs))
         if not self.plan.whole_step or rec.all_scored:  # e.g. naive: train once all is scored
             for task in self._held_back.pop(s, []):
-                self.book.queued(s, task.rollout.mb.mb)
-                self._uq(s).put_nowait(task)
+                mb = task.rollout.mb
+                self.book.queued(s, mb.mb)
+                self._uq(s, mb.prompt // self.mini_size).put_nowait(task)
         await self._notify()
         self._maybe_trained(s)
 
     async def _update(self, j: int, task: UpdateTask) -> None:
         t, mb, s = self.trainers[j], task.rollout.mb, task.rollout.mb.step
         keys = [SampleKey(s, mb.prompt, mb.samples[r]) for r in task.rows]
-        text, scale = self.prompts(s)[0][mb.prompt], 1.0 / step_terms(self.cfg, s)
+        text = self.prompts(s)[0][mb.prompt]
+        scale = 1.0 / step_terms(self.cfg, s, prompts=self.mini_size)  # its optimizer step's
         args = (s, mb.mb, task.rollout.holder, keys, list(task.rows), text, list(task.advantages))
         stats = await self._call(t, TaskKind.UPDATE, s, mb.mb, s, t.call("update", *args, scale))
         self.book.trained(s, mb.mb, stats)
@@ -416,11 +461,14 @@ class Driver:
         self._maybe_trained(s)
 
     def _maybe_trained(self, s: int) -> None:
-        """When step ``s`` is fully trained: release its trainers from UQ, wake the step."""
-        if self.book.record(s).all_trained and not self._trained[s].is_set():
-            for _ in self.trainers:
-                self._uq(s).put_nowait(None)
-            self._trained[s].set()
+        """When a mini-batch of step ``s`` is fully trained: release its trainers from its
+        UQ, wake its optimizer step."""
+        rec = self.book.record(s)
+        for m, ids in enumerate(self.mini_ids):
+            if not self._trained[s, m].is_set() and rec.all_trained_in(ids):
+                for _ in self.trainers:
+                    self._uq(s, m).put_nowait(None)
+                self._trained[s, m].set()
 
     async def _sync(self, version: int) -> None:
         """Version ``version`` to every generator, queued behind what each is generating."""
@@ -474,6 +522,9 @@ class Driver:
         """Trainer ``j`` found UQ empty: generate the next micro-batch now (TAG), or wait."""
         if self.version != s or self.book.record(s).all_trained or self._stopping:
             return None  # the step is over (its weights are about to change), or the run
+        if self._ministeps:  # mid-step weights: what they made would belong to no version
+            self.book.idle(j)
+            return None
         if self.book.next_for(self.version) is None:
             self.book.idle(j)
             return None
@@ -534,10 +585,18 @@ class Driver:
         async with self.changed:
             self.changed.notify_all()
 
-    def _uq(self, step: int) -> asyncio.Queue[UpdateTask | None]:
-        if step not in self.uq:
-            self.uq[step] = asyncio.Queue(self.book.record(step).size + len(self.trainers))
-        return self.uq[step]
+    def _uq(self, step: int, m: int) -> asyncio.Queue[UpdateTask | None]:
+        if (step, m) not in self.uq:
+            self.uq[step, m] = asyncio.Queue(len(self.mini_ids[m]) + len(self.trainers))
+        return self.uq[step, m]
+
+
+def _ids_of(mbs: Sequence[MicroBatch], prompts: range) -> range:
+    """The ids of the micro-batches of ``prompts`` (consecutive: they go out prompt by prompt)."""
+    ids = [m.mb for m in mbs if m.prompt in prompts]
+    if ids != list(range(ids[0], ids[-1] + 1)):
+        raise AssertionError(f"the micro-batches of prompts {prompts} are not consecutive: {ids}")
+    return range(ids[0], ids[-1] + 1)
 
 
 def _main_error(group: BaseExceptionGroup) -> BaseException:

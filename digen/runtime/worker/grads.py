@@ -83,12 +83,15 @@ class GradAccumulator:
         for p in self.params:
             p.grad = None
 
-    def reduce(self, microbatches: int, group: Any = None) -> None:
-        """Set every parameter's ``.grad`` to the step's summed gradient.
+    def reduce(self, microbatches: int | range, group: Any = None) -> None:
+        """Set every parameter's ``.grad`` to the summed gradient of an optimizer step.
 
-        ``microbatches``: how many the step has (ids ``0 .. microbatches-1``, the same
-        number on every trainer); ``group``: the trainers' process group, or None alone.
+        ``microbatches``: the step's micro-batch ids (a count: ``0 .. microbatches-1``; a
+        range: one mini-batch's), the same on every trainer; ``group``: the trainers'
+        process group, or None alone.
         """
+        if isinstance(microbatches, int):
+            microbatches = range(microbatches)
         if self.ordered:
             total = self._ordered_sum(microbatches, group)
             self._slots.clear()
@@ -99,10 +102,14 @@ class GradAccumulator:
             return  # one worker, in place: .grad already holds the sum
         self._unflatten(total)
 
-    def _ordered_sum(self, microbatches: int, group: Any) -> torch.Tensor:
+    def _ordered_sum(self, microbatches: range, group: Any) -> torch.Tensor:
         mine = self._slots
-        if max(mine, default=-1) >= microbatches:
-            raise ValueError(f"micro-batch {max(mine)} is outside the step's {microbatches}")
+        outside = sorted(set(mine) - set(microbatches))
+        if outside:
+            raise ValueError(
+                f"micro-batch {outside[0]} is outside this optimizer step's "
+                f"{microbatches.start}..{microbatches.stop - 1}"
+            )
         device = self.params[0].device if self.params else torch.device("cpu")
         total = torch.zeros(self.numel, dtype=torch.float32, device=device)
         if group is None:  # rows this worker lacks are zero: skipping them adds nothing
@@ -110,8 +117,8 @@ class GradAccumulator:
                 total += mine[i]
             return total
         rows = max(1, CHUNK_BYTES // max(4 * self.numel, 1))
-        for lo in range(0, microbatches, rows):
-            ids = range(lo, min(lo + rows, microbatches))
+        for lo in range(microbatches.start, microbatches.stop, rows):
+            ids = range(lo, min(lo + rows, microbatches.stop))
             buf = torch.zeros(len(ids), self.numel, dtype=torch.float32, device=device)
             for r, i in enumerate(ids):
                 if i in mine:

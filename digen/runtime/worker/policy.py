@@ -394,7 +394,10 @@ class Policy:
                 )
 
     def optimizer_step(self) -> float:
-        """Clip, step, zero the gradients; bump the policy version. Returns the grad norm."""
+        """Clip, step, zero the gradients. Returns the grad norm.
+
+        The policy version counts train steps, not optimizer steps: a train step of several
+        mini-batches bumps it once, after its last (:meth:`finish_step`)."""
         assert self.optimizer is not None
         for p in self.params:
             if p.grad is None:
@@ -409,13 +412,18 @@ class Policy:
             self.optimizer.step()
         elif self.cfg.train.on_nonfinite == "fail":
             raise NonFiniteError(
-                f"the gradient of the update to version {self.version + 1} is {float(norm)}; "
+                f"the gradient of an update of version {self.version} is {float(norm)}; "
                 "lower train.lr, or set train.on_nonfinite=drop to skip such updates."
             )
         # else: the update is skipped (the weights stay; grad_norm reports the NaN)
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
         return float(norm)
+
+    def finish_step(self) -> int:
+        """The train step's last optimizer step is taken: bump the policy version (the
+        weights generators sample the next step with); returns it."""
+        self.version += 1
+        return self.version
 
     def save_weights(
         self, out_dir: str | os.PathLike, state: dict[str, torch.Tensor] | None = None

@@ -1,6 +1,7 @@
 """The trainer actor: accumulates gradients over update micro-batches and steps once per
-train step, data-parallel or sharded (FSDP / HSDP) with the other trainers; trainer 0 serves
-the new weights.
+mini-batch (once per train step without mini-batches), data-parallel or sharded (FSDP /
+HSDP) with the other trainers; after a train step's last optimizer step trainer 0 serves the
+new weights.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = ["TrainerActor"]
 
 
 class TrainerActor(PolicyActor):
-    """Accumulates gradients over update micro-batches; steps once per train step."""
+    """Accumulates gradients over update micro-batches; steps once per mini-batch."""
 
     def __init__(
         self,
@@ -198,16 +199,20 @@ class TrainerActor(PolicyActor):
         state = self._full if self.sharded else None
         return str(self.policy.save_weights(out_dir, state))
 
-    def step(self, microbatches: int) -> TimedResult:
-        """Sum the step's gradients over the trainers, clip, step. Returns ``(version, grad
-        norm)``; trainer 0 then serves the new weights."""
+    def step(self, microbatches: range, last: bool = True) -> TimedResult:
+        """Sum the gradients of ``microbatches`` (the train step's, or one mini-batch's)
+        over the trainers, clip, step. ``last``: the train step's last optimizer step, which
+        bumps the version. Returns ``(version, grad norm)``; after the last, trainer 0 serves
+        the new weights."""
         self.jitter()
         t0 = time.time()
         self.policy.set_step_lr(self.policy.version)  # version == the train step here
         self.grads.reduce(microbatches, self.dp_group)
         norm = self.policy.optimizer_step()
-        if self.sharded:
-            self._gather_full()
+        if last:
+            self.policy.finish_step()
+            if self.sharded:
+                self._gather_full()
         return self.timed((self.policy.version, norm), t0)
 
 
