@@ -260,6 +260,10 @@ def run(
         "weights": str(result.weights) if result.weights else None,
         "checkpoint": str(result.checkpoint) if result.checkpoint else None,
     }
+    if result.evals:  # held-out accuracy where the prompts have one, else the reward
+        key = "accuracy" if "eval/accuracy" in result.evals[0] else "reward_mean"
+        summary[f"eval_{key}_first"] = result.evals[0][f"eval/{key}"]
+        summary[f"eval_{key}_last"] = result.evals[-1][f"eval/{key}"]
     click.echo(json.dumps(summary) if quiet else _pretty(summary))
     if result.interrupted:
         click.echo(f"stopped early; continue with: digen run --resume {out_dir}", err=True)
@@ -408,10 +412,9 @@ def _run_torchrun(cfg, out_dir, quiet, sample_every):
 def _run_async(coro):
     try:
         import uvloop
-
-        return uvloop.run(coro)
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux / macOS
         return asyncio.run(coro)
+    return uvloop.run(coro)  # an ImportError raised by the run itself is the run's error
 
 
 def _pretty(summary: dict[str, Any]) -> str:

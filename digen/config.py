@@ -34,6 +34,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DigenConfig",
+    "EvalConfig",
     "ModelConfig",
     "RewardSpec",
     "RolloutConfig",
@@ -509,6 +510,25 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    every: int = 0
+    """Evaluate every this many train steps, and before the first and after the last; 0: never."""
+    prompts: str | None = None
+    """The evaluation's prompts (a file or a shipped set, as data.prompts); None: the held-out set of the training prompts when they have one (shapes: shapes-heldout), else the training prompts."""
+    samples: int = 1
+    """Images per prompt, each from its own fixed noise (the same at every evaluation)."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "eval")
+
+    def _check_values(self, p: str) -> None:
+        _at_least(p, "every", self.every, 0)
+        if self.prompts is not None and not self.prompts:
+            raise _bad(_key(p, "prompts"), self.prompts, "give a prompt file path or null")
+        _at_least(p, "samples", self.samples, 1)
+
+
+@dataclass(kw_only=True, slots=True)
 class RewardSpec:
     name: str = "jpeg_incompressibility"
     """A built-in reward (jpeg_compressibility, jpeg_incompressibility), `module:function`, or `path.py:function`."""
@@ -675,6 +695,7 @@ _SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "data": DataConfig,
     "runtime": RuntimeConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -686,6 +707,7 @@ class DigenConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     seed: int = 0
     """Run seed: prompt order, initial noise, SDE noise and window choices all derive from it."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from digen.errors import DigenError
 
-__all__ = ["BUILTIN_SETS", "PromptSet"]
+__all__ = ["BUILTIN_SETS", "HELD_OUT_SETS", "PromptSet"]
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 """Characters no prompt holds (tab is allowed)."""
@@ -30,6 +30,10 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 BUILTIN_SETS = {"default": "prompts.txt", "ocr": "ocr_prompts.txt"}
 """Prompt sets shipped with digen, by the name ``data.prompts`` / ``--prompts`` accepts."""
+
+HELD_OUT_SETS: dict[str, str] = {}
+"""A shipped training set -> its held-out set, the prompts an evaluation uses by default
+(``eval.prompts``): compositions that no training prompt has."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,14 @@ class PromptSet:
         file = BUILTIN_SETS[name]
         text = resources.files("digen.data").joinpath(file).read_text(encoding="utf-8")
         return cls._from_lines(text.splitlines(), f"the built-in prompt set {name!r}")
+
+    @classmethod
+    def for_eval(cls, prompts: str | None, training: str | None) -> PromptSet:
+        """An evaluation's prompts: ``prompts`` (``eval.prompts``), else the held-out set of
+        the shipped ``training`` set (``data.prompts``) when it has one, else ``training``."""
+        if prompts is None:
+            prompts = HELD_OUT_SETS.get(training or "default", training)
+        return cls.load(prompts)
 
     @classmethod
     def load(cls, path: str | Path | None) -> PromptSet:

@@ -11,7 +11,13 @@ import hashlib
 
 import torch
 
-__all__ = ["derive_seed", "group_generator", "sample_generator", "step_generator"]
+__all__ = [
+    "derive_seed",
+    "eval_generator",
+    "group_generator",
+    "sample_generator",
+    "step_generator",
+]
 
 _MASK = (1 << 63) - 1
 
@@ -27,6 +33,12 @@ def sample_generator(seed: int, step: int, prompt_index: int, sample_index: int)
     return torch.Generator("cpu").manual_seed(
         derive_seed("sample", seed, step, prompt_index, sample_index)
     )
+
+
+def eval_generator(seed: int, prompt_index: int, sample_index: int) -> torch.Generator:
+    """The CPU generator of one evaluation image: its initial latent, the same at every
+    evaluation of a run (a separate stream: evaluating never moves a training sample's)."""
+    return torch.Generator("cpu").manual_seed(derive_seed("eval", seed, prompt_index, sample_index))
 
 
 def group_generator(seed: int, step: int, prompt_index: int) -> torch.Generator:

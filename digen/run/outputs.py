@@ -142,8 +142,25 @@ class RunOutputs:
             fh.write(json.dumps(row, sort_keys=False) + "\n")
             fh.flush()
 
+    @property
+    def eval_path(self) -> Path:
+        """One row per evaluation (``eval.every``), the first before training."""
+        return self.dir / "eval.jsonl"
+
+    def append_eval(self, row: dict[str, Any]) -> None:
+        with self.eval_path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row, sort_keys=False) + "\n")
+            fh.flush()
+
     def save_samples(self, step: int, pixels: torch.Tensor, captions: Sequence[str]) -> Path:
-        path = self.dir / "samples" / f"step_{step:04d}.png"
+        return self._save_grid(f"step_{step:04d}.png", pixels, captions)
+
+    def save_eval_grid(self, version: int, pixels: torch.Tensor, captions: Sequence[str]) -> Path:
+        """The evaluation images of policy version ``version``: ``samples/eval_v0003.png``."""
+        return self._save_grid(f"eval_v{version:04d}.png", pixels, captions)
+
+    def _save_grid(self, name: str, pixels: torch.Tensor, captions: Sequence[str]) -> Path:
+        path = self.dir / "samples" / name
         tmp = path.with_suffix(".tmp.png")
         sample_grid(pixels, captions).save(tmp)
         os.replace(tmp, path)

@@ -42,6 +42,7 @@ from digen.prompts import PromptSet
 from digen.rewards.scoring import CompositeReward, build_reward
 from digen.run.outputs import RunOutputs
 from digen.run.trackers import Trackers, require
+from digen.runtime.metrics import eval_metrics
 from digen.runtime.notes import NotesToRunLog
 from digen.sched.trace import Trace
 
@@ -74,6 +75,9 @@ class RunResult:
     """``SIGINT`` or ``SIGTERM`` when a signal stopped the run early."""
     checkpoint: Path | None = None
     """The newest checkpoint written (``--resume`` continues from it)."""
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """One row per evaluation (``eval.every``; the rows of ``eval.jsonl``), the first of the
+    weights the run started from."""
 
 
 class DigenRunner:
@@ -126,6 +130,10 @@ class DigenRunner:
         self.prompts = PromptSet.load(self.cfg.data.prompts)
         if self.prompts.skipped:
             print(f"note: {self.prompts.skip_note}", file=sys.stderr)
+        self.eval_prompts: PromptSet | None = None
+        """The evaluation's prompts (``eval.every > 0``), loaded before anything starts."""
+        if self.cfg.eval.every:
+            self.eval_prompts = PromptSet.for_eval(self.cfg.eval.prompts, self.cfg.data.prompts)
         self._temporary = not out_dir
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
         self.progress = progress
@@ -214,6 +222,7 @@ class DigenRunner:
         # events go to trace.jsonl as they finish; memory holds only the steps under way
         trace = Trace(path=outputs.trace_path) if outputs else Trace()
         metrics: list[dict[str, Any]] = []
+        evals: list[dict[str, Any]] = []
         interrupted = False
         weights = None
         ckpt = self._checkpoint
@@ -254,7 +263,39 @@ class DigenRunner:
                     )
                     log.info("checkpoint", path=str(saved), step=done)
 
+                async def evaluate() -> dict[str, Any]:
+                    """Evaluate the current weights; the row of ``eval/...`` columns (the
+                    lead's: other data-parallel workers take part and get none)."""
+                    assert self.eval_prompts is not None
+                    ep, t = self.eval_prompts, time.perf_counter()
+                    version, batches = await backend.evaluate(
+                        ep.prompts, ep.metadata, cfg.eval.samples
+                    )
+                    if not batches:
+                        return {}
+                    row = eval_metrics(batches, version, time.perf_counter() - t)
+                    evals.append(row)
+                    trackers.log_step(version, row)
+                    log.info("eval", **row)
+                    if outputs:
+                        outputs.append_eval(row)
+                        thumbs = torch.cat([b.thumbnails for b in batches])
+                        n = cfg.eval.samples
+                        captions = [ep.prompts[i // n] for i in range(len(thumbs))]
+                        grid = outputs.save_eval_grid(version, thumbs, captions)
+                        trackers.log_image("eval_grid", grid, version, captions)
+                    return row
+
+                def eval_due(done: int) -> bool:
+                    every = cfg.eval.every
+                    return bool(every) and (done % every == 0 or done == cfg.steps)
+
+                if cfg.eval.every:
+                    await evaluate()  # the weights the run starts from
+
                 async def on_step(res: StepResult) -> bool:
+                    if eval_due(res.metrics["step"] + 1):  # the weights the step ended with
+                        res.metrics.update(await evaluate())
                     metrics.append(res.metrics)
                     if outputs:
                         outputs.append_metrics(res.metrics)
@@ -262,7 +303,10 @@ class DigenRunner:
                             step = res.metrics["step"]
                             grid = outputs.save_samples(step, res.pixels, res.captions)
                             trackers.log_image("sample_grid", grid, step, res.captions)
-                    trackers.log_step(res.metrics["step"], res.metrics)
+                    trackers.log_step(  # evaluations were logged at their own version
+                        res.metrics["step"],
+                        {k: v for k, v in res.metrics.items() if not k.startswith("eval/")},
+                    )
                     log.info("step", **res.metrics)
                     bar.update(1)
                     bar.set_postfix(
@@ -318,6 +362,7 @@ class DigenRunner:
             first_step=start,
             stop_signal=self._stop if self._stop in ("SIGINT", "SIGTERM") else None,
             checkpoint=saved,
+            evals=evals,
         )
 
     async def _write_workers(self, backend: Any) -> None:

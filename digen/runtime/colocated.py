@@ -23,7 +23,7 @@ import dataclasses
 import inspect
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +37,13 @@ from digen.config import DigenConfig
 from digen.prompts import PromptSet
 from digen.rewards.loop import scoring_on
 from digen.rewards.scoring import CompositeReward
-from digen.runtime.messages import LossStats, SampleKey, StepResult, TrainItem
+from digen.runtime.messages import EvalScores, LossStats, SampleKey, StepResult, TrainItem
 from digen.runtime.metrics import step_metrics
 from digen.runtime.placement import is_cuda, peak_memory_gb
 from digen.runtime.worker.fsdp import full_tensors, lockstep_chunks, make_mesh
 from digen.runtime.worker.grads import GradAccumulator
 from digen.runtime.worker.policy import Generated, Policy
+from digen.runtime.worker.scorer import eval_scores
 from digen.sched.names import TaskKind
 from digen.sched.trace import Trace
 
@@ -139,6 +140,27 @@ class ColocatedTrainer:
         if self._full is not None:
             return dict(self._full)
         return self.policy.trainable_state()
+
+    async def evaluate(
+        self, prompts: Sequence[str], metadata: Sequence[dict], samples: int
+    ) -> tuple[int, list[EvalScores]]:
+        """Evaluate the current weights on ``prompts`` (``samples`` images each, key order
+        ``(prompt, sample)``), a micro-batch at a time. Returns the version evaluated and
+        the batches' scores (worker 0's; other data-parallel workers return none, sharded
+        ones make the images with it). Training is the same with or without it."""
+        if self.world > 1 and not self.sharded and self.rank != 0:
+            return self.policy.version, []
+        keys = [(p, j) for p in range(len(prompts)) for j in range(samples)]
+        size = self.cfg.train.micro_batch_size
+        out = []
+        for i in range(0, len(keys), size):
+            batch = keys[i : i + size]
+            texts = [prompts[p] for p, _ in batch]
+            pixels = self.policy.evaluate(batch, texts)
+            if self.rank == 0:
+                rewards = await self.reward(pixels, texts, [metadata[p] for p, _ in batch])
+                out.append(eval_scores(rewards, pixels, texts))
+        return self.policy.version, out
 
     # --- the run ------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "THUMBNAIL_SIDE",
+    "EvalScores",
     "LossStats",
     "SampleKey",
     "Scores",
@@ -121,6 +122,21 @@ class Scores:
     """Seconds each reward's call took."""
     thumbnails: torch.Tensor | None = None
     """Small copies of the samples for the run's sample grid, when asked for."""
+
+
+@dataclass(slots=True)
+class EvalScores:
+    """Evaluation images of one batch, scored (plain floats, and thumbnails for the grid)."""
+
+    total: list[float]
+    components: dict[str, list[float]]
+    """Each configured reward's raw scores."""
+    strict: list[float] | None
+    """GenEval's rule, 1.0 when every requirement of the caption holds, else 0.0, where the
+    prompts are captions of the shapes world (:mod:`digen.shapes`); else None."""
+    categories: list[str] | None
+    """Each prompt's GenEval category, beside ``strict``."""
+    thumbnails: torch.Tensor
 
 
 THUMBNAIL_SIDE = 64

@@ -28,6 +28,13 @@ Columns:
 - ``memory/peak_gb/generator`` and ``/trainer``: the largest peak memory a worker of the pool
   reported (GPU: ``max_memory_allocated``; CPU: peak resident size); colocated workers do
   both jobs and report the same number twice.
+
+An evaluation (``eval.every``) of the weights a step ends with adds to that step's row
+(:func:`eval_metrics`): ``eval/reward_mean`` and ``eval/reward/<name>`` over the evaluation's
+images, and, where the prompts are captions of the shapes world, GenEval's
+``eval/accuracy/<category>`` (the fraction of images that meet every requirement of their
+caption) and ``eval/accuracy`` (the mean over the categories, GenEval's overall score);
+``eval/policy_version``, ``eval/samples`` and ``eval/time_s`` (not part of ``step_time_s``).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from typing import Any
 
 import torch
 
-from digen.runtime.messages import LossStats
+from digen.runtime.messages import EvalScores, LossStats
 from digen.sched.names import Pool, TaskKind
 from digen.sched.trace import StepUsage
 
@@ -139,6 +146,31 @@ def step_metrics(
 
 def _busy_name(kind: str) -> str:
     return "train" if kind == TaskKind.UPDATE else str(kind)
+
+
+def eval_metrics(batches: Sequence[EvalScores], version: int, seconds: float) -> dict[str, Any]:
+    """The ``eval/...`` columns of one evaluation (module docstring)."""
+    total = [x for b in batches for x in b.total]
+    row: dict[str, Any] = {
+        "eval/policy_version": version,
+        "eval/samples": len(total),
+        "eval/time_s": seconds,
+        "eval/reward_mean": _mean(total),
+    }
+    for name in batches[0].components if batches else ():
+        row[f"eval/reward/{name}"] = _mean([x for b in batches for x in b.components[name]])
+    if batches and all(b.strict is not None for b in batches):
+        from digen.shapes import CATEGORIES
+
+        judged = [(c, s) for b in batches for c, s in zip(b.categories or (), b.strict or ())]
+        by_category = {
+            c: _mean([s for cat, s in judged if cat == c])
+            for c in CATEGORIES
+            if any(cat == c for cat, _ in judged)
+        }
+        row["eval/accuracy"] = _mean(list(by_category.values()))
+        row.update({f"eval/accuracy/{c}": a for c, a in by_category.items()})
+    return row
 
 
 def _mean(values: Sequence[float]) -> float:

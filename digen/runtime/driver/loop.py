@@ -46,7 +46,7 @@ from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
 from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.driver.cluster import Cluster
-from digen.runtime.messages import SampleKey, StepResult
+from digen.runtime.messages import EvalScores, SampleKey, StepResult
 from digen.runtime.transport.actors import WorkerDied
 from digen.sched.book import Book
 from digen.sched.costs import OnlineProfiler
@@ -390,6 +390,33 @@ class Driver:
             sync_s=self.clock() - t1,
             driver_mb=(self.cluster.payload - mark).megabytes,
         )
+
+    async def evaluate(
+        self, prompts: Sequence[str], metadata: Sequence[dict], samples: int
+    ) -> tuple[int, list[EvalScores]]:
+        """Evaluate the generators' current weights on ``prompts`` (``samples`` images each,
+        key order ``(prompt, sample)``): batches of a micro-batch's size go round the
+        generators, each scored beside the generator that made it. Returns the version
+        evaluated and the batches' scores in key order. Outside the schedule (no trace, no
+        cost estimate) and on streams of its own: training is the same with or without it."""
+        keys = [(p, j) for p in range(len(prompts)) for j in range(samples)]
+        size = self.plan.layout.samples_per_microbatch if self.plan.layout else len(keys)
+        batches = [keys[i : i + size] for i in range(0, len(keys), size)]
+
+        async def one(c: int, batch: list[tuple[int, int]]) -> tuple[int, EvalScores]:
+            i = c % len(self.gens)
+            texts = [prompts[p] for p, _ in batch]
+            made = await self.gens[i].call("evaluate", c, batch, texts)
+            scored = await self.scorers[i].call(
+                "score_eval", c, texts, [metadata[p] for p, _ in batch]
+            )
+            return made.value, scored.value
+
+        done = await asyncio.gather(*(one(c, b) for c, b in enumerate(batches)))
+        versions = {v for v, _ in done}
+        if len(versions) != 1:
+            raise RuntimeError(f"an evaluation met several versions: {sorted(versions)}")
+        return versions.pop(), [scores for _, scores in done]
 
     # --- the work ---------------------------------------------------------------------------
 

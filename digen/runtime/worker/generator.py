@@ -4,13 +4,14 @@ process's store, and scores them when no scoring actor beside it does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from digen.config import DigenConfig
 from digen.runtime.messages import TimedResult
 from digen.runtime.worker.base import PolicyActor, pool_config
-from digen.runtime.worker.scorer import Scoring, reward_loop
+from digen.runtime.worker.scorer import EVAL_STEP, Scoring, reward_loop
 from digen.sched.names import Pool, index_of, worker_name
 
 __all__ = ["GeneratorActor"]
@@ -38,9 +39,26 @@ class GeneratorActor(PolicyActor):
     def score(self, *args: Any) -> TimedResult:
         """Rewards of a micro-batch (:meth:`~digen.runtime.worker.scorer.Scoring.score`), when
         this generator scores its own."""
+        return self._scoring().score(*args)
+
+    def evaluate(
+        self, batch: int, keys: Sequence[tuple[int, int]], prompts: Sequence[str]
+    ) -> TimedResult:
+        """Make evaluation batch ``batch`` (:meth:`~digen.runtime.worker.policy.Policy.evaluate`)
+        with the current weights and keep its images here for scoring."""
+        t0 = time.time()
+        self.store.put_pixels((EVAL_STEP, batch), self.policy.evaluate(keys, prompts))
+        return self.timed(self.policy.version, t0)
+
+    def score_eval(self, *args: Any) -> TimedResult:
+        """Rewards of an evaluation batch (:meth:`~digen.runtime.worker.scorer.Scoring.evaluate`),
+        when this generator scores its own."""
+        return self._scoring().evaluate(*args)
+
+    def _scoring(self) -> Scoring:
         if self.scoring is None:
             raise RuntimeError(f"{self.name}: its scoring actor scores (runtime.score_overlap)")
-        return self.scoring.score(*args)
+        return self.scoring
 
     def close(self) -> None:
         """The worker is stopping: the reward hooks' ``close()`` where they are here."""

@@ -9,6 +9,7 @@ and :meth:`Policy.optimizer_step`. Which samples a call makes or trains is given
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from collections import OrderedDict
@@ -27,7 +28,7 @@ from digen.errors import NonFiniteError
 from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
 from digen.runtime.messages import LossStats, SampleKey, TrainItem
-from digen.seeding import group_generator, sample_generator
+from digen.seeding import eval_generator, group_generator, sample_generator
 
 __all__ = ["Generated", "Policy"]
 
@@ -206,6 +207,27 @@ class Policy:
         with torch.no_grad():
             pixels = self.adapter.decode(rollout.final.to(self.adapter.dtype)).cpu()
         return Generated(keys, rollout, pixels, self.version, time.perf_counter() - t0)
+
+    def evaluate(self, keys: Sequence[tuple[int, int]], prompts: Sequence[str]) -> torch.Tensor:
+        """Evaluation images: deterministic (ODE) sampling from fixed noise, one image per
+        ``(prompt index, sample index)`` key (``prompts[i]`` is key i's prompt).
+
+        The same sigmas and guidance as training, no noise after the initial latent, and a
+        noise stream of its own (:func:`~digen.seeding.eval_generator`): the same key gives
+        the same start at every evaluation, and no training sample changes. Returns
+        ``uint8 [B, F, H, W, 3]`` on the CPU.
+        """
+        spec = dataclasses.replace(self.sampler_spec(0), window=(), stochastic=())
+        gens = [eval_generator(self.cfg.seed, p, j) for p, j in keys]
+        with torch.no_grad():
+            rollout = sample_rollout(
+                self.adapter,
+                self.conditioning(prompts),
+                gens,
+                spec,
+                self.negative_conditioning(len(keys)),
+            )
+            return self.adapter.decode(rollout.final.to(self.adapter.dtype)).cpu()
 
     # --- training -----------------------------------------------------------------------
 

@@ -11,19 +11,52 @@ from typing import Any
 from digen.config import DigenConfig
 from digen.rewards.loop import RewardLoop
 from digen.rewards.scoring import build_reward
-from digen.runtime.messages import Scores, TimedResult, thumbnails
+from digen.runtime.messages import EvalScores, Scores, TimedResult, thumbnails
 from digen.runtime.transport.actors import run_sync
 from digen.runtime.worker.base import WorkerActor, pool_config
 from digen.runtime.worker.store import fetch_pixels
 from digen.sched.names import Pool, index_of, worker_name
 
-__all__ = ["ScorerActor", "Scoring", "reward_loop"]
+__all__ = ["EVAL_STEP", "ScorerActor", "Scoring", "eval_scores", "judge", "reward_loop"]
+
+EVAL_STEP = -1
+"""The step of an evaluation's images in a store's keys ``(EVAL_STEP, batch)``: never a
+train step's."""
 
 
 def reward_loop(cfg: DigenConfig, rewards: Sequence[Any] | None) -> RewardLoop:
     """The run's rewards, set up here once, every score of the run on one event loop."""
     hooks = list(rewards) if rewards is not None else cfg.rewards
     return RewardLoop(build_reward(hooks, cfg.train.on_nonfinite), device=cfg.model.device)
+
+
+def judge(pixels: Any, prompts: Sequence[str]) -> tuple[list[float], list[str]] | None:
+    """GenEval's strict score and category of each sample, where every prompt is a caption
+    of the shapes world (:mod:`digen.shapes`); None for any other prompts."""
+    from digen.shapes import parse
+
+    try:
+        for p in prompts:
+            parse(p)
+    except ValueError:
+        return None
+    from digen.rewards.shapes import evaluate
+
+    judged = evaluate(pixels, prompts)
+    return [s.strict for s in judged], [s.category for s in judged]
+
+
+def eval_scores(rewards: Any, pixels: Any, prompts: Sequence[str]) -> EvalScores:
+    """Evaluation images scored: ``rewards`` (the run's rewards' result on ``pixels``) and,
+    for captions of the shapes world, GenEval's strict judgement (:func:`judge`)."""
+    judged = judge(pixels, prompts)
+    return EvalScores(
+        total=rewards.total.tolist(),
+        components={name: v.tolist() for name, v in rewards.components.items()},
+        strict=judged[0] if judged else None,
+        categories=judged[1] if judged else None,
+        thumbnails=thumbnails(pixels),
+    )
 
 
 class Scoring:
@@ -68,6 +101,14 @@ class Scoring:
         )
         return actor.timed(scores, t0)
 
+    def evaluate(self, batch: int, prompts: Sequence[str], metadata: Sequence[dict]) -> TimedResult:
+        """Score evaluation batch ``batch``, whose images this process's generator made
+        (:meth:`~digen.runtime.worker.generator.GeneratorActor.evaluate`)."""
+        t0 = time.time()
+        pixels = self.actor.store.take_pixels((EVAL_STEP, batch)).cpu()
+        res = self.rewards.score(pixels, prompts, metadata)
+        return self.actor.timed(eval_scores(res, pixels, prompts), t0)
+
 
 class ScorerActor(WorkerActor):
     """The rewards of one generator's micro-batches, in the generator's process.
@@ -94,6 +135,10 @@ class ScorerActor(WorkerActor):
     def score(self, *args: Any) -> TimedResult:
         """Rewards of a micro-batch (:meth:`Scoring.score`)."""
         return self.scoring.score(*args)
+
+    def score_eval(self, *args: Any) -> TimedResult:
+        """Rewards of an evaluation batch (:meth:`Scoring.evaluate`)."""
+        return self.scoring.evaluate(*args)
 
     def close(self) -> None:
         self.scoring.close()

@@ -74,6 +74,14 @@ class Store:
                 )
             self._items[key] = _Held(rollout.for_training(), pixels, conditioning)
 
+    def put_pixels(self, key: Key, pixels: torch.Tensor) -> None:
+        """Hold images with no rollout (an evaluation's), until scoring takes them; outside
+        the bound on micro-batches, which counts only what training will take."""
+        with self._lock:
+            if key in self._items:
+                raise KeyError(f"images {key} are already held here")
+            self._items[key] = _Held(None, pixels)
+
     def take_pixels(self, key: Key) -> torch.Tensor:
         """The decoded samples of ``key``; they are dropped here (scoring reads them once)."""
         with self._lock:

@@ -1,0 +1,107 @@
+"""Evaluation during a run (``eval.every``): when it runs, what it writes, and that training
+is the same bit for bit with or without it, in both modes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import read_jsonl, run_config, tiny_config
+
+from digen.runtime.messages import EvalScores
+from digen.runtime.metrics import eval_metrics
+
+SMALL = ["steps=3", "rollout.n=4", "train.micro_batch_size=4", "rollout.num_inference_steps=3"]
+SMALL.append("save_every=0")
+
+
+def _prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "eval_prompts.txt"
+    path.write_text("a red apple\na blue car on a road\na cat asleep on a mat\n")
+    return path
+
+
+def _run(tmp_path: Path, name: str, mode: str, extra: list[str]):
+    cfg = tiny_config("flux", "flowgrpo", [*SMALL, *extra], mode=mode)
+    return run_config(cfg, tmp_path / name)
+
+
+def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and len(a) > 0
+    for name, p in a.items():
+        assert torch.equal(p, b[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "extra"),
+    [("colocated", []), ("disaggregated", ["runtime.generators=2", "runtime.tag=static"])],
+)
+def test_evaluation_runs_when_due_and_leaves_training_unchanged(
+    tmp_path: Path, mode: str, extra: list[str]
+) -> None:
+    plain = _run(tmp_path, "plain", mode, extra)
+    evals = [f"eval.prompts={_prompts(tmp_path)}", "eval.every=2", "eval.samples=2"]
+    got = _run(tmp_path, "eval", mode, [*extra, *evals])
+    _same_weights(plain.final_state, got.final_state)  # evaluating moves no training stream
+    for a, b in zip(plain.metrics, got.metrics, strict=True):
+        assert (a["reward_mean"], a["loss"]) == (b["reward_mean"], b["loss"])
+
+    # before training, after step 1 (every 2nd) and after the last step
+    rows = read_jsonl(tmp_path / "eval" / "eval.jsonl")
+    assert [r["eval/policy_version"] for r in rows] == [0, 2, 3]
+    assert all(r["eval/samples"] == 6 for r in rows)  # 3 prompts x 2 images
+    assert rows == got.evals
+    metrics = read_jsonl(tmp_path / "eval" / "metrics.jsonl")
+    assert [m.get("eval/policy_version") for m in metrics] == [None, 2, 3]  # its weights' row
+    assert metrics[2]["eval/reward_mean"] == rows[2]["eval/reward_mean"]
+    assert rows[0]["eval/reward_mean"] != rows[2]["eval/reward_mean"]  # training moved it
+    for v in (0, 2, 3):
+        assert (tmp_path / "eval" / "samples" / f"eval_v{v:04d}.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_the_same_weights_evaluate_the_same_in_both_modes(tmp_path: Path) -> None:
+    """Fixed noise, deterministic sampling: the base model's evaluation is one set of numbers
+    whichever mode and worker made its images."""
+    evals = [f"eval.prompts={_prompts(tmp_path)}", "eval.every=5", "steps=1"]
+    colocated = _run(tmp_path, "colocated", "colocated", evals)
+    disaggregated = _run(
+        tmp_path, "disaggregated", "disaggregated", [*evals, "runtime.generators=2"]
+    )
+    assert colocated.evals[0]["eval/policy_version"] == 0
+    first = [r.evals[0]["eval/reward/jpeg_incompressibility"] for r in (colocated, disaggregated)]
+    assert first[0] == pytest.approx(first[1], rel=1e-6)
+
+
+def _scores(categories: list[str], strict: list[float], total: list[float]) -> EvalScores:
+    return EvalScores(
+        total=total,
+        components={"shapes": total},
+        strict=strict,
+        categories=categories,
+        thumbnails=torch.zeros(len(total), 1, 2, 2, 3, dtype=torch.uint8),
+    )
+
+
+def test_eval_metrics_are_genevals_category_means_and_their_mean() -> None:
+    batches = [
+        _scores(["single_object", "single_object", "counting"], [1.0, 0.0, 1.0], [1.0, 0.5, 1.0]),
+        _scores(["counting", "position"], [0.0, 0.0], [0.25, 0.75]),
+    ]
+    row = eval_metrics(batches, version=4, seconds=1.5)
+    assert row["eval/accuracy/single_object"] == 0.5
+    assert row["eval/accuracy/counting"] == 0.5
+    assert row["eval/accuracy/position"] == 0.0
+    assert "eval/accuracy/colors" not in row  # no prompt of that category
+    assert row["eval/accuracy"] == pytest.approx((0.5 + 0.5 + 0.0) / 3)  # not per image (0.4)
+    assert row["eval/reward_mean"] == pytest.approx(3.5 / 5)
+    assert row["eval/reward/shapes"] == row["eval/reward_mean"]
+    assert (row["eval/policy_version"], row["eval/samples"], row["eval/time_s"]) == (4, 5, 1.5)
+
+
+def test_prompts_that_are_not_shapes_captions_have_no_accuracy() -> None:
+    batch = EvalScores([0.5], {"jpeg": [0.5]}, None, None, torch.zeros(1, 1, 2, 2, 3))
+    row = eval_metrics([batch], version=0, seconds=0.1)
+    assert not any(k.startswith("eval/accuracy") for k in row)
