@@ -135,7 +135,7 @@ def _release(version: str) -> tuple[int, ...]:
 @click.option(
     "--prompts",
     type=click.Path(path_type=Path),
-    help="Prompt file: .txt (one per line) or .jsonl; or a shipped set: default, ocr.",
+    help="Prompt file: .txt (one per line) or .jsonl; or a shipped set: default, ocr, shapes, shapes-heldout.",
 )
 @click.option(
     "--out",

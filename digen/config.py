@@ -496,7 +496,7 @@ class TrainConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     prompts: str | None = None
-    """Prompt file (.txt one per line, or .jsonl with a "prompt" field), or a shipped set by name (default, ocr: text to render for the OCR reward); None: the default set."""
+    """Prompt file (.txt one per line, or .jsonl with a "prompt" field), or a shipped set by name (default; ocr: text to render for the OCR reward; shapes, shapes-heldout: the shapes world's training and held-out captions); None: the default set."""
     train_batch_size: int = 2
     """Unique prompts per train step (each replicated n times)."""
 

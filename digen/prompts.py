@@ -28,7 +28,12 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 """Characters no prompt holds (tab is allowed)."""
 
 
-BUILTIN_SETS = {"default": "prompts.txt", "ocr": "ocr_prompts.txt"}
+BUILTIN_SETS = {
+    "default": "prompts.txt",
+    "ocr": "ocr_prompts.txt",
+    "shapes": "shapes_prompts.txt",
+    "shapes-heldout": "shapes_heldout_prompts.txt",
+}
 """Prompt sets shipped with digen, by the name ``data.prompts`` / ``--prompts`` accepts."""
 
 HELD_OUT_SETS: dict[str, str] = {}
@@ -55,7 +60,9 @@ class PromptSet:
     @classmethod
     def builtin(cls, name: str = "default") -> PromptSet:
         """A prompt set shipped with digen: ``default`` (objects, counting, colours, scenes,
-        text) or ``ocr`` (text to render, in quotes, for the OCR reward)."""
+        text), ``ocr`` (text to render, in quotes, for the OCR reward), or ``shapes`` and
+        ``shapes-heldout`` (the shapes world's training and held-out captions, for the
+        shapes reward; :mod:`digen.shapes`)."""
         file = BUILTIN_SETS[name]
         text = resources.files("digen.data").joinpath(file).read_text(encoding="utf-8")
         return cls._from_lines(text.splitlines(), f"the built-in prompt set {name!r}")

@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "digen.seeding",
             "digen.prompts",
             "digen.data",
+            "digen.shapes",  # the shapes world: numpy only
             "digen.algos.registry",
             "digen.algos.transitions",
             "digen.models.registry",

@@ -1,1 +1,1 @@
-"""Data files shipped with digen (the built-in prompt set)."""
+"""Data files shipped with digen: the built-in prompt sets (:data:`digen.prompts.BUILTIN_SETS`)."""

@@ -9,7 +9,8 @@
 - ``loop``: a run's rewards in the process that scores, set up once and closed at the end,
   on an event loop of their own (:class:`~digen.rewards.loop.RewardLoop`).
 - built-ins: ``builtin`` (JPEG size), ``ocr`` (text read off the sample), ``clip`` (CLIP
-  score, the worked example of a model reward), ``http`` (a client of a reward server).
+  score, the worked example of a model reward), ``shapes`` (a GenEval-style judge of the
+  shapes world's images), ``http`` (a client of a reward server).
 - ``server``: the reward server of ``digen reward-server``.
 
 Importing this package imports nothing: each module is imported where it is used.

@@ -38,6 +38,7 @@ BUILTIN_REWARDS: dict[str, BuiltinReward] = {
         ),
         BuiltinReward("ocr", "digen.rewards.ocr:OcrReward", "options"),
         BuiltinReward("clip", "digen.rewards.clip:ClipScore", "options"),
+        BuiltinReward("shapes", "digen.rewards.shapes:ShapesReward", "options"),
         BuiltinReward("http", "digen.rewards.http:HttpReward", "url"),
     )
 }
