@@ -36,7 +36,7 @@ BUILTIN_SETS = {
 }
 """Prompt sets shipped with digen, by the name ``data.prompts`` / ``--prompts`` accepts."""
 
-HELD_OUT_SETS: dict[str, str] = {}
+HELD_OUT_SETS: dict[str, str] = {"shapes": "shapes-heldout"}
 """A shipped training set -> its held-out set, the prompts an evaluation uses by default
 (``eval.prompts``): compositions that no training prompt has."""
 

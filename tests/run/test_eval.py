@@ -105,3 +105,25 @@ def test_prompts_that_are_not_shapes_captions_have_no_accuracy() -> None:
     batch = EvalScores([0.5], {"jpeg": [0.5]}, None, None, torch.zeros(1, 1, 2, 2, 3))
     row = eval_metrics([batch], version=0, seconds=0.1)
     assert not any(k.startswith("eval/accuracy") for k in row)
+
+
+def test_shapes_captions_are_judged_by_genevals_rule_on_the_images() -> None:
+    """judge reads the images: scenes drawn for their captions pass, swapped ones fail."""
+    import numpy as np
+
+    from digen.prompts import PromptSet
+    from digen.runtime.worker.scorer import judge
+    from digen.shapes import parse, render, scene_for
+
+    held_out = PromptSet.for_eval(None, "shapes")  # the training set's held-out companion
+    assert held_out.prompts == PromptSet.builtin("shapes-heldout").prompts
+    prompts = held_out.prompts[::10]
+    rng = np.random.default_rng(0)
+    images = np.stack([render(scene_for(parse(p), rng)) for p in prompts])  # [B, 32, 32, 3]
+    pixels = torch.from_numpy(images)[:, None]  # [B, 1, H, W, 3]
+    strict, categories = judge(pixels, prompts)
+    assert strict == [1.0] * len(prompts)
+    assert categories == [parse(p).category for p in prompts]
+    wrong, _ = judge(pixels, prompts[1:] + prompts[:1])  # each image under another caption
+    assert sum(wrong) < len(prompts) / 2
+    assert judge(pixels[:1], ["a photo of a dog"]) is None  # not the shapes world: no judging
