@@ -756,6 +756,31 @@ def reward_server(
 )
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.option(
+    "--quality",
+    is_flag=True,
+    help="Race time to a held-out quality on the shapes task instead: colocated, "
+    "disaggregated, + TCSS and every algorithm, over several seeds.",
+)
+@click.option(
+    "--seeds", default="0,1,2", show_default=True, help="--quality: seeds, comma-separated."
+)
+@click.option(
+    "--target", type=float, default=0.5, show_default=True, help="--quality: the quality to reach."
+)
+@click.option(
+    "--eval-every",
+    type=int,
+    default=5,
+    show_default=True,
+    help="--quality: steps between evaluations.",
+)
+@click.option(
+    "--flavour",
+    default="shapes",
+    show_default=True,
+    help="--quality: the weights every arm starts from.",
+)
 @click.argument("overrides", nargs=-1)
 def bench(
     quick: bool,
@@ -770,6 +795,11 @@ def bench(
     out_dir: Path | None,
     quiet: bool,
     debug: bool,
+    quality: bool,
+    seeds: str,
+    target: float,
+    eval_every: int,
+    flavour: str,
     overrides: tuple[str, ...],
 ) -> None:
     """Measure the ablation ladder on this machine: colocated (the best of the colocated
@@ -777,9 +807,31 @@ def bench(
 
     Every rung trains the same model, algorithm, batch and seed on the same worker processes;
     repetitions are interleaved. OVERRIDES (key=value) apply to every rung.
+
+    With --quality: train the shapes task to a held-out accuracy instead, in every mode and
+    with every algorithm, and report time and steps to --target (docs/BENCHMARKS.md).
     """
     _quiet_imports()
     from digen.errors import DigenError
+
+    if quality:
+        _bench_quality(
+            model,
+            algo,
+            steps,
+            workers,
+            json_path,
+            plot_path,
+            out_dir,
+            quiet,
+            debug,
+            seeds,
+            target,
+            eval_every,
+            flavour,
+            overrides,
+        )
+        return
 
     try:
         settings = _bench_settings(
@@ -825,6 +877,97 @@ def bench(
         say(f"wrote {json_path}")
     if plot_path is not None:
         b.plot_bench(report, runs, plot_path)
+        say(f"wrote {plot_path}")
+
+
+def _bench_quality(
+    model,
+    algo,
+    steps,
+    workers,
+    json_path,
+    plot_path,
+    out_dir,
+    quiet,
+    debug,
+    seeds,
+    target,
+    eval_every,
+    flavour,
+    overrides,
+) -> None:
+    """``digen bench --quality`` (:mod:`digen.run.quality`)."""
+    import shutil
+    import tempfile
+
+    from digen.errors import DigenError
+    from digen.run import quality as q
+
+    try:
+        if model not in MODEL_NAMES:
+            raise DigenError(f"--model {model!r} is not a model; choose {_or(MODEL_NAMES)}")
+        if algo not in ALGO_NAMES:
+            raise DigenError(f"--algo {algo!r} is not an algorithm; choose {_or(ALGO_NAMES)}")
+        try:
+            seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
+        except ValueError:
+            raise DigenError(f"--seeds {seeds!r} must be integers separated by commas") from None
+        if not seed_list:
+            raise DigenError("--seeds must name at least one seed")
+        if eval_every < 1:
+            raise DigenError(f"--eval-every {eval_every} is not allowed: it must be at least 1")
+        for flag, path in (("--json", json_path), ("--plot", plot_path)):
+            if path is not None and not path.parent.is_dir():
+                raise DigenError(f"{flag} {path}: the directory '{path.parent}' does not exist")
+        settings = q.QualitySettings(
+            model=model,
+            flavour=flavour,
+            algos=(algo, *(a for a in ALGO_NAMES if a != algo)),
+            steps=steps or 30,
+            seeds=seed_list,
+            eval_every=eval_every,
+            target=target,
+            workers=workers,
+            overrides=tuple(overrides),
+        )
+        for arm in q.arms(settings):  # a setting no arm allows fails here, before any run
+            q.arm_config(settings, arm, seed_list[0])
+    except DigenError as exc:
+        click.echo(f"error: {str(exc).rstrip('.')}.", err=True)
+        sys.exit(2)
+    _quiet_progress_bars()
+
+    def say(text: str) -> None:
+        if not quiet:
+            click.echo(f"bench: {text}", err=True)
+
+    root = out_dir or Path(tempfile.mkdtemp(prefix="digen-quality-"))
+    try:
+        curves = q.run_quality(settings, root, progress=say)
+    except KeyboardInterrupt:
+        click.echo("interrupted.", err=True)
+        sys.exit(130)
+    except Exception as exc:
+        if debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        click.echo(f"error: {type(exc).__name__}: {first} (--debug shows the traceback)", err=True)
+        sys.exit(1)
+    finally:
+        if out_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    command = (
+        f"digen bench --quality --model {model} --algo {algo} --steps {settings.steps} "
+        f"--seeds {seeds} --target {target} --eval-every {eval_every} --flavour {flavour}"
+    )
+    command = " ".join([command, *(shlex.quote(o) for o in overrides)])
+    report = q.summarise_quality(settings, curves, command=command)
+    click.echo(q.format_quality(report))
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        say(f"wrote {json_path}")
+    if plot_path is not None:
+        q.plot_quality(report, plot_path)
         say(f"wrote {plot_path}")
 
 

@@ -1,0 +1,94 @@
+"""``digen bench --quality``'s arithmetic: curves from a run's rows, time to target, area,
+and the report (pure functions, no runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from digen.run.quality import (
+    Curve,
+    QualitySettings,
+    arm_config,
+    arms,
+    auc,
+    curve_of,
+    format_quality,
+    summarise_quality,
+    time_to_target,
+)
+
+
+def _curve(arm: str, seed: int, quality: list[float], step_s: float = 2.0) -> Curve:
+    versions = [0, 2, 4]
+    return Curve(arm, seed, versions, [v * step_s for v in versions], quality)
+
+
+def test_a_curve_reads_training_time_up_to_each_evaluated_version() -> None:
+    metrics = [{"step": s, "step_time_s": t} for s, t in enumerate([1.0, 2.0, 4.0])]
+    evals = [
+        {"eval/policy_version": 0, "eval/accuracy": 0.1, "eval/accuracy/counting": 0.0},
+        {"eval/policy_version": 2, "eval/accuracy": 0.3, "eval/accuracy/counting": 0.5},
+        {"eval/policy_version": 3, "eval/accuracy": 0.4, "eval/accuracy/counting": 1.0},
+    ]
+    c = curve_of("colocated", 7, metrics, evals)
+    assert (c.versions, c.seconds, c.quality) == ([0, 2, 3], [0.0, 3.0, 7.0], [0.1, 0.3, 0.4])
+    assert c.categories == {"counting": [0.0, 0.5, 1.0]}
+    rewards = [{"eval/policy_version": 0, "eval/reward_mean": 2.5}]
+    assert curve_of("x", 0, metrics, rewards).quality == [2.5]  # no accuracy: the reward
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_above_it() -> None:
+    c = _curve("a", 0, [0.1, 0.5, 0.4])
+    assert time_to_target(c, 0.5) == (2, 4.0)
+    assert time_to_target(c, 0.1) == (0, 0.0)
+    assert time_to_target(c, 0.6) is None
+
+
+def test_auc_is_the_mean_of_the_trapezoids_over_the_versions() -> None:
+    c = Curve("a", 0, [0, 2, 6], [0.0, 1.0, 2.0], [0.0, 1.0, 0.0])
+    assert auc(c) == pytest.approx((2 * 0.5 + 4 * 0.5) / 6)
+    assert auc(Curve("a", 0, [0], [0.0], [0.3])) == 0.3
+
+
+def test_the_report_ranks_arms_by_time_to_target_and_checks_tcss_against_the_spread() -> None:
+    s = QualitySettings(seeds=(0, 1), target=0.5, algos=("flowgrpo",))
+    curves = [
+        _curve("colocated", 0, [0.1, 0.3, 0.6], step_s=1.0),  # reaches 0.5 at 4 s
+        _curve("colocated", 1, [0.1, 0.5, 0.7], step_s=1.0),  # at 2 s
+        _curve("disaggregated", 0, [0.1, 0.6, 0.7], step_s=0.5),  # at 1 s
+        _curve("disaggregated", 1, [0.1, 0.4, 0.6], step_s=0.5),  # at 2 s
+        _curve("tcss", 0, [0.1, 0.45, 0.9], step_s=0.4),  # inside, inside, above
+        _curve("tcss", 1, [0.1, 0.55, 0.9], step_s=0.4),
+    ]
+    report = summarise_quality(s, curves, command="digen bench --quality")
+    colo = report["arms"]["colocated"]
+    assert colo["seconds_to_target"] == {"median": 3.0, "min": 2.0, "max": 4.0}
+    assert colo["steps_to_target"]["median"] == 3 and colo["reached"] == "2/2"
+    assert report["arms"]["tcss"]["reached"] == "2/2"
+    last = report["arms"]["disaggregated"]["last"]
+    assert last == {"median": pytest.approx(0.65), "min": 0.6, "max": 0.7}
+    assert report["tcss_within_on_policy_spread"] == [True, True, False]
+    assert report["arms"]["tcss"]["seconds_to_target"]["median"] == pytest.approx(1.2)
+    assert report["first_to_target"] == "tcss"  # median 1.2 s, on-policy split 1.5 s
+    table = format_quality(report)
+    assert "TCSS median within the on-policy seeds' range at 2 of 3 evaluations" in table
+    assert "first to the target in training time: tcss" in table
+
+
+def test_every_arm_is_a_valid_config_on_the_same_task_and_seed() -> None:
+    s = QualitySettings(flavour="tiny", steps=4, eval_every=2)
+    got = {a.key: arm_config(s, a, seed=3) for a in arms(s)}
+    assert list(got) == [
+        "colocated",
+        "disaggregated",
+        "tcss",
+        "colocated-dancegrpo",
+        "colocated-mixgrpo",
+    ]
+    for cfg in got.values():
+        assert (cfg.seed, cfg.steps, cfg.eval.every, cfg.data.prompts) == (3, 4, 2, "shapes")
+        assert [r.name for r in cfg.rewards] == ["shapes"]
+    assert (
+        got["tcss"].runtime.max_staleness == 1 and got["disaggregated"].runtime.max_staleness == 0
+    )
+    assert got["colocated"].train.mini_batch_size == got["disaggregated"].train.mini_batch_size
