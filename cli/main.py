@@ -23,6 +23,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -815,22 +816,7 @@ def bench(
     from digen.errors import DigenError
 
     if quality:
-        _bench_quality(
-            model,
-            algo,
-            steps,
-            workers,
-            json_path,
-            plot_path,
-            out_dir,
-            quiet,
-            debug,
-            seeds,
-            target,
-            eval_every,
-            flavour,
-            overrides,
-        )
+        _bench_quality(**{k: v for k, v in locals().items() if k in _QUALITY_OPTIONS})
         return
 
     try:
@@ -854,17 +840,7 @@ def bench(
         f"{settings.model} / {settings.algo}, {settings.size} px, {settings.steps} steps, "
         f"{rungs} runs x {settings.repeats} repeats on {settings.workers} workers"
     )
-    try:
-        runs = b.run_bench(settings, out_dir=out_dir, progress=say)
-    except KeyboardInterrupt:
-        click.echo("interrupted.", err=True)
-        sys.exit(130)
-    except Exception as exc:
-        if debug:
-            raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        click.echo(f"error: {type(exc).__name__}: {first} (--debug shows the traceback)", err=True)
-        sys.exit(1)
+    runs = _measuring(lambda: b.run_bench(settings, out_dir=out_dir, progress=say), debug)
     command = (
         f"digen bench --model {settings.model} --algo {settings.algo} --size {settings.size} "
         f"--steps {settings.steps} --repeats {settings.repeats} --workers {settings.workers}"
@@ -872,29 +848,44 @@ def bench(
     command = " ".join([command, *(shlex.quote(o) for o in overrides)])
     report = b.summarise(settings, runs, command=command)
     click.echo(b.format_table(report))
-    if json_path is not None:
-        json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-        say(f"wrote {json_path}")
-    if plot_path is not None:
-        b.plot_bench(report, runs, plot_path)
-        say(f"wrote {plot_path}")
+    _write_report(report, json_path, plot_path, lambda path: b.plot_bench(report, runs, path), say)
+
+
+_QUALITY_OPTIONS = [
+    "model",
+    "algo",
+    "steps",
+    "workers",
+    "json_path",
+    "plot_path",
+    "out_dir",
+    "quiet",
+    "debug",
+    "seeds",
+    "target",
+    "eval_every",
+    "flavour",
+    "overrides",
+]
+"""The options of ``digen bench`` that ``--quality`` reads."""
 
 
 def _bench_quality(
-    model,
-    algo,
-    steps,
-    workers,
-    json_path,
-    plot_path,
-    out_dir,
-    quiet,
-    debug,
-    seeds,
-    target,
-    eval_every,
-    flavour,
-    overrides,
+    *,
+    model: str,
+    algo: str,
+    steps: int | None,
+    workers: int,
+    json_path: Path | None,
+    plot_path: Path | None,
+    out_dir: Path | None,
+    quiet: bool,
+    debug: bool,
+    seeds: str,
+    target: float,
+    eval_every: int,
+    flavour: str,
+    overrides: tuple[str, ...],
 ) -> None:
     """``digen bench --quality`` (:mod:`digen.run.quality`)."""
     import shutil
@@ -914,6 +905,8 @@ def _bench_quality(
             raise DigenError(f"--seeds {seeds!r} must be integers separated by commas") from None
         if not seed_list:
             raise DigenError("--seeds must name at least one seed")
+        if steps is not None and steps < 1:
+            raise DigenError(f"--steps {steps} is not allowed: it must be at least 1")
         if eval_every < 1:
             raise DigenError(f"--eval-every {eval_every} is not allowed: it must be at least 1")
         for flag, path in (("--json", json_path), ("--plot", plot_path)):
@@ -943,16 +936,7 @@ def _bench_quality(
 
     root = out_dir or Path(tempfile.mkdtemp(prefix="digen-quality-"))
     try:
-        curves = q.run_quality(settings, root, progress=say)
-    except KeyboardInterrupt:
-        click.echo("interrupted.", err=True)
-        sys.exit(130)
-    except Exception as exc:
-        if debug:
-            raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        click.echo(f"error: {type(exc).__name__}: {first} (--debug shows the traceback)", err=True)
-        sys.exit(1)
+        curves = _measuring(lambda: q.run_quality(settings, root, progress=say), debug)
     finally:
         if out_dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -963,11 +947,36 @@ def _bench_quality(
     command = " ".join([command, *(shlex.quote(o) for o in overrides)])
     report = q.summarise_quality(settings, curves, command=command)
     click.echo(q.format_quality(report))
+    _write_report(report, json_path, plot_path, lambda path: q.plot_quality(report, path), say)
+
+
+def _measuring(measure: Callable[[], Any], debug: bool) -> Any:
+    """``measure()``, with Ctrl-C and a failure each one line and an exit code."""
+    try:
+        return measure()
+    except KeyboardInterrupt:
+        click.echo("interrupted.", err=True)
+        sys.exit(130)
+    except Exception as exc:
+        if debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        click.echo(f"error: {type(exc).__name__}: {first} (--debug shows the traceback)", err=True)
+        sys.exit(1)
+
+
+def _write_report(
+    report: dict[str, Any],
+    json_path: Path | None,
+    plot_path: Path | None,
+    plot: Callable[[Path], None],
+    say: Callable[[str], None],
+) -> None:
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         say(f"wrote {json_path}")
     if plot_path is not None:
-        q.plot_quality(report, plot_path)
+        plot(plot_path)
         say(f"wrote {plot_path}")
 
 
