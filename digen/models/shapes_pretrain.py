@@ -363,6 +363,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--out", required=True, type=Path, help="the pipeline directory to write")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="evaluate the pipeline already in --out with the --eval-* settings; no training",
+    )
     for f in dataclasses.fields(Recipe):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
@@ -375,9 +380,25 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = vars(_parser().parse_args(argv))
-    out, threads = args.pop("out"), args.pop("threads")
+    out, threads, only = args.pop("out"), args.pop("threads"), args.pop("evaluate_only")
     torch.set_num_threads(threads)
-    pretrain(Recipe(**args), out)
+    recipe = Recipe(**args)
+    if not only:
+        pretrain(recipe, out)
+        return
+    results, images = evaluate_model(
+        out,
+        steps=recipe.eval_steps,
+        guidance=recipe.eval_guidance,
+        per_category=recipe.eval_per_category,
+        seed=recipe.seed,
+    )
+    tag = f"{recipe.eval_steps}steps-cfg{recipe.eval_guidance:g}"
+    for name, pixels in images.items():
+        save_grid(out / f"eval-{name}-{tag}.png", pixels, recipe.eval_per_category)
+    print(
+        json.dumps({"eval_steps": recipe.eval_steps, "guidance": recipe.eval_guidance, **results})
+    )
 
 
 if __name__ == "__main__":
