@@ -152,15 +152,19 @@ class FluxAdapter(DiffusionAdapter):
         double_layers: int = 2,
         single_layers: int = 4,
         text_width: int = 64,
-        text_length: int = 64,
+        text_length: int = 50,
         shift: float = 1.0,
+        downsample: int = 1,
     ) -> dict[str, Any]:
         """Random-init FLUX.1 sized for the shapes world (:mod:`digen.shapes`) at 32 px: what
         :mod:`digen.models.shapes_pretrain` trains into the ``shapes`` flavour.
 
         The VAE is the identity (:func:`~digen.models.tiny.pixel_autoencoder_kl`): the latent
-        is the RGB image, packed 2x2 into 256 tokens of 12 channels, so colours come out exact
-        and nothing but the transformer and text encoders has to learn. No guidance embedding
+        is the RGB image (averaged over ``downsample`` x ``downsample`` blocks), packed 2x2
+        into tokens of 12 channels (256 at 32 px; 64 with ``downsample=2``), so colours come
+        out exact and nothing but the transformer and text encoders has to learn. Captions of
+        the world are at most 48 bytes, so 50 text tokens hold each with CLIP's start and
+        end tokens. No guidance embedding
         (the model is not guidance-distilled; classifier-free guidance works instead, as it is
         trained with dropped captions). The scheduler has a fixed ``shift`` (no dynamic
         shifting: one resolution), the one training draws its sigmas with.
@@ -187,7 +191,7 @@ class FluxAdapter(DiffusionAdapter):
         )
         return {
             **text,
-            "vae": pixel_autoencoder_kl(),
+            "vae": pixel_autoencoder_kl(downsample),
             "transformer": transformer,
             "scheduler": scheduler,
         }

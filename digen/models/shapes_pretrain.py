@@ -86,6 +86,8 @@ class Recipe:
     double_layers: int = 2
     single_layers: int = 4
     text_width: int = 64
+    downsample: int = 1
+    """The VAE's down-sampling (1 or 2): the model works on 32 x 32 or 16 x 16 latents."""
     balanced: bool = True
     """Draw a category first, then a caption (else captions uniformly)."""
     eval_every: int = 0
@@ -112,6 +114,7 @@ class Recipe:
             "single_layers": self.single_layers,
             "text_width": self.text_width,
             "shift": self.shift,
+            "downsample": self.downsample,
         }
 
 
@@ -269,17 +272,19 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
         for group in opt.param_groups:
             group["lr"] = recipe.lr * _lr_factor(step, recipe, total)
         x, captions = data.batch(recipe.batch)  # [B, 3, 32, 32] in [-1, 1]
-        x0 = (x - shift_factor) * scaling  # the identity VAE's latent: the image
+        with torch.no_grad():  # the latent: the image, block-averaged when down-sampled
+            z = pipe.vae.encode(x).latent_dist.mode()  # [B, 3, 32 / d, 32 / d]
+        x0 = (z - shift_factor) * scaling
         dropped = drop_gen.random(len(captions)) < recipe.text_dropout
         captions = ["" if d else c for c, d in zip(captions, dropped)]
         cond = adapter._encode_prompts(captions)  # with gradients: the encoders train
-        noise = torch.randn(x0.shape, generator=noise_gen)  # [B, 3, 32, 32]
+        noise = torch.randn(x0.shape, generator=noise_gen)  # [B, 3, h, w]
         sigma = sample_sigmas(
             len(x0), noise_gen, mean=recipe.logit_mean, std=recipe.logit_std, shift=recipe.shift
         )  # [B]
         s = sigma.view(-1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * noise
-        v = adapter.forward_velocity(x_t, sigma, cond)  # [B, 3, 32, 32]
+        v = adapter.forward_velocity(x_t, sigma, cond)  # [B, 3, h, w]
         loss = torch.nn.functional.mse_loss(v, noise - x0)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -25,15 +25,17 @@ from digen.shapes import split_prompts
 SMALL = {"width": 32, "heads": 2, "double_layers": 1, "single_layers": 1, "text_width": 32}
 
 
-def test_the_pixel_vae_encodes_and_decodes_to_the_image() -> None:
-    vae = pixel_autoencoder_kl()
+@pytest.mark.parametrize("downsample", [1, 2])
+def test_the_pixel_vae_is_the_image_block_averaged_and_repeated(downsample: int) -> None:
+    vae = pixel_autoencoder_kl(downsample)
     x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
-        z = vae.encode(x).latent_dist.sample()  # [2, 3, 32, 32]
-        y = vae.decode(z).sample
-    assert z.shape == x.shape
-    torch.testing.assert_close(z, x, atol=1e-5, rtol=0)
-    torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
+        z = vae.encode(x).latent_dist.sample()  # [2, 3, 32 / d, 32 / d]
+        y = vae.decode(z).sample  # [2, 3, 32, 32]
+    blocks = torch.nn.functional.avg_pool2d(x, downsample)
+    repeated = blocks.repeat_interleave(downsample, 2).repeat_interleave(downsample, 3)
+    torch.testing.assert_close(z, blocks, atol=1e-5, rtol=0)
+    torch.testing.assert_close(y, repeated, atol=1e-5, rtol=0)
 
 
 def test_shapes_flavour_loads_the_shipped_directory_through_from_pretrained(
