@@ -154,7 +154,7 @@ class FluxAdapter(DiffusionAdapter):
         text_width: int = 64,
         text_length: int = 50,
         shift: float = 1.0,
-        downsample: int = 1,
+        downsample: int = 2,
     ) -> dict[str, Any]:
         """Random-init FLUX.1 sized for the shapes world (:mod:`digen.shapes`) at 32 px: what
         :mod:`digen.models.shapes_pretrain` trains into the ``shapes`` flavour.

@@ -48,18 +48,18 @@ def test_shapes_flavour_loads_the_shipped_directory_through_from_pretrained(
 
     ad = load_adapter("flux", None, flavour="shapes", height=None, width=None)
     assert ad.path == tmp_path / "flux-shapes"
-    assert (ad.height, ad.width, ad.latent_shape()) == (32, 32, (3, 32, 32))
+    assert (ad.height, ad.width, ad.latent_shape()) == (32, 32, (3, 16, 16))
     saved = load_file(str(tmp_path / "flux-shapes/transformer/diffusion_pytorch_model.safetensors"))
     for name, p in ad.transformer.named_parameters():
         torch.testing.assert_close(p, saved[name], atol=0, rtol=0)
 
     cond = ad.encode_prompts(["a red square to the left of a yellow triangle", ""])
-    x = torch.randn(2, *ad.latent_shape())  # [2, 3, 32, 32]
+    x = torch.randn(2, *ad.latent_shape())  # [2, 3, 16, 16]
     v = ad.predict_velocity(x, 0.5, cond)
     assert v.shape == x.shape and torch.isfinite(v).all()
-    pixels = ad.decode(x.clamp(-1, 1))  # [2, 1, 32, 32, 3]: the latent is the image
+    pixels = ad.decode(x.clamp(-1, 1))  # [2, 1, 32, 32, 3]: each latent pixel a 2x2 block
     assert pixels.shape == (2, 1, 32, 32, 3)
-    expected = ad.to_uint8(x.clamp(-1, 1))
+    expected = ad.to_uint8(x.clamp(-1, 1).repeat_interleave(2, 2).repeat_interleave(2, 3))
     assert (pixels.int() - expected.int()).abs().max() <= 1
 
 
