@@ -127,6 +127,11 @@ def _release(version: str) -> tuple[int, ...]:
     help="Local diffusers model directory (default: the tiny flavour).",
 )
 @click.option(
+    "--flavour",
+    help="Weights without --model-path (model.flavour): tiny, medium or shapes (flux's "
+    "pretrained shapes-world model, 32 px) [default: tiny].",
+)
+@click.option(
     "--mode",
     type=click.Choice(["colocated", "disaggregated"]),
     help="colocated (one pool alternates) or disaggregated (generator + trainer pools) [default: colocated].",
@@ -177,6 +182,7 @@ def run(
     algo: str | None,
     config_path: Path | None,
     model_path: Path | None,
+    flavour: str | None,
     mode: str | None,
     steps: int | None,
     seed: int | None,
@@ -196,6 +202,8 @@ def run(
     SIGINT / SIGTERM at the next micro-batch boundary (with a checkpoint to --resume from).
     """
     _quiet_imports()
+    if flavour is not None:  # an override like any other, so a later one still wins
+        overrides = (f"model.flavour={flavour}", *overrides)
     if resume_dir is not None:
         out_dir = resume_dir
     try:

@@ -51,11 +51,16 @@ JOINT_ATTENTION_TARGETS = (
     "to_add_out",
 )
 
+#: where shipped flavours live: ``<PRETRAINED_ROOT>/<backbone>-<flavour>/``, a diffusers
+#: pipeline directory (``python -m digen.models.shapes_pretrain`` writes the shapes one)
+PRETRAINED_ROOT = Path(__file__).resolve().parent / "pretrained"
+
 #: pipeline attributes that hold text encoders (absent ones are skipped)
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 __all__ = [
     "JOINT_ATTENTION_TARGETS",
+    "PRETRAINED_ROOT",
     "TEXT_ENCODERS",
     "DiffusionAdapter",
     "PromptEmbeds",
@@ -176,6 +181,9 @@ class DiffusionAdapter(ABC):
     #: bump when a flavour's architecture changes so stale caches are rebuilt
     tiny_version: ClassVar[int] = 1
     medium_version: ClassVar[int] = 1
+    #: flavours of :data:`~digen.models.registry.FLAVOURS` that ship pretrained weights in
+    #: the package (:data:`PRETRAINED_ROOT`) instead of being built from code
+    shipped_flavours: ClassVar[tuple[str, ...]] = ()
     #: default geometry of each flavour, in pixels / frames
     tiny_height: ClassVar[int] = 32
     tiny_width: ClassVar[int] = 32
@@ -183,6 +191,8 @@ class DiffusionAdapter(ABC):
     medium_height: ClassVar[int] = 512
     medium_width: ClassVar[int] = 512
     medium_num_frames: ClassVar[int] = 1
+    shapes_height: ClassVar[int] = 32
+    shapes_width: ClassVar[int] = 32
 
     def __init__(
         self,
@@ -304,6 +314,8 @@ class DiffusionAdapter(ABC):
         transformers versions. Weights are saved as the build made them, fp32 safetensors, so
         any ``dtype`` loads from them.
         """
+        if flavour in cls.shipped_flavours:
+            return cls.shipped_path(flavour)
         spec = cls._flavour(flavour)
         root = (Path(cache_dir) if cache_dir is not None else cache_root()) / flavour
         import diffusers
@@ -334,6 +346,19 @@ class DiffusionAdapter(ABC):
         return target
 
     @classmethod
+    def shipped_path(cls, flavour: str, root: str | os.PathLike | None = None) -> Path:
+        """The directory of a flavour shipped with pretrained weights, under ``root``
+        (default :data:`PRETRAINED_ROOT`); one sentence when it is missing."""
+        target = Path(root if root is not None else PRETRAINED_ROOT) / f"{cls.name}-{flavour}"
+        if not (target / "model_index.json").is_file():
+            raise DigenError(
+                f"model.flavour '{flavour}' needs the pretrained {cls.name} weights in "
+                f"'{target}', which are missing; write them with "
+                f"`python -m digen.models.shapes_pretrain --out {target}`."
+            )
+        return target
+
+    @classmethod
     def _flavour(cls, flavour: str) -> _Flavour:
         """The flavour named ``flavour``; an unknown name is refused, naming the choices."""
         flavours = {
@@ -356,6 +381,14 @@ class DiffusionAdapter(ABC):
                 },
             ),
         }
+        if flavour in cls.shipped_flavours:
+            size = {"height": cls.shapes_height, "width": cls.shapes_width, "num_frames": 1}
+            flavours[flavour] = _Flavour(cls.build_shapes_components, 1, size)
+        elif flavour == "shapes":
+            raise DigenError(
+                f"model.flavour 'shapes' has pretrained weights for flux only, not for "
+                f"{cls.name}; choose model.name=flux or model.flavour tiny or medium."
+            )
         if flavour not in flavours:
             raise DigenError(
                 f"model.flavour '{flavour}' is not a flavour; choose one of: {', '.join(flavours)}."
@@ -372,6 +405,12 @@ class DiffusionAdapter(ABC):
     def build_medium_components(cls) -> dict[str, Any]:
         """Random-init components of the medium flavour, as ``pipeline_class(**components)``
         takes. Call it under ``torch.device("meta")`` to inspect it without the memory."""
+
+    @classmethod
+    def build_shapes_components(cls, **recipe: Any) -> dict[str, Any]:
+        """Random-init components at the shapes world's size, which the ``shapes`` flavour's
+        pretraining starts from; only backbones in whose ``shipped_flavours`` it is have one."""
+        raise DigenError(f"{cls.name} has no shapes-size model; the shapes flavour is flux's.")
 
     # --- the protocol -------------------------------------------------------------------
 

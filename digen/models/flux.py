@@ -29,6 +29,7 @@ from digen.models.base import (
 )
 from digen.models.tiny import (
     medium_autoencoder_kl,
+    pixel_autoencoder_kl,
     tiny_autoencoder_kl,
     tiny_clip_text,
     tiny_clip_tokenizer,
@@ -100,6 +101,7 @@ class FluxAdapter(DiffusionAdapter):
         "ff_context.net.2",
         "proj_mlp",
     )
+    shipped_flavours: ClassVar[tuple[str, ...]] = ("shapes",)
     tiny_version: ClassVar[int] = 1
     tiny_height: ClassVar[int] = 32
     tiny_width: ClassVar[int] = 32
@@ -140,6 +142,59 @@ class FluxAdapter(DiffusionAdapter):
             axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
         )
         return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
+
+    @classmethod
+    def build_shapes_components(
+        cls,
+        *,
+        width: int = 96,
+        heads: int = 4,
+        double_layers: int = 2,
+        single_layers: int = 4,
+        text_width: int = 64,
+        text_length: int = 50,
+        shift: float = 1.0,
+        downsample: int = 2,
+    ) -> dict[str, Any]:
+        """Random-init FLUX.1 sized for the shapes world (:mod:`digen.shapes`) at 32 px: what
+        :mod:`digen.models.shapes_pretrain` trains into the ``shapes`` flavour.
+
+        The VAE is the identity (:func:`~digen.models.tiny.pixel_autoencoder_kl`): the latent
+        is the RGB image (averaged over ``downsample`` x ``downsample`` blocks), packed 2x2
+        into tokens of 12 channels (256 at 32 px; 64 with ``downsample=2``), so colours come
+        out exact and nothing but the transformer and text encoders has to learn. Captions of
+        the world are at most 48 bytes, so 50 text tokens hold each with CLIP's start and
+        end tokens. No guidance embedding
+        (the model is not guidance-distilled; classifier-free guidance works instead, as it is
+        trained with dropped captions). The scheduler has a fixed ``shift`` (no dynamic
+        shifting: one resolution), the one training draws its sigmas with.
+        """
+        if width % heads or (width // heads) % 4:
+            raise ValueError(f"width {width} must split into {heads} heads of a multiple of 4.")
+        head = width // heads
+        spatial = 3 * head // 16 * 2  # RoPE dims per image axis (even); the rest for axis 0
+        text = _text_components(width=text_width, clip_length=text_length, t5_length=text_length)
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=3 * 4,  # 2x2-packed RGB
+            num_layers=double_layers,
+            num_single_layers=single_layers,
+            attention_head_dim=head,
+            num_attention_heads=heads,
+            joint_attention_dim=text_width,  # T5 d_model
+            pooled_projection_dim=text_width,  # CLIP hidden size
+            guidance_embeds=False,
+            axes_dims_rope=(head - 2 * spatial, spatial, spatial),  # sums to attention_head_dim
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=shift, use_dynamic_shifting=False
+        )
+        return {
+            **text,
+            "vae": pixel_autoencoder_kl(downsample),
+            "transformer": transformer,
+            "scheduler": scheduler,
+        }
 
     @classmethod
     def build_medium_components(cls) -> dict[str, Any]:

@@ -15,9 +15,12 @@ from digen.errors import DigenError
 
 __all__ = ["BACKBONES", "FLAVOURS", "MODEL_NAMES", "Backbone", "get_backbone"]
 
-FLAVOURS: tuple[str, ...] = ("tiny", "medium")
-"""Random-init sizes every backbone builds from config (``model.flavour``): ``tiny`` (toy
-width, tests and CPUs) and ``medium`` (about 1B transformer parameters, for a GPU)."""
+FLAVOURS: tuple[str, ...] = ("tiny", "medium", "shapes")
+"""Weights a backbone runs without ``model.path`` (``model.flavour``): the random-init sizes
+every backbone builds from code, ``tiny`` (toy width, tests and CPUs) and ``medium`` (about 1B
+transformer parameters, for a GPU), and ``shapes``, weights pretrained on the shapes world
+(:mod:`digen.shapes`) that ship inside the package for the backbones that have them (flux),
+so RL on the shapes task starts from a model that already draws it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from digen.models.base import make_byte_tokenizer
 
 __all__ = [
     "medium_autoencoder_kl",
+    "pixel_autoencoder_kl",
     "tiny_autoencoder_kl",
     "tiny_clip_text",
     "tiny_clip_tokenizer",
@@ -108,6 +111,79 @@ def tiny_autoencoder_kl(*, scaling_factor: float, shift_factor: float) -> Any:
         scaling_factor=scaling_factor,
         shift_factor=shift_factor,
     )
+
+
+#: the constant channel that pins the single GroupNorm's statistics (see pixel_autoencoder_kl)
+_PIXEL_ANCHOR = 1000.0
+
+
+def pixel_autoencoder_kl(downsample: int = 1) -> Any:
+    """An ``AutoencoderKL`` whose latent is the image itself, averaged over ``downsample`` x
+    ``downsample`` blocks (a power of two): 3 channels; decoding repeats each latent pixel
+    over its block. At ``downsample=1`` encode and decode are the identity (to about 1e-6),
+    so a diffusion model over it works in pixel space with no VAE to train and exact colours;
+    at 2 it works on a quarter of the pixels (a quarter of the tokens) and draws in 2 px
+    steps.
+
+    The real class with set weights, so it saves, loads and runs as any pipeline's VAE. Every
+    ResNet's second convolution is zero (each block passes its input through) and there is no
+    attention, so each half reduces to ``conv_out(silu(norm(resample(conv_in(x)))))``:
+    ``conv_in`` writes ``[r, -r, g, -g, b, -b, K, -K]``; each down-sampler (a stride-2 conv)
+    averages 2 x 2 blocks and each up-sampler (nearest, then a conv) keeps what it repeats;
+    the one-group norm then has mean exactly 0 and variance ``K^2 / 4`` up to
+    ``mean(x^2) / 4``, so with ``K = 1000`` it only scales by ``2 / K``, which its affine weight
+    undoes; and ``silu(a) - silu(-a) == a`` exactly, which ``conv_out`` takes. The encoder's
+    log-variance is -30: its samples are its means.
+    """
+    from diffusers import AutoencoderKL
+
+    levels = downsample.bit_length() - 1
+    if downsample < 1 or 1 << levels != downsample:
+        raise ValueError(f"downsample {downsample} must be a power of two.")
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * (levels + 1),
+        up_block_types=("UpDecoderBlock2D",) * (levels + 1),
+        block_out_channels=(8,) * (levels + 1),
+        layers_per_block=1,
+        latent_channels=3,
+        norm_num_groups=1,
+        mid_block_add_attention=False,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=1.0,
+        shift_factor=0.0,
+    )
+    k = _PIXEL_ANCHOR
+    eye = torch.eye(8)  # [8, 8]: channel to itself
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.zero_()
+        for half in (vae.encoder, vae.decoder):
+            for name, p in half.named_parameters():
+                if ".norm" in name and name.endswith("weight"):
+                    p.fill_(1.0)  # unused (their branch ends in a zero conv), but sane
+            w_in = half.conv_in.weight  # [8, 3, 3, 3]; only the centre tap
+            for c in range(3):
+                w_in[2 * c, c, 1, 1] = 1.0
+                w_in[2 * c + 1, c, 1, 1] = -1.0
+            half.conv_in.bias[6], half.conv_in.bias[7] = k, -k
+            half.conv_norm_out.weight.fill_(k / 2)
+            w_out = half.conv_out.weight  # [3 or 6, 8, 3, 3]
+            for c in range(3):
+                w_out[c, 2 * c, 1, 1] = 1.0
+                w_out[c, 2 * c + 1, 1, 1] = -1.0
+        for block in vae.encoder.down_blocks:
+            for down in block.downsamplers or ():
+                # stride 2 over the input padded right and below: taps 0..1 are the block
+                down.conv.weight[:, :, :2, :2] = eye[:, :, None, None] / 4  # [8, 8, 2, 2]
+        for block in vae.decoder.up_blocks:
+            for up in block.upsamplers or ():
+                up.conv.weight[:, :, 1, 1] = eye  # after nearest up-sampling: keep it
+        vae.encoder.conv_out.bias[3:] = -30.0  # log-variance
+    return vae
 
 
 def medium_autoencoder_kl(*, scaling_factor: float, shift_factor: float) -> Any:

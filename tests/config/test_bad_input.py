@@ -211,3 +211,11 @@ def test_resume_says_which_reward_hooks_its_config_loads(tmp_path: Path) -> None
         "run's processes: /hooks/mine.py:score." in res.stderr
     ), res.stderr
     assert "jpeg_incompressibility" not in res.stderr.split("note:")[1].splitlines()[0]
+
+
+def test_flavour_is_model_flavour_and_checked_before_torch_loads(tmp_path: Path) -> None:
+    res = _cli_without_torch("--flavour", "huge", "--out", str(tmp_path / "o"))
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "model.flavour" in lines[0] and "shapes" in lines[0], lines
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,413 @@
+"""Pretraining of the ``shapes`` flavour: FLUX.1 components at toy size taught to draw the
+shapes world (:mod:`digen.shapes`) from its training captions, so RL starts from a model
+that already draws scenes and has room to improve on the held-out ones.
+
+    python -m digen.models.shapes_pretrain --out DIR --seed 0 --minutes 20
+
+**Model** (:meth:`~digen.models.flux.FluxAdapter.build_shapes_components`): a
+FluxTransformer2DModel over the image itself, averaged in 2x2 blocks (the VAE is fixed, so
+colours are exact and nothing but the transformer and text encoders learns), CLIP and T5
+text encoders on
+digen's byte tokenizer, trained together, and FLUX's flow-matching scheduler with a fixed
+shift.
+
+**Data**: pairs made on the fly from the *training* prompts only (never a held-out one): a
+category drawn uniformly first, then one of its captions (position has 3/4 of the captions
+and would otherwise crowd the rest out), then a random scene for it
+(:func:`~digen.shapes.scene_for`) from one seeded numpy Generator. A fraction of captions
+(``text_dropout``) is replaced by the empty prompt, the unconditional prompt digen samples
+classifier-free guidance with.
+
+**Objective**: rectified flow as FLUX in diffusers: ``x_t = (1 - sigma) x0 + sigma noise``,
+target ``noise - x0`` (:meth:`~digen.models.flux.FluxAdapter.forward_velocity` is the model
+call), with ``sigma`` drawn logit-normal and then shifted by the scheduler's ``shift``
+(``shift * s / (1 + (shift - 1) s)``), the same map the scheduler applies to the sampling
+sigmas. AdamW with warm-up and a cosine decay, gradient clipping, an exponential moving
+average (EMA) of the weights; the EMA weights are what is evaluated and saved.
+
+**Evaluation**: the saved directory loaded back with
+:meth:`~digen.models.base.DiffusionAdapter.from_pretrained` and sampled with digen's own
+deterministic sampler (:func:`~digen.algos.rollout.sample_rollout` with no noisy steps, as
+:meth:`~digen.runtime.worker.policy.Policy.evaluate`), judged by
+:func:`digen.rewards.shapes.evaluate`: strict accuracy per category on held-out and on
+training captions.
+
+**Reproducibility**: the same seed, recipe, step count and thread count give the same
+weights. ``--minutes`` picks the step count from the speed of the first steps, which varies
+between machines; it is written to ``recipe.json``, and ``--steps`` with that number
+repeats the run exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline
+
+from digen.shapes import CATEGORIES, parse, render, scene_for, split_prompts
+
+__all__ = ["Recipe", "TrainingPairs", "evaluate_model", "main", "pretrain", "sample_sigmas"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recipe:
+    """Everything a pretraining run depends on, besides the thread count."""
+
+    seed: int = 0
+    steps: int = 0
+    """Optimizer steps; 0: as many as ``minutes`` allow (measured on the first steps)."""
+    minutes: float = 20.0
+    """Wall-clock budget for training when ``steps`` is 0 (evaluation not counted)."""
+    batch: int = 32
+    lr: float = 2e-3
+    warmup: int = 200
+    """Steps of linear warm-up; then a cosine decay to ``lr_final`` times ``lr``."""
+    lr_final: float = 0.1
+    weight_decay: float = 0.01
+    ema: float = 0.999
+    """EMA decay (with the usual ``(1 + n) / (10 + n)`` ramp early on)."""
+    text_dropout: float = 0.1
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: float = 1.0
+    """The scheduler's fixed shift: training sigmas and sampling sigmas both pass through it."""
+    width: int = 96
+    heads: int = 4
+    double_layers: int = 2
+    single_layers: int = 4
+    text_width: int = 64
+    downsample: int = 2
+    """The VAE's down-sampling (1 or 2): the model works on 32 x 32 or 16 x 16 latents (64
+    tokens rather than 256: about 2.8x more steps in the same time, which matters more than
+    the 2 px steps the images are then drawn in)."""
+    balanced: bool = True
+    """Draw a category first, then a caption (else captions uniformly)."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0: only at the end)."""
+    eval_steps: int = 20
+    eval_guidance: float = 3.0
+    eval_per_category: int = 16
+    """Samples per category and prompt set at each evaluation."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or (self.steps == 0 and self.minutes <= 0):
+            raise ValueError("give a positive --steps or --minutes.")
+        if not 0.0 <= self.text_dropout < 1.0:
+            raise ValueError(f"text_dropout {self.text_dropout} must be in [0, 1).")
+        if self.batch < 1 or self.lr <= 0 or self.shift <= 0:
+            raise ValueError("batch, lr and shift must be positive.")
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """What :meth:`~digen.models.flux.FluxAdapter.build_shapes_components` takes."""
+        return {
+            "width": self.width,
+            "heads": self.heads,
+            "double_layers": self.double_layers,
+            "single_layers": self.single_layers,
+            "text_width": self.text_width,
+            "shift": self.shift,
+            "downsample": self.downsample,
+        }
+
+
+class TrainingPairs:
+    """(image, caption) pairs of the shapes world's training captions, from one seeded
+    numpy Generator: the same seed gives the same stream."""
+
+    def __init__(self, seed: int, *, balanced: bool = True, resolution: int = 32) -> None:
+        train, _ = split_prompts()
+        self.captions = train
+        self.by_category = {c: [p for p in train if parse(p).category == c] for c in CATEGORIES}
+        self.specs = {p: parse(p) for p in train}
+        self.balanced = balanced
+        self.resolution = resolution
+        self.rng = np.random.default_rng(seed)
+
+    def caption(self) -> str:
+        if self.balanced:
+            pool = self.by_category[CATEGORIES[int(self.rng.integers(len(CATEGORIES)))]]
+        else:
+            pool = self.captions
+        return pool[int(self.rng.integers(len(pool)))]
+
+    def batch(self, n: int) -> tuple[torch.Tensor, list[str]]:
+        """``n`` pairs: images ``[n, 3, H, W]`` in ``[-1, 1]`` and their captions."""
+        captions = [self.caption() for _ in range(n)]
+        images = np.stack(
+            [render(scene_for(self.specs[c], self.rng, self.resolution)) for c in captions]
+        )  # [n, H, W, 3] uint8
+        x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # [n, 3, H, W]
+        return x, captions
+
+
+def sample_sigmas(
+    n: int, generator: torch.Generator, *, mean: float, std: float, shift: float
+) -> torch.Tensor:
+    """``[n]`` training sigmas: logit-normal, then the scheduler's static shift."""
+    s = torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+    return shift * s / (1 + (shift - 1) * s)
+
+
+def _lr_factor(step: int, recipe: Recipe, total: int) -> float:
+    if step < recipe.warmup:
+        return (step + 1) / recipe.warmup
+    done = min(1.0, (step - recipe.warmup) / max(1, total - recipe.warmup))
+    return recipe.lr_final + (1 - recipe.lr_final) * 0.5 * (1 + math.cos(math.pi * done))
+
+
+def _trained_modules(pipe: FluxPipeline) -> list[torch.nn.Module]:
+    return [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+
+
+def evaluate_model(
+    path: str | Path,
+    *,
+    steps: int = 20,
+    guidance: float = 3.0,
+    per_category: int = 16,
+    seed: int = 0,
+    prompt_sets: Sequence[str] = ("heldout", "train"),
+) -> tuple[dict[str, dict[str, float]], dict[str, torch.Tensor]]:
+    """Strict accuracy per category of the pipeline at ``path``, loaded as digen loads it.
+
+    For each prompt set, up to 8 prompts per category (a fixed choice) and
+    ``per_category`` samples spread over them; deterministic sampling from
+    :func:`~digen.seeding.eval_generator` noise with ``steps`` Euler steps of the model's
+    scheduler and classifier-free guidance ``guidance`` against the empty prompt. Returns
+    the accuracies and the images ``uint8 [B, 1, H, W, 3]`` per prompt set.
+    """
+    from digen.algos.rollout import SamplerSpec, sample_rollout
+    from digen.models._quiet import no_loading_bars
+    from digen.models.flux import FluxAdapter
+    from digen.rewards.shapes import accuracy, evaluate
+    from digen.seeding import eval_generator
+
+    with no_loading_bars():
+        adapter = FluxAdapter.from_pretrained(path)
+    spec = SamplerSpec(
+        sigmas=adapter.sigmas(steps), window=(), stochastic=(), guidance_scale=guidance
+    )
+    train, held_out = split_prompts()
+    pick = np.random.default_rng(1234)
+    results, images = {}, {}
+    for name in prompt_sets:
+        pool = held_out if name == "heldout" else train
+        prompts = []
+        for c in CATEGORIES:
+            mine = [p for p in pool if parse(p).category == c]
+            chosen = [mine[i] for i in sorted(pick.permutation(len(mine))[:8])]
+            prompts += [chosen[j % len(chosen)] for j in range(per_category)]
+        keys = [(i, 0) for i in range(len(prompts))]
+        with torch.no_grad():
+            cond = adapter.encode_prompts(prompts)
+            neg = adapter.encode_prompts([""] * len(prompts)) if guidance > 1 else None
+            gens = [eval_generator(seed, i, j) for i, j in keys]
+            rollout = sample_rollout(adapter, cond, gens, spec, neg)
+            pixels = adapter.decode(rollout.final)  # [B, 1, H, W, 3]
+        results[name] = accuracy(evaluate(pixels, prompts))
+        images[name] = pixels
+    return results, images
+
+
+def save_grid(path: Path, pixels: torch.Tensor, columns: int = 16) -> None:
+    """``pixels [B, 1, H, W, 3]`` uint8 as one PNG, ``columns`` to a row, 2 px apart."""
+    from PIL import Image
+
+    b, _, h, w, _ = pixels.shape
+    rows = math.ceil(b / columns)
+    canvas = np.full((rows * (h + 2), columns * (w + 2), 3), 128, dtype=np.uint8)
+    for i in range(b):
+        r, c = divmod(i, columns)
+        canvas[r * (h + 2) : r * (h + 2) + h, c * (w + 2) : c * (w + 2) + w] = pixels[i, 0].numpy()
+    Image.fromarray(canvas).save(path)
+
+
+def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]:
+    """Train from ``recipe`` and save the EMA pipeline to ``out``; returns the last
+    evaluation. ``out`` also gets ``recipe.json``, ``log.jsonl`` and evaluation grids."""
+    from digen.models.base import _save_whatever_the_rank
+    from digen.models.flux import FluxAdapter
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(recipe.seed)
+    pipe = FluxPipeline(**FluxAdapter.build_shapes_components(**recipe.model_kwargs()))
+    pipe.set_progress_bar_config(disable=True)
+    adapter = FluxAdapter(pipe, height=32, width=32)
+    modules = _trained_modules(pipe)
+    for m in modules:
+        m.requires_grad_(True)
+        m.train()
+    for m in modules[1:]:
+        m.eval()  # no dropout inside the text encoders; caption dropout is the regulariser
+    params = [p for m in modules for p in m.parameters()]
+    n_params = {type(m).__name__: sum(p.numel() for p in m.parameters()) for m in modules}
+    ema = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(
+        params, lr=recipe.lr, betas=(0.9, 0.99), weight_decay=recipe.weight_decay
+    )
+    data = TrainingPairs(recipe.seed, balanced=recipe.balanced)
+    noise_gen = torch.Generator().manual_seed(recipe.seed + 1)
+    drop_gen = np.random.default_rng(recipe.seed + 2)
+    shift_factor, scaling = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
+    log_file = (out / "log.jsonl").open("w")
+
+    def emit(row: dict[str, Any]) -> None:
+        print(json.dumps(row), file=log_file, flush=True)
+        print(json.dumps(row), file=log, flush=True)
+
+    total = recipe.steps or 10**9  # fixed once the first steps have been timed
+    start, train_seconds, losses = time.perf_counter(), 0.0, []
+    last_eval: dict[str, Any] = {}
+    step = 0
+    while step < total:
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = recipe.lr * _lr_factor(step, recipe, total)
+        x, captions = data.batch(recipe.batch)  # [B, 3, 32, 32] in [-1, 1]
+        with torch.no_grad():  # the latent: the image, block-averaged when down-sampled
+            z = pipe.vae.encode(x).latent_dist.mode()  # [B, 3, 32 / d, 32 / d]
+        x0 = (z - shift_factor) * scaling
+        dropped = drop_gen.random(len(captions)) < recipe.text_dropout
+        captions = ["" if d else c for c, d in zip(captions, dropped)]
+        cond = adapter._encode_prompts(captions)  # with gradients: the encoders train
+        noise = torch.randn(x0.shape, generator=noise_gen)  # [B, 3, h, w]
+        sigma = sample_sigmas(
+            len(x0), noise_gen, mean=recipe.logit_mean, std=recipe.logit_std, shift=recipe.shift
+        )  # [B]
+        s = sigma.view(-1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * noise
+        v = adapter.forward_velocity(x_t, sigma, cond)  # [B, 3, h, w]
+        loss = torch.nn.functional.mse_loss(v, noise - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        decay = min(recipe.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+        losses.append(loss.item())
+        step += 1
+        train_seconds += time.perf_counter() - t0
+        if recipe.steps == 0 and step == 20:
+            total = max(step + 1, int(recipe.minutes * 60 / (train_seconds / step)))
+            emit({"event": "steps_chosen", "steps": total, "seconds_per_step": train_seconds / 20})
+        if step % 50 == 0 or step == total:
+            emit(
+                {
+                    "step": step,
+                    "loss": float(np.mean(losses[-50:])),
+                    "grad_norm": float(grad_norm),
+                    "lr": opt.param_groups[0]["lr"],
+                    "train_minutes": round(train_seconds / 60, 2),
+                }
+            )
+        if step == total or (recipe.eval_every and step % recipe.eval_every == 0):
+            _save(pipe, params, ema, out, _save_whatever_the_rank)
+            t_eval = time.perf_counter()
+            results, images = evaluate_model(
+                out,
+                steps=recipe.eval_steps,
+                guidance=recipe.eval_guidance,
+                per_category=recipe.eval_per_category,
+                seed=recipe.seed,
+            )
+            for name, pixels in images.items():
+                save_grid(out / f"eval-{name}-{step:06d}.png", pixels, recipe.eval_per_category)
+            last_eval = {"step": step, **{f"{k}": v for k, v in results.items()}}
+            emit({**last_eval, "eval_minutes": round((time.perf_counter() - t_eval) / 60, 2)})
+    final = dataclasses.replace(recipe, steps=total)
+    (out / "recipe.json").write_text(
+        json.dumps(
+            {
+                "recipe": dataclasses.asdict(final),
+                "threads": torch.get_num_threads(),
+                "parameters": n_params,
+                "train_minutes": round(train_seconds / 60, 2),
+                "wall_minutes": round((time.perf_counter() - start) / 60, 2),
+                "final_loss": float(np.mean(losses[-50:])),
+                "eval": last_eval,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    log_file.close()
+    return last_eval
+
+
+def _save(
+    pipe: FluxPipeline,
+    params: list[torch.nn.Parameter],
+    ema: list[torch.Tensor],
+    out: Path,
+    save_context: Any,
+) -> None:
+    """Save ``pipe`` with the EMA weights in place of the live ones, then put those back."""
+    live = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, e in zip(params, ema):
+            p.copy_(e)
+        with save_context():
+            pipe.save_pretrained(str(out), safe_serialization=True)
+        for p, v in zip(params, live):
+            p.copy_(v)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m digen.models.shapes_pretrain",
+        description="Pretrain the shapes flavour (FLUX.1 components) on the shapes world.",
+    )
+    ap.add_argument("--out", required=True, type=Path, help="the pipeline directory to write")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="evaluate the pipeline already in --out with the --eval-* settings; no training",
+    )
+    for f in dataclasses.fields(Recipe):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            kind = {"int": int, "float": float}[f.type]
+            ap.add_argument(flag, type=kind, default=f.default, help=(f.__doc__ or None))
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = vars(_parser().parse_args(argv))
+    out, threads, only = args.pop("out"), args.pop("threads"), args.pop("evaluate_only")
+    torch.set_num_threads(threads)
+    recipe = Recipe(**args)
+    if not only:
+        pretrain(recipe, out)
+        return
+    results, images = evaluate_model(
+        out,
+        steps=recipe.eval_steps,
+        guidance=recipe.eval_guidance,
+        per_category=recipe.eval_per_category,
+        seed=recipe.seed,
+    )
+    tag = f"{recipe.eval_steps}steps-cfg{recipe.eval_guidance:g}"
+    for name, pixels in images.items():
+        save_grid(out / f"eval-{name}-{tag}.png", pixels, recipe.eval_per_category)
+    print(
+        json.dumps({"eval_steps": recipe.eval_steps, "guidance": recipe.eval_guidance, **results})
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The ``shapes`` flavour: FLUX.1 components at the shapes world's size, shipped as a
+diffusers directory and loaded through the same ``from_pretrained`` path as real weights; and
+its pretraining (:mod:`digen.models.shapes_pretrain`), reproducible from a seed.
+
+Random-init weights stand in for the shipped ones, at a width that builds in a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+from safetensors.torch import load_file
+
+from digen.errors import DigenError
+from digen.models import base as models_base
+from digen.models import load_adapter
+from digen.models.flux import FluxAdapter
+from digen.models.shapes_pretrain import Recipe, TrainingPairs, pretrain
+from digen.models.tiny import pixel_autoencoder_kl
+from digen.shapes import split_prompts
+
+SMALL = {"width": 32, "heads": 2, "double_layers": 1, "single_layers": 1, "text_width": 32}
+
+
+@pytest.mark.parametrize("downsample", [1, 2])
+def test_the_pixel_vae_is_the_image_block_averaged_and_repeated(downsample: int) -> None:
+    vae = pixel_autoencoder_kl(downsample)
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        z = vae.encode(x).latent_dist.sample()  # [2, 3, 32 / d, 32 / d]
+        y = vae.decode(z).sample  # [2, 3, 32, 32]
+    blocks = torch.nn.functional.avg_pool2d(x, downsample)
+    repeated = blocks.repeat_interleave(downsample, 2).repeat_interleave(downsample, 3)
+    torch.testing.assert_close(z, blocks, atol=1e-5, rtol=0)
+    torch.testing.assert_close(y, repeated, atol=1e-5, rtol=0)
+
+
+def test_shapes_flavour_loads_the_shipped_directory_through_from_pretrained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    pipe = FluxPipeline(**FluxAdapter.build_shapes_components(**SMALL))
+    pipe.save_pretrained(str(tmp_path / "flux-shapes"), safe_serialization=True)
+    monkeypatch.setattr(models_base, "PRETRAINED_ROOT", tmp_path)
+
+    ad = load_adapter("flux", None, flavour="shapes", height=None, width=None)
+    assert ad.path == tmp_path / "flux-shapes"
+    assert (ad.height, ad.width, ad.latent_shape()) == (32, 32, (3, 16, 16))
+    saved = load_file(str(tmp_path / "flux-shapes/transformer/diffusion_pytorch_model.safetensors"))
+    for name, p in ad.transformer.named_parameters():
+        torch.testing.assert_close(p, saved[name], atol=0, rtol=0)
+
+    cond = ad.encode_prompts(["a red square to the left of a yellow triangle", ""])
+    x = torch.randn(2, *ad.latent_shape())  # [2, 3, 16, 16]
+    v = ad.predict_velocity(x, 0.5, cond)
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    pixels = ad.decode(x.clamp(-1, 1))  # [2, 1, 32, 32, 3]: each latent pixel a 2x2 block
+    assert pixels.shape == (2, 1, 32, 32, 3)
+    expected = ad.to_uint8(x.clamp(-1, 1).repeat_interleave(2, 2).repeat_interleave(2, 3))
+    assert (pixels.int() - expected.int()).abs().max() <= 1
+
+
+def test_shapes_flavour_without_its_directory_says_how_to_make_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(models_base, "PRETRAINED_ROOT", tmp_path)
+    with pytest.raises(DigenError, match=r"needs the pretrained flux weights .*shapes_pretrain"):
+        load_adapter("flux", None, flavour="shapes")
+
+
+def test_shapes_flavour_of_a_backbone_without_shapes_weights_is_refused() -> None:
+    with pytest.raises(DigenError, match="model.flavour 'shapes' has pretrained weights for flux"):
+        load_adapter("sd3", None, flavour="shapes")
+
+
+def test_training_pairs_use_training_captions_only_and_repeat_from_a_seed() -> None:
+    _, held_out = split_prompts()
+    a, b = TrainingPairs(3), TrainingPairs(3)
+    xa, ca = a.batch(64)  # [64, 3, 32, 32]
+    xb, cb = b.batch(64)
+    assert ca == cb and torch.equal(xa, xb)
+    assert not set(ca) & set(held_out)
+    assert xa.shape == (64, 3, 32, 32) and xa.min() >= -1 and xa.max() <= 1
+
+
+def test_pretraining_gives_the_same_weights_from_the_same_seed(tmp_path: Path) -> None:
+    recipe = Recipe(steps=2, batch=4, eval_steps=1, eval_per_category=1, **SMALL)
+    weights = []
+    for run in ("a", "b"):
+        with open(tmp_path / f"{run}.log", "w") as log:
+            result = pretrain(recipe, tmp_path / run, log=log)
+        assert set(result["heldout"]) >= {"single_object", "overall"}
+        weights.append(
+            load_file(str(tmp_path / run / "transformer/diffusion_pytorch_model.safetensors"))
+        )
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], atol=0, rtol=0)
+
+
+def test_the_shipped_shapes_model_loads_and_draws_objects() -> None:
+    """The weights in the package, as ``model.flavour=shapes`` loads them: every sample of a
+    few training captions holds an object the judge can see (not noise, not blank)."""
+    from digen.algos.rollout import SamplerSpec, sample_rollout
+    from digen.rewards.shapes import find_objects
+
+    ad = load_adapter("flux", None, flavour="shapes")
+    assert ad.path == models_base.PRETRAINED_ROOT / "flux-shapes"
+    prompts = ["a red square", "a green circle", "two squares", "a circle and a square"]
+    spec = SamplerSpec(sigmas=ad.sigmas(10), window=(), stochastic=())
+    gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+    with torch.no_grad():
+        final = sample_rollout(ad, ad.encode_prompts(prompts), gens, spec).final
+    pixels = ad.decode(final)  # [4, 1, 32, 32, 3]
+    for frame in pixels[:, 0].numpy():
+        assert find_objects(frame), "a sample of the shipped model holds no object"
