@@ -970,6 +970,7 @@ def _with_preset(data: dict[str, Any]) -> dict[str, Any]:
         pick("algo", "name", "flowgrpo"),
         real_weights=real,
         mode=pick("runtime", "mode", "colocated"),
+        flavour=pick("model", "flavour", "tiny"),
     )
     return _merge(layer, data)
 

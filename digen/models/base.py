@@ -52,7 +52,7 @@ JOINT_ATTENTION_TARGETS = (
 )
 
 #: where shipped flavours live: ``<PRETRAINED_ROOT>/<backbone>-<flavour>/``, a diffusers
-#: pipeline directory (``python -m digen.models.shapes_pretrain`` writes the shapes one)
+#: pipeline directory (``python -m digen.run.shapes_pretrain`` writes the shapes one)
 PRETRAINED_ROOT = Path(__file__).resolve().parent / "pretrained"
 
 #: pipeline attributes that hold text encoders (absent ones are skipped)
@@ -354,7 +354,7 @@ class DiffusionAdapter(ABC):
             raise DigenError(
                 f"model.flavour '{flavour}' needs the pretrained {cls.name} weights in "
                 f"'{target}', which are missing; write them with "
-                f"`python -m digen.models.shapes_pretrain --out {target}`."
+                f"`python -m digen.run.shapes_pretrain --out {target}`."
             )
         return target
 

@@ -157,7 +157,7 @@ class FluxAdapter(DiffusionAdapter):
         downsample: int = 2,
     ) -> dict[str, Any]:
         """Random-init FLUX.1 sized for the shapes world (:mod:`digen.shapes`) at 32 px: what
-        :mod:`digen.models.shapes_pretrain` trains into the ``shapes`` flavour.
+        :mod:`digen.run.shapes_pretrain` trains into the ``shapes`` flavour.
 
         The VAE is the identity (:func:`~digen.models.tiny.pixel_autoencoder_kl`): the latent
         is the RGB image (averaged over ``downsample`` x ``downsample`` blocks), packed 2x2

@@ -123,7 +123,8 @@ def arm_config(s: QualitySettings, arm: Arm, seed: int) -> Any:
         *s.overrides,
     ]
     return load_config(
-        base=preset(s.model, arm.algo, mode=arm.mode), overrides=[*shared, *arm.overrides]
+        base=preset(s.model, arm.algo, mode=arm.mode, flavour=s.flavour),
+        overrides=[*shared, *arm.overrides],
     )
 
 

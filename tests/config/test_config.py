@@ -395,3 +395,15 @@ def test_each_pool_gets_its_own_device_and_dtype() -> None:
     assert (gen.model.dtype, gen.model.device) == ("bfloat16", "cpu")
     assert (trainer.model.dtype, trainer.model.device) == ("float32", "meta")
     assert cfg.model.dtype == "float32"  # the run's own config is left alone
+
+
+def test_the_shapes_flavour_presets_the_shapes_task_at_its_own_size() -> None:
+    from digen.presets import SHAPES_TASK
+
+    cfg = load_config(model="flux", overrides=["model.flavour=shapes"])
+    assert cfg.model.height is None and cfg.model.width is None  # the flavour's 32 px
+    assert cfg.data.prompts == "shapes" and [r.name for r in cfg.rewards] == ["shapes"]
+    assert (cfg.eval.every, cfg.eval.samples) == (5, 4) == tuple(SHAPES_TASK["eval"].values())
+    assert cfg.train.lr < load_config(model="flux").train.lr  # a model that already draws
+    tiny = load_config(model="flux")
+    assert (tiny.model.height, tiny.data.prompts, tiny.eval.every) == (64, None, 0)

@@ -1,6 +1,6 @@
 """The ``shapes`` flavour: FLUX.1 components at the shapes world's size, shipped as a
 diffusers directory and loaded through the same ``from_pretrained`` path as real weights; and
-its pretraining (:mod:`digen.models.shapes_pretrain`), reproducible from a seed.
+its pretraining (:mod:`digen.run.shapes_pretrain`), reproducible from a seed.
 
 Random-init weights stand in for the shipped ones, at a width that builds in a second.
 """
@@ -18,8 +18,8 @@ from digen.errors import DigenError
 from digen.models import base as models_base
 from digen.models import load_adapter
 from digen.models.flux import FluxAdapter
-from digen.models.shapes_pretrain import Recipe, TrainingPairs, pretrain
 from digen.models.tiny import pixel_autoencoder_kl
+from digen.run.shapes_pretrain import Recipe, TrainingPairs, pretrain
 from digen.shapes import split_prompts
 
 SMALL = {"width": 32, "heads": 2, "double_layers": 1, "single_layers": 1, "text_width": 32}

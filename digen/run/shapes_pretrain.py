@@ -2,7 +2,7 @@
 shapes world (:mod:`digen.shapes`) from its training captions, so RL starts from a model
 that already draws scenes and has room to improve on the held-out ones.
 
-    python -m digen.models.shapes_pretrain --out DIR --seed 0 --minutes 20
+    python -m digen.run.shapes_pretrain --out DIR --seed 0 --minutes 20
 
 **Model** (:meth:`~digen.models.flux.FluxAdapter.build_shapes_components`): a
 FluxTransformer2DModel over the image itself, averaged in 2x2 blocks (the VAE is fixed, so
@@ -366,7 +366,7 @@ def _save(
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m digen.models.shapes_pretrain",
+        prog="python -m digen.run.shapes_pretrain",
         description="Pretrain the shapes flavour (FLUX.1 components) on the shapes world.",
     )
     ap.add_argument("--out", required=True, type=Path, help="the pipeline directory to write")
