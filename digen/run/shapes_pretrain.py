@@ -315,13 +315,7 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
         if step == total or (recipe.eval_every and step % recipe.eval_every == 0):
             _save(pipe, params, ema, out, _save_whatever_the_rank)
             t_eval = time.perf_counter()
-            results, images = evaluate_model(
-                out,
-                steps=recipe.eval_steps,
-                guidance=recipe.eval_guidance,
-                per_category=recipe.eval_per_category,
-                seed=recipe.seed,
-            )
+            results, images = _evaluate_as(recipe, out)
             for name, pixels in images.items():
                 save_grid(out / f"eval-{name}-{step:06d}.png", pixels, recipe.eval_per_category)
             last_eval = {"step": step, **{f"{k}": v for k, v in results.items()}}
@@ -394,13 +388,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not only:
         pretrain(recipe, out)
         return
-    results, images = evaluate_model(
-        out,
-        steps=recipe.eval_steps,
-        guidance=recipe.eval_guidance,
-        per_category=recipe.eval_per_category,
-        seed=recipe.seed,
-    )
+    results, images = _evaluate_as(recipe, out)
     tag = f"{recipe.eval_steps}steps-cfg{recipe.eval_guidance:g}"
     for name, pixels in images.items():
         save_grid(out / f"eval-{name}-{tag}.png", pixels, recipe.eval_per_category)
@@ -411,3 +399,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _evaluate_as(recipe: Recipe, out: Path) -> Any:
+    """:func:`evaluate_model` of the pipeline in ``out`` with ``recipe``'s evaluation settings."""
+    return evaluate_model(
+        out,
+        steps=recipe.eval_steps,
+        guidance=recipe.eval_guidance,
+        per_category=recipe.eval_per_category,
+        seed=recipe.seed,
+    )
