@@ -427,8 +427,8 @@ def _run_async(coro):
 
 
 def _pretty(summary: dict[str, Any]) -> str:
-    lines = [f"{k:>18}: {v}" for k, v in summary.items()]
-    return "\n".join(lines)
+    width = max(map(len, summary), default=0)
+    return "\n".join(f"{k:>{width}}: {v}" for k, v in summary.items())
 
 
 @main.command()

@@ -517,6 +517,8 @@ class EvalConfig:
     """The evaluation's prompts (a file or a shipped set, as data.prompts); None: the held-out set of the training prompts when they have one (shapes: shapes-heldout), else the training prompts."""
     samples: int = 1
     """Images per prompt, each from its own fixed noise (the same at every evaluation)."""
+    per_category: int | None = None
+    """Shapes-world prompts only: each category's prompts are taken this many times (cycled when it has fewer, evenly spaced when more; each eval.samples images), so a category with one held-out prompt weighs as much as one with 88; None: every prompt once."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "eval")
@@ -526,6 +528,8 @@ class EvalConfig:
         if self.prompts is not None and not self.prompts:
             raise _bad(_key(p, "prompts"), self.prompts, "give a prompt file path or null")
         _at_least(p, "samples", self.samples, 1)
+        if self.per_category is not None:
+            _at_least(p, "per_category", self.per_category, 1)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -602,6 +602,28 @@ def split_prompts() -> tuple[list[str], list[str]]:
     return train, held_out
 
 
+def balanced(prompts: Sequence[str], per_category: int) -> list[str]:
+    """``per_category`` prompts of each category present in ``prompts`` (categories in
+    :data:`CATEGORIES` order): a category's prompts cycled when it has fewer, an evenly spaced
+    choice of them when it has more. An evaluation on the held-out set weighs each category
+    alike this way (it has 1 single-object prompt and 88 position prompts).
+
+    A prompt outside the shapes world is a ValueError naming it (:func:`parse`).
+    """
+    by_category: dict[str, list[str]] = {c: [] for c in CATEGORIES}
+    for prompt in prompts:
+        by_category[parse(prompt).category].append(prompt)
+    chosen = []
+    for group in by_category.values():
+        n = len(group)
+        if n:
+            chosen += [
+                group[i * n // per_category] if n >= per_category else group[i % n]
+                for i in range(per_category)
+            ]
+    return chosen
+
+
 def _write_prompt_files() -> None:
     """Write the two shipped prompt files from :func:`split_prompts`."""
     from digen.prompts import BUILTIN_SETS

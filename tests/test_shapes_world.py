@@ -22,6 +22,7 @@ from digen.shapes import (
     Scene,
     SceneObject,
     all_specs,
+    balanced,
     caption,
     check,
     geometry,
@@ -317,3 +318,19 @@ def test_the_shipped_prompt_sets_are_the_split() -> None:
         assert text == "".join(f"{p}\n" for p in prompts)
         assert PromptSet.builtin(name).prompts == prompts
         assert PromptSet.load(name).prompts == prompts
+
+
+def test_a_balanced_evaluation_takes_each_category_alike() -> None:
+    chosen = balanced(HELD_OUT, 8)
+    categories = [parse(p).category for p in chosen]
+    assert categories == [c for c in CATEGORIES for _ in range(8)]  # in CATEGORIES order
+    by = {c: [p for p in HELD_OUT if parse(p).category == c] for c in CATEGORIES}
+    assert chosen[:8] == ["a triangle"] * 8  # one prompt: repeated
+    colors = chosen[3 * 8 : 4 * 8]
+    assert colors == by["colors"] * 4  # two prompts: cycled in order
+    position = chosen[4 * 8 : 5 * 8]  # 88 prompts: every 11th, from the first
+    assert position == by["position"][::11]
+    assert len(set(balanced(HELD_OUT, 88)[4 * 88 : 5 * 88])) == 88  # as many: each once
+    assert balanced(["a circle", "two squares"], 2) == ["a circle"] * 2 + ["two squares"] * 2
+    with pytest.raises(ValueError, match="'a snowman' is not one the shapes world reads"):
+        balanced(["a circle", "a snowman"], 2)

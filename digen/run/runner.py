@@ -38,6 +38,7 @@ from digen.checkpoint import (
     previous_outputs,
 )
 from digen.config import DigenConfig, config_to_dict, load_config
+from digen.errors import DigenError
 from digen.prompts import PromptSet
 from digen.rewards.scoring import CompositeReward, build_reward
 from digen.run.outputs import RunOutputs
@@ -45,6 +46,7 @@ from digen.run.trackers import Trackers, require
 from digen.runtime.metrics import eval_metrics
 from digen.runtime.notes import NotesToRunLog
 from digen.sched.trace import Trace
+from digen.shapes import balanced
 
 if TYPE_CHECKING:
     from digen.runtime.messages import StepResult
@@ -134,6 +136,14 @@ class DigenRunner:
         """The evaluation's prompts (``eval.every > 0``), loaded before anything starts."""
         if self.cfg.eval.every:
             self.eval_prompts = PromptSet.for_eval(self.cfg.eval.prompts, self.cfg.data.prompts)
+            if self.cfg.eval.per_category is not None:
+                try:
+                    chosen = balanced(self.eval_prompts.prompts, self.cfg.eval.per_category)
+                except ValueError as exc:
+                    raise DigenError(
+                        f"eval.per_category needs shapes-world prompts: {exc}"
+                    ) from None
+                self.eval_prompts = PromptSet(chosen)
         self._temporary = not out_dir
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
         self.progress = progress

@@ -403,7 +403,9 @@ def test_the_shapes_flavour_presets_the_shapes_task_at_its_own_size() -> None:
     cfg = load_config(model="flux", overrides=["model.flavour=shapes"])
     assert cfg.model.height is None and cfg.model.width is None  # the flavour's 32 px
     assert cfg.data.prompts == "shapes" and [r.name for r in cfg.rewards] == ["shapes"]
-    assert (cfg.eval.every, cfg.eval.samples) == (5, 4) == tuple(SHAPES_TASK["eval"].values())
+    assert (cfg.eval.every, cfg.eval.samples, cfg.eval.per_category) == (10, 1, 32)
+    assert tuple(SHAPES_TASK["eval"].values()) == (10, 1, 32)
+    assert cfg.data.train_batch_size == 4
     assert cfg.train.lr < load_config(model="flux").train.lr  # a model that already draws
     tiny = load_config(model="flux")
     assert (tiny.model.height, tiny.data.prompts, tiny.eval.every) == (64, None, 0)

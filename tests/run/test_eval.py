@@ -127,3 +127,22 @@ def test_shapes_captions_are_judged_by_genevals_rule_on_the_images() -> None:
     wrong, _ = judge(pixels, prompts[1:] + prompts[:1])  # each image under another caption
     assert sum(wrong) < len(prompts) / 2
     assert judge(pixels[:1], ["a photo of a dog"]) is None  # not the shapes world: no judging
+
+
+def test_per_category_takes_each_held_out_category_alike_and_needs_shapes_prompts(
+    tmp_path: Path,
+) -> None:
+    from digen.errors import DigenError
+    from digen.run.runner import DigenRunner
+    from digen.shapes import CATEGORIES, parse
+
+    shapes = ["data.prompts=shapes", "rewards=[shapes]", "eval.every=1", "eval.per_category=3"]
+    runner = DigenRunner(tiny_config("flux", "flowgrpo", shapes), out_dir=tmp_path / "a")
+    assert runner.eval_prompts is not None  # the held-out set, 3 of each category
+    got = [parse(p).category for p in runner.eval_prompts.prompts]
+    assert got == [c for c in CATEGORIES for _ in range(3)]
+    assert runner.eval_prompts.prompts[:3] == ["a triangle"] * 3
+
+    other = ["eval.every=1", "eval.per_category=3", f"eval.prompts={_prompts(tmp_path)}"]
+    with pytest.raises(DigenError, match="eval.per_category needs shapes-world prompts: "):
+        DigenRunner(tiny_config("flux", "flowgrpo", other), out_dir=tmp_path / "b")
