@@ -340,6 +340,17 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
     return last_eval
 
 
+def _evaluate_as(recipe: Recipe, out: Path) -> Any:
+    """:func:`evaluate_model` of the pipeline in ``out`` with ``recipe``'s evaluation settings."""
+    return evaluate_model(
+        out,
+        steps=recipe.eval_steps,
+        guidance=recipe.eval_guidance,
+        per_category=recipe.eval_per_category,
+        seed=recipe.seed,
+    )
+
+
 def _save(
     pipe: FluxPipeline,
     params: list[torch.nn.Parameter],
@@ -399,14 +410,3 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _evaluate_as(recipe: Recipe, out: Path) -> Any:
-    """:func:`evaluate_model` of the pipeline in ``out`` with ``recipe``'s evaluation settings."""
-    return evaluate_model(
-        out,
-        steps=recipe.eval_steps,
-        guidance=recipe.eval_guidance,
-        per_category=recipe.eval_per_category,
-        seed=recipe.seed,
-    )

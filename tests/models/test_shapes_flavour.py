@@ -7,6 +7,9 @@ Random-init weights stand in for the shipped ones, at a width that builds in a s
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from digen.models import load_adapter
 from digen.models.flux import FluxAdapter
 from digen.models.tiny import pixel_autoencoder_kl
 from digen.run.shapes_pretrain import Recipe, TrainingPairs, pretrain
-from digen.shapes import split_prompts
+from digen.shapes import CATEGORIES, split_prompts
 
 SMALL = {"width": 32, "heads": 2, "double_layers": 1, "single_layers": 1, "text_width": 32}
 
@@ -99,6 +102,29 @@ def test_pretraining_gives_the_same_weights_from_the_same_seed(tmp_path: Path) -
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         torch.testing.assert_close(weights[0][name], weights[1][name], atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_pretraining_command_trains_and_evaluates_again_to_the_same_figures(
+    tmp_path: Path,
+) -> None:
+    """``python -m digen.run.shapes_pretrain`` as a user runs it: train, then
+    ``--evaluate-only`` the result with the same settings (same noise, same weights)."""
+    out = tmp_path / "pipe"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
+    flags += ["--steps=2", "--batch=4", "--eval-steps=1", "--eval-per-category=2"]
+    command = [sys.executable, "-m", "digen.run.shapes_pretrain", f"--out={out}", "--threads=1"]
+    for extra in ([], ["--evaluate-only"]):
+        done = subprocess.run(
+            [*command, *flags, *extra], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    trained = json.loads((out / "recipe.json").read_text())["eval"]
+    again = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (again["eval_steps"], again["guidance"]) == (1, 3.0)
+    for split in ("heldout", "train"):
+        assert set(again[split]) == {*CATEGORIES, "overall"}
+        assert again[split] == trained[split]
 
 
 def test_the_shipped_shapes_model_loads_and_draws_objects() -> None:
