@@ -124,12 +124,13 @@ def _release(version: str) -> tuple[int, ...]:
 @click.option(
     "--model-path",
     type=click.Path(path_type=Path),
-    help="Local diffusers model directory (default: the tiny flavour).",
+    help="Local diffusers model directory (default: the model's --flavour).",
 )
 @click.option(
     "--flavour",
     help="Weights without --model-path (model.flavour): tiny, medium or shapes (flux's "
-    "pretrained shapes-world model, 32 px) [default: tiny].",
+    "pretrained shapes-world model, 32 px) [default: shapes for flux, else tiny; tiny with "
+    "--config].",
 )
 @click.option(
     "--mode",
@@ -355,6 +356,9 @@ def _run(
                 err=True,
             )
     else:
+        flavour = _run_flavour(model, model_path, config_path, prompts, overrides)
+        if flavour is not None:  # first, so the user's own overrides still win
+            overrides = (f"model.flavour={flavour}", *overrides)
         cfg = load_config(
             config_path, overrides, base=cli, model=model, algo=algo, mode=mode, preset=True
         )
@@ -416,6 +420,24 @@ def _run_torchrun(cfg, out_dir, quiet, sample_every):
     )
     serve_worker(spec, rank, world, address, port, rpc_timeout_s=rt.rpc_timeout_s)
     return None
+
+
+def _run_flavour(model, model_path, config_path, prompts, overrides) -> str | None:
+    """The flavour a ``digen run`` that names no weights trains (the backbone's
+    ``run_flavour``: flux's pretrained shapes model), or None when the user named weights
+    (``--model-path``, ``--flavour``, ``model.path=`` / ``model.flavour=``), prompts of
+    their own (``--prompts``, ``data.prompts=``: the shapes model draws only its world) or a
+    config file, which then decide."""
+    given = dict(o.split("=", 1) for o in overrides if "=" in o)
+    given = {k.strip(): v.strip() for k, v in given.items()}
+    if (model_path, config_path, prompts) != (None, None, None):
+        return None
+    if {"model.path", "model.flavour", "data.prompts"} & given.keys():
+        return None
+    from digen.models.registry import get_backbone
+
+    flavour = get_backbone(model or given.get("model.name", "flux")).run_flavour
+    return None if flavour == "tiny" else flavour
 
 
 def _run_async(coro):

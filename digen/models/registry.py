@@ -38,6 +38,11 @@ class Backbone:
     recipe: dict[str, Any] = field(default_factory=dict)
     """Sampling settings of the published recipes with real weights: ``height``, ``width``,
     ``num_frames`` (videos), ``guidance_scale``."""
+    run_flavour: str = "tiny"
+    """The flavour ``digen run`` trains when told no weights (no ``--flavour``,
+    ``--model-path``, ``--config`` or ``model.*`` weights override): flux's pretrained
+    ``shapes`` model, so the bare command shows a model learning something a person can
+    judge; ``tiny`` for backbones that ship no weights."""
 
 
 BACKBONES: dict[str, Backbone] = {
@@ -63,6 +68,7 @@ BACKBONES: dict[str, Backbone] = {
             video=False,
             pipeline="FluxPipeline",
             recipe={"height": 512, "width": 512, "guidance_scale": 1.0},
+            run_flavour="shapes",
         ),
         Backbone(
             "qwenimage",

@@ -408,4 +408,6 @@ def test_the_shapes_flavour_presets_the_shapes_task_at_its_own_size() -> None:
     assert cfg.data.train_batch_size == 4
     assert cfg.train.lr < load_config(model="flux").train.lr  # a model that already draws
     tiny = load_config(model="flux")
+    # guidance against the empty prompt, which the flavour was pretrained to give
+    assert (cfg.rollout.guidance_scale, tiny.rollout.guidance_scale) == (3.0, 1.0)
     assert (tiny.model.height, tiny.data.prompts, tiny.eval.every) == (64, None, 0)

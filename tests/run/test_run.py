@@ -27,6 +27,7 @@ from digen.presets import ALGO_NAMES, preset
 from digen.run.outputs import MIN_TILE_WIDTH
 
 SMALL = ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
+SMALL.append("model.flavour=tiny")  # digen run's own default for flux is the shapes model
 METRIC_KEYS = {
     "step",
     "reward_mean",
@@ -322,21 +323,6 @@ def test_a_run_with_its_stdout_closed_runs(tmp_path: Path, run_mark) -> None:
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
-
-
-@pytest.mark.slow
-def test_tiny_flux_learns_jpeg_incompressibility(tmp_path: Path) -> None:
-    """The quick-start run (tiny FLUX, Flow-GRPO, JPEG incompressibility, seed 0) improves."""
-    cfg = tiny_config("flux", "flowgrpo")
-    assert cfg.steps == 30 and cfg.rewards[0].name == "jpeg_incompressibility"
-    result = run_config(cfg, tmp_path, save_weights=False)
-    rewards = [m["reward_mean"] for m in result.metrics]
-    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
-    # measured: 3.655 kB -> 3.724 kB; the per-step noise of the batch mean is about 0.03 kB
-    assert last - first > 0.03, rewards
-    # the second mini-batch of each step sees a moved policy: its ratios leave [1 - eps, 1 + eps]
-    assert all(m["clip_fraction"] > 0 for m in result.metrics)
-    assert all(m["approx_kl"] > 0 for m in result.metrics)
 
 
 def test_full_finetune_with_kl_saves_a_transformer(tmp_path: Path) -> None:

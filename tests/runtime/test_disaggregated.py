@@ -226,7 +226,7 @@ def test_digen_run_disaggregated_every_model_and_algo(
     out = tmp_path / "out"
     args = ["run", "--mode", "disaggregated", "--model", model, "--algo", algo, "--steps", "1"]
     args += ["--out", str(out), "--quiet", "rollout.n=2", "train.micro_batch_size=2"]
-    args += ["rollout.num_inference_steps=3"]
+    args += ["rollout.num_inference_steps=3", "model.flavour=tiny"]
     res = CliRunner().invoke(main, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     row = read_jsonl(out / "metrics.jsonl")[0]

@@ -19,6 +19,7 @@ from digen.runtime.transport.torchrun import role_for_rank, torchrun_world
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=3"]
+SMALL.append("model.flavour=tiny")  # digen run's own default for flux is the shapes model
 
 
 def _env(**extra: str) -> dict[str, str]:

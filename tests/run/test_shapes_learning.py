@@ -1,0 +1,76 @@
+"""RL makes a model better at something a person can judge: a bare ``digen run`` (the README's
+main job) trains the shipped shapes FLUX with Flow-GRPO and the ``shapes`` reward, and its
+GenEval-style accuracy rises on captions whose compositions training never shows, in both
+modes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from helpers import read_jsonl
+
+from cli.main import _run_flavour, main
+from digen import load_config
+from digen.shapes import CATEGORIES
+
+# Measured with this preset over 30 steps, seeds 0-4 (held-out, 32 images a category):
+# accuracy rises by 0.042 to 0.104 (median 0.068), the partial-credit reward by 0.053 to
+# 0.108 (median 0.084). A run on another machine rounds differently, which is as good as
+# another seed, so the bounds sit under the smallest rise measured.
+MIN_ACCURACY_RISE = 0.02
+MIN_REWARD_RISE = 0.03
+
+
+def test_a_run_that_names_no_weights_trains_the_shapes_model() -> None:
+    assert _run_flavour(None, None, None, None, ()) == "shapes"
+    assert _run_flavour("flux", None, None, None, ("rollout.n=4",)) == "shapes"
+    assert _run_flavour(None, None, None, None, ("model.name=sd3",)) is None  # no shapes weights
+    assert _run_flavour("hunyuanvideo", None, None, None, ()) is None
+    for told in (
+        (None, Path("weights"), None, None, ()),
+        (None, None, Path("run.yaml"), None, ()),
+        (None, None, None, Path("mine.txt"), ()),  # the shapes model draws only its own world
+        (None, None, None, None, ("model.flavour=tiny",)),
+        (None, None, None, None, ("model.path = /weights",)),
+        (None, None, None, None, ("data.prompts=mine.txt",)),
+    ):
+        assert _run_flavour(*told) is None, told
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_a_bare_run_raises_held_out_accuracy_on_the_shapes_task(tmp_path: Path, mode: str) -> None:
+    out = tmp_path / "out"
+    args = ["run", "--mode", mode, "--out", str(out), "--quiet", "eval.every=30", "save_every=0"]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    cfg = load_config(out / "config.yaml")
+    assert (cfg.model.flavour, cfg.data.prompts, [r.name for r in cfg.rewards]) == (
+        "shapes",
+        "shapes",
+        ["shapes"],
+    )
+    assert (cfg.steps, cfg.seed, cfg.algo.name) == (30, 0, "flowgrpo")
+
+    first, last = read_jsonl(out / "eval.jsonl")
+    assert (first["eval/policy_version"], last["eval/policy_version"]) == (0, 30)
+    assert first["eval/samples"] == last["eval/samples"] == 32 * len(CATEGORIES)
+    rise = last["eval/accuracy"] - first["eval/accuracy"]
+    assert rise >= MIN_ACCURACY_RISE, (first["eval/accuracy"], last["eval/accuracy"])
+    reward_rise = last["eval/reward_mean"] - first["eval/reward_mean"]
+    assert reward_rise >= MIN_REWARD_RISE, (first["eval/reward_mean"], last["eval/reward_mean"])
+    # the accuracy is GenEval's: the mean of the categories' strict accuracies
+    for row in (first, last):
+        per_category = [row[f"eval/accuracy/{c}"] for c in CATEGORIES]
+        assert row["eval/accuracy"] == pytest.approx(sum(per_category) / len(per_category))
+    # the command's summary shows the start and end a person reads
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    assert (summary["eval_accuracy_first"], summary["eval_accuracy_last"]) == (
+        first["eval/accuracy"],
+        last["eval/accuracy"],
+    )
+    # every optimizer step after a step's first trains on samples of an older policy
+    assert all(m["approx_kl"] > 0 for m in read_jsonl(out / "metrics.jsonl"))
