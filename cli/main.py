@@ -1,6 +1,6 @@
 """The ``digen`` command.
 
-    digen run                                    # tiny FLUX + Flow-GRPO on the CPU
+    digen run                                    # the shipped shapes FLUX + Flow-GRPO on the CPU
     digen run --model hunyuanvideo --algo dancegrpo
     digen run --config my.yaml rollout.n=8 train.lr=1e-4
 
@@ -128,9 +128,9 @@ def _release(version: str) -> tuple[int, ...]:
 )
 @click.option(
     "--flavour",
-    help="Weights without --model-path (model.flavour): tiny, medium or shapes (flux's "
-    "pretrained shapes-world model, 32 px) [default: shapes for flux, else tiny; tiny with "
-    "--config].",
+    help="Weights without --model-path (model.flavour): tiny, medium or shapes (flux's and "
+    "sd3's pretrained shapes-world models, 32 px) [default: shapes for flux, else tiny; tiny "
+    "with --config].",
 )
 @click.option(
     "--mode",
@@ -425,14 +425,15 @@ def _run_torchrun(cfg, out_dir, quiet, sample_every):
 def _run_flavour(model, model_path, config_path, prompts, overrides) -> str | None:
     """The flavour a ``digen run`` that names no weights trains (the backbone's
     ``run_flavour``: flux's pretrained shapes model), or None when the user named weights
-    (``--model-path``, ``--flavour``, ``model.path=`` / ``model.flavour=``), prompts of
-    their own (``--prompts``, ``data.prompts=``: the shapes model draws only its world) or a
-    config file, which then decide."""
+    (``--model-path``, ``--flavour``, ``model.path=`` / ``model.flavour=``), prompts other
+    than the shapes world's (``--prompts``, ``data.prompts=``: the shapes model draws only
+    its world) or a config file, which then decide."""
     given = dict(o.split("=", 1) for o in overrides if "=" in o)
     given = {k.strip(): v.strip() for k, v in given.items()}
-    if (model_path, config_path, prompts) != (None, None, None):
+    if (model_path, config_path) != (None, None) or {"model.path", "model.flavour"} & given.keys():
         return None
-    if {"model.path", "model.flavour", "data.prompts"} & given.keys():
+    own = [str(p) for p in (prompts, given.get("data.prompts")) if p is not None]
+    if any(p not in ("shapes", "shapes-heldout") for p in own):
         return None
     from digen.models.registry import get_backbone
 

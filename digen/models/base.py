@@ -386,8 +386,8 @@ class DiffusionAdapter(ABC):
             flavours[flavour] = _Flavour(cls.build_shapes_components, 1, size)
         elif flavour == "shapes":
             raise DigenError(
-                f"model.flavour 'shapes' has pretrained weights for flux only, not for "
-                f"{cls.name}; choose model.name=flux or model.flavour tiny or medium."
+                f"model.flavour 'shapes' has pretrained weights for flux and sd3 only, not "
+                f"for {cls.name}; choose model.name=flux or sd3, or model.flavour tiny or medium."
             )
         if flavour not in flavours:
             raise DigenError(
@@ -410,7 +410,7 @@ class DiffusionAdapter(ABC):
     def build_shapes_components(cls, **recipe: Any) -> dict[str, Any]:
         """Random-init components at the shapes world's size, which the ``shapes`` flavour's
         pretraining starts from; only backbones in whose ``shipped_flavours`` it is have one."""
-        raise DigenError(f"{cls.name} has no shapes-size model; the shapes flavour is flux's.")
+        raise DigenError(f"{cls.name} has no shapes-size model; flux and sd3 have one.")
 
     # --- the protocol -------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any
 from digen.errors import DigenError
 from digen.models.registry import BACKBONES
 
-__all__ = ["check_model_dir"]
+__all__ = ["check_model_dir", "model_of_dir"]
 
 _CONFIG_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json")
 """The config file a component folder may hold (models, schedulers, tokenizers)."""
@@ -54,6 +54,21 @@ def check_model_dir(path: str | os.PathLike, backbone: str) -> None:
         for name in _CONFIG_FILES:
             if (folder / name).is_file():
                 _read_json(folder / name)
+
+
+def model_of_dir(path: str | os.PathLike) -> str:
+    """The backbone whose pipeline class ``path``'s ``model_index.json`` names; one sentence
+    when it names none digen knows."""
+    index_file = Path(path) / "model_index.json"
+    if not index_file.is_file():
+        raise DigenError(
+            f"model path '{path}' is not a diffusers model directory (no model_index.json)."
+        )
+    got = _read_json(index_file).get("_class_name")
+    for b in BACKBONES.values():
+        if b.pipeline and b.pipeline == got:
+            return b.name
+    raise DigenError(f"model path '{path}' holds a {got or 'unnamed'} pipeline, no backbone's.")
 
 
 def _is_component(entry: Any) -> bool:

@@ -19,7 +19,7 @@ FLAVOURS: tuple[str, ...] = ("tiny", "medium", "shapes")
 """Weights a backbone runs without ``model.path`` (``model.flavour``): the random-init sizes
 every backbone builds from code, ``tiny`` (toy width, tests and CPUs) and ``medium`` (about 1B
 transformer parameters, for a GPU), and ``shapes``, weights pretrained on the shapes world
-(:mod:`digen.shapes`) that ship inside the package for the backbones that have them (flux),
+(:mod:`digen.shapes`) that ship inside the package for the backbones that have them (flux, sd3),
 so RL on the shapes task starts from a model that already draws it."""
 
 
@@ -40,9 +40,10 @@ class Backbone:
     ``num_frames`` (videos), ``guidance_scale``."""
     run_flavour: str = "tiny"
     """The flavour ``digen run`` trains when told no weights (no ``--flavour``,
-    ``--model-path``, ``--config`` or ``model.*`` weights override): flux's pretrained
-    ``shapes`` model, so the bare command shows a model learning something a person can
-    judge; ``tiny`` for backbones that ship no weights."""
+    ``--model-path``, ``--config`` or ``model.*`` weights override): for flux, the default
+    backbone, its pretrained ``shapes`` model, so the bare command shows a model learning
+    something a person can judge; ``tiny`` for the others (sd3 ships shapes weights too,
+    taken with ``--flavour shapes``)."""
 
 
 BACKBONES: dict[str, Backbone] = {

@@ -27,6 +27,7 @@ from digen.models.base import (
 )
 from digen.models.tiny import (
     medium_autoencoder_kl,
+    pixel_autoencoder_kl,
     tiny_autoencoder_kl,
     tiny_clip_text,
     tiny_clip_tokenizer,
@@ -70,6 +71,7 @@ class SD3Adapter(DiffusionAdapter):
     is_video: ClassVar[bool] = False
     # attention projections of both streams (``attn`` and SD3.5-medium's ``attn2``)
     lora_targets: ClassVar[tuple[str, ...]] = JOINT_ATTENTION_TARGETS
+    shipped_flavours: ClassVar[tuple[str, ...]] = ("shapes",)
     tiny_version: ClassVar[int] = 1
     tiny_height: ClassVar[int] = 32
     tiny_width: ClassVar[int] = 32
@@ -107,6 +109,63 @@ class SD3Adapter(DiffusionAdapter):
             qk_norm="rms_norm",
         )
         return {**text, "vae": vae, "transformer": transformer, "scheduler": _scheduler()}
+
+    @classmethod
+    def build_shapes_components(
+        cls,
+        *,
+        width: int = 96,
+        heads: int = 4,
+        layers: int = 4,
+        text_width: int = 64,
+        text_length: int = 50,
+        shift: float = 1.0,
+        downsample: int = 2,
+    ) -> dict[str, Any]:
+        """Random-init SD3.5 sized for the shapes world (:mod:`digen.shapes`) at 32 px: what
+        :mod:`digen.run.shapes_pretrain` trains into SD3's ``shapes`` flavour, the same world
+        and VAE as FLUX's (:meth:`~digen.models.flux.FluxAdapter.build_shapes_components`).
+
+        The VAE is the identity over 2x2 block averages (:func:`~digen.models.tiny.pixel_autoencoder_kl`),
+        so the latent is the 16 x 16 RGB image and the MMDiT's 2x2 patches make 64 tokens.
+        ``layers`` joint blocks (the first with SD3.5-medium's extra self-attention branch)
+        ``width`` wide; CLIP-L and CLIP-G stand-ins half of ``text_width`` each (their
+        concatenated hidden states are T5's width, so the pipeline pads nothing) and a T5
+        ``text_width`` wide, each taking ``text_length`` tokens (captions of the world are at
+        most 48 bytes). A fixed ``shift``, the one training draws its sigmas with.
+        """
+        if width % heads:
+            raise ValueError(f"width {width} must split into {heads} heads.")
+        half = text_width // 2
+        text = _text_components(
+            clip_widths=(half, text_width - half),
+            t5_width=text_width,
+            clip_length=text_length,
+            t5_length=text_length,
+        )
+        side = 32 // downsample  # the latent's side at 32 px
+        transformer = SD3Transformer2DModel(
+            sample_size=side,
+            patch_size=2,
+            in_channels=3,
+            out_channels=3,
+            num_layers=layers,
+            attention_head_dim=width // heads,
+            num_attention_heads=heads,
+            joint_attention_dim=text_width,  # T5 d_model
+            caption_projection_dim=width,
+            pooled_projection_dim=text_width,  # CLIP-L + CLIP-G projections
+            pos_embed_max_size=side // 2,
+            dual_attention_layers=(0,),
+            qk_norm="rms_norm",
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+        return {
+            **text,
+            "vae": pixel_autoencoder_kl(downsample),
+            "transformer": transformer,
+            "scheduler": scheduler,
+        }
 
     @classmethod
     def build_medium_components(cls) -> dict[str, Any]:

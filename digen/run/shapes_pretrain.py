@@ -1,15 +1,15 @@
-"""Pretraining of the ``shapes`` flavour: FLUX.1 components at toy size taught to draw the
-shapes world (:mod:`digen.shapes`) from its training captions, so RL starts from a model
-that already draws scenes and has room to improve on the held-out ones.
+"""Pretraining of the ``shapes`` flavour: FLUX.1 or SD3.5 components at toy size taught to
+draw the shapes world (:mod:`digen.shapes`) from its training captions, so RL starts from a
+model that already draws scenes and has room to improve on the held-out ones.
 
     python -m digen.run.shapes_pretrain --out DIR --seed 0 --minutes 20
+    python -m digen.run.shapes_pretrain --model sd3 --out DIR --seed 0 --steps 2700
 
-**Model** (:meth:`~digen.models.flux.FluxAdapter.build_shapes_components`): a
-FluxTransformer2DModel over the image itself, averaged in 2x2 blocks (the VAE is fixed, so
-colours are exact and nothing but the transformer and text encoders learns), CLIP and T5
-text encoders on
-digen's byte tokenizer, trained together, and FLUX's flow-matching scheduler with a fixed
-shift.
+**Model** (``build_shapes_components`` of :class:`~digen.models.flux.FluxAdapter` or
+:class:`~digen.models.sd3.SD3Adapter`): the backbone's diffusers transformer over the image
+itself, averaged in 2x2 blocks (the VAE is fixed, so colours are exact and nothing but the
+transformer and text encoders learns), its CLIP and T5 text encoders on digen's byte
+tokenizer, trained together, and the flow-matching scheduler with a fixed shift.
 
 **Data**: pairs made on the fly from the *training* prompts only (never a held-out one): a
 category drawn uniformly first, then one of its captions (position has 3/4 of the captions
@@ -35,7 +35,10 @@ training captions.
 **Reproducibility**: the same seed, recipe, step count and thread count give the same
 weights. ``--minutes`` picks the step count from the speed of the first steps, which varies
 between machines; it is written to ``recipe.json``, and ``--steps`` with that number
-repeats the run exactly.
+repeats the run exactly. At the end the run compares its weights with those the package
+ships for the same backbone (:func:`compare_to_shipped`: bit-for-bit equal or the largest
+difference, per component, and the shipped weights' evaluation beside its own), in the
+log and in ``recipe.json`` under ``shipped``.
 """
 
 from __future__ import annotations
@@ -53,17 +56,26 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import FluxPipeline
 
 from digen.shapes import CATEGORIES, parse, render, scene_for, split_prompts
 
-__all__ = ["Recipe", "TrainingPairs", "evaluate_model", "main", "pretrain", "sample_sigmas"]
+__all__ = [
+    "Recipe",
+    "TrainingPairs",
+    "compare_to_shipped",
+    "evaluate_model",
+    "main",
+    "pretrain",
+    "sample_sigmas",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Recipe:
     """Everything a pretraining run depends on, besides the thread count."""
 
+    model: str = "flux"
+    """The backbone: flux or sd3 (the two with a ``build_shapes_components``)."""
     seed: int = 0
     steps: int = 0
     """Optimizer steps; 0: as many as ``minutes`` allow (measured on the first steps)."""
@@ -85,7 +97,11 @@ class Recipe:
     width: int = 96
     heads: int = 4
     double_layers: int = 2
+    """flux: double-stream blocks."""
     single_layers: int = 4
+    """flux: single-stream blocks."""
+    layers: int = 4
+    """sd3: joint blocks."""
     text_width: int = 64
     downsample: int = 2
     """The VAE's down-sampling (1 or 2): the model works on 32 x 32 or 16 x 16 latents (64
@@ -107,14 +123,20 @@ class Recipe:
             raise ValueError(f"text_dropout {self.text_dropout} must be in [0, 1).")
         if self.batch < 1 or self.lr <= 0 or self.shift <= 0:
             raise ValueError("batch, lr and shift must be positive.")
+        if self.model not in ("flux", "sd3"):
+            raise ValueError(f"model {self.model!r}: choose flux or sd3.")
 
     def model_kwargs(self) -> dict[str, Any]:
-        """What :meth:`~digen.models.flux.FluxAdapter.build_shapes_components` takes."""
+        """What the backbone's ``build_shapes_components`` takes."""
+        depth = (
+            {"double_layers": self.double_layers, "single_layers": self.single_layers}
+            if self.model == "flux"
+            else {"layers": self.layers}
+        )
         return {
             "width": self.width,
             "heads": self.heads,
-            "double_layers": self.double_layers,
-            "single_layers": self.single_layers,
+            **depth,
             "text_width": self.text_width,
             "shift": self.shift,
             "downsample": self.downsample,
@@ -166,8 +188,10 @@ def _lr_factor(step: int, recipe: Recipe, total: int) -> float:
     return recipe.lr_final + (1 - recipe.lr_final) * 0.5 * (1 + math.cos(math.pi * done))
 
 
-def _trained_modules(pipe: FluxPipeline) -> list[torch.nn.Module]:
-    return [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+def _trained_modules(pipe: Any) -> dict[str, torch.nn.Module]:
+    """The transformer, then every text encoder the pipeline has, by component name."""
+    names = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+    return {n: getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None}
 
 
 def evaluate_model(
@@ -188,13 +212,14 @@ def evaluate_model(
     the accuracies and the images ``uint8 [B, 1, H, W, 3]`` per prompt set.
     """
     from digen.algos.rollout import SamplerSpec, sample_rollout
+    from digen.models import get_adapter_class
     from digen.models._quiet import no_loading_bars
-    from digen.models.flux import FluxAdapter
+    from digen.models.checks import model_of_dir
     from digen.rewards.shapes import accuracy, evaluate
     from digen.seeding import eval_generator
 
     with no_loading_bars():
-        adapter = FluxAdapter.from_pretrained(path)
+        adapter = get_adapter_class(model_of_dir(path)).from_pretrained(path)
     spec = SamplerSpec(
         sigmas=adapter.sigmas(steps), window=(), stochastic=(), guidance_scale=guidance
     )
@@ -236,22 +261,27 @@ def save_grid(path: Path, pixels: torch.Tensor, columns: int = 16) -> None:
 def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]:
     """Train from ``recipe`` and save the EMA pipeline to ``out``; returns the last
     evaluation. ``out`` also gets ``recipe.json``, ``log.jsonl`` and evaluation grids."""
+    from digen.models import get_adapter_class
     from digen.models.base import _save_whatever_the_rank
-    from digen.models.flux import FluxAdapter
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)
-    pipe = FluxPipeline(**FluxAdapter.build_shapes_components(**recipe.model_kwargs()))
+    cls = get_adapter_class(recipe.model)
+    pipe = cls.pipeline_class(**cls.build_shapes_components(**recipe.model_kwargs()))
     pipe.set_progress_bar_config(disable=True)
-    adapter = FluxAdapter(pipe, height=32, width=32)
-    modules = _trained_modules(pipe)
+    adapter = cls(pipe, height=32, width=32)
+    named = _trained_modules(pipe)
+    modules = list(named.values())
     for m in modules:
         m.requires_grad_(True)
         m.train()
     for m in modules[1:]:
         m.eval()  # no dropout inside the text encoders; caption dropout is the regulariser
     params = [p for m in modules for p in m.parameters()]
-    n_params = {type(m).__name__: sum(p.numel() for p in m.parameters()) for m in modules}
+    n_params = {
+        f"{name} ({type(m).__name__})": sum(p.numel() for p in m.parameters())
+        for name, m in named.items()
+    }
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(
         params, lr=recipe.lr, betas=(0.9, 0.99), weight_decay=recipe.weight_decay
@@ -321,6 +351,9 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
             last_eval = {"step": step, **{f"{k}": v for k, v in results.items()}}
             emit({**last_eval, "eval_minutes": round((time.perf_counter() - t_eval) / 60, 2)})
     final = dataclasses.replace(recipe, steps=total)
+    shipped = compare_to_shipped(out, recipe.model, list(named))
+    if shipped is not None:
+        emit({"shipped": shipped})
     (out / "recipe.json").write_text(
         json.dumps(
             {
@@ -331,6 +364,7 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
                 "wall_minutes": round((time.perf_counter() - start) / 60, 2),
                 "final_loss": float(np.mean(losses[-50:])),
                 "eval": last_eval,
+                "shipped": shipped,
             },
             indent=2,
         )
@@ -338,6 +372,42 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
     )
     log_file.close()
     return last_eval
+
+
+def compare_to_shipped(
+    out: Path, model: str, components: Sequence[str], root: Path | None = None
+) -> dict[str, Any] | None:
+    """How close the pipeline in ``out`` is to the ``shapes`` weights shipped for ``model``
+    (under ``root``, default the package's): per component, whether every tensor is equal
+    bit for bit and the largest absolute difference, and the shipped weights' own
+    evaluation (from their ``recipe.json``) to set beside this run's. None when nothing
+    ships for ``model`` or its tensors have other names or shapes (another recipe)."""
+    from safetensors.torch import load_file
+
+    from digen.models.base import PRETRAINED_ROOT
+
+    ref = Path(root if root is not None else PRETRAINED_ROOT) / f"{model}-shapes"
+    if not (ref / "model_index.json").is_file() or ref.resolve() == out.resolve():
+        return None
+    report: dict[str, Any] = {"path": str(ref), "components": {}}
+    for name in components:
+        mine, theirs = {}, {}
+        for folder, into in ((out / name, mine), (ref / name, theirs)):
+            for file in sorted(folder.glob("*.safetensors")):
+                into.update(load_file(str(file)))
+        same_shapes = mine.keys() == theirs.keys() and all(
+            mine[k].shape == theirs[k].shape for k in mine
+        )
+        if not mine or not same_shapes:
+            return None
+        diff = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in mine)
+        equal = all(torch.equal(mine[k], theirs[k]) for k in mine)
+        report["components"][name] = {"identical": equal, "max_abs_diff": diff}
+    report["identical"] = all(c["identical"] for c in report["components"].values())
+    recipe_file = ref / "recipe.json"
+    if recipe_file.is_file():
+        report["shipped_eval"] = json.loads(recipe_file.read_text()).get("eval")
+    return report
 
 
 def _evaluate_as(recipe: Recipe, out: Path) -> Any:
@@ -352,7 +422,7 @@ def _evaluate_as(recipe: Recipe, out: Path) -> Any:
 
 
 def _save(
-    pipe: FluxPipeline,
+    pipe: Any,
     params: list[torch.nn.Parameter],
     ema: list[torch.Tensor],
     out: Path,
@@ -372,7 +442,7 @@ def _save(
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m digen.run.shapes_pretrain",
-        description="Pretrain the shapes flavour (FLUX.1 components) on the shapes world.",
+        description="Pretrain the shapes flavour (FLUX.1 or SD3.5 components) on the shapes world.",
     )
     ap.add_argument("--out", required=True, type=Path, help="the pipeline directory to write")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -386,8 +456,11 @@ def _parser() -> argparse.ArgumentParser:
         if f.type == "bool":
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            kind = {"int": int, "float": float}[f.type]
-            ap.add_argument(flag, type=kind, default=f.default, help=(f.__doc__ or None))
+            kind = {"int": int, "float": float, "str": str}[f.type]
+            choices = ("flux", "sd3") if f.name == "model" else None
+            ap.add_argument(
+                flag, type=kind, default=f.default, choices=choices, help=(f.__doc__ or None)
+            )
     return ap
 
 

@@ -1,4 +1,4 @@
-"""The ``shapes`` flavour: FLUX.1 components at the shapes world's size, shipped as a
+"""The ``shapes`` flavour: FLUX.1 and SD3.5 components at the shapes world's size, shipped as a
 diffusers directory and loaded through the same ``from_pretrained`` path as real weights; and
 its pretraining (:mod:`digen.run.shapes_pretrain`), reproducible from a seed.
 
@@ -7,25 +7,31 @@ Random-init weights stand in for the shipped ones, at a width that builds in a s
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FluxPipeline
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from digen.errors import DigenError
 from digen.models import base as models_base
-from digen.models import load_adapter
-from digen.models.flux import FluxAdapter
+from digen.models import get_adapter_class, load_adapter
 from digen.models.tiny import pixel_autoencoder_kl
-from digen.run.shapes_pretrain import Recipe, TrainingPairs, pretrain
+from digen.run.shapes_pretrain import Recipe, TrainingPairs, compare_to_shipped, pretrain
 from digen.shapes import CATEGORIES, split_prompts
 
 SMALL = {"width": 32, "heads": 2, "double_layers": 1, "single_layers": 1, "text_width": 32}
+SMALL_SD3 = {"width": 32, "heads": 2, "layers": 1, "text_width": 32}
+SHAPES_MODELS = ("flux", "sd3")
+
+
+def _small(model: str) -> dict:
+    return SMALL if model == "flux" else SMALL_SD3
 
 
 @pytest.mark.parametrize("downsample", [1, 2])
@@ -41,18 +47,22 @@ def test_the_pixel_vae_is_the_image_block_averaged_and_repeated(downsample: int)
     torch.testing.assert_close(y, repeated, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("model", SHAPES_MODELS)
 def test_shapes_flavour_loads_the_shipped_directory_through_from_pretrained(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str
 ) -> None:
     torch.manual_seed(0)
-    pipe = FluxPipeline(**FluxAdapter.build_shapes_components(**SMALL))
-    pipe.save_pretrained(str(tmp_path / "flux-shapes"), safe_serialization=True)
+    cls = get_adapter_class(model)
+    pipe = cls.pipeline_class(**cls.build_shapes_components(**_small(model)))
+    pipe.save_pretrained(str(tmp_path / f"{model}-shapes"), safe_serialization=True)
     monkeypatch.setattr(models_base, "PRETRAINED_ROOT", tmp_path)
 
-    ad = load_adapter("flux", None, flavour="shapes", height=None, width=None)
-    assert ad.path == tmp_path / "flux-shapes"
+    ad = load_adapter(model, None, flavour="shapes", height=None, width=None)
+    assert ad.path == tmp_path / f"{model}-shapes"
     assert (ad.height, ad.width, ad.latent_shape()) == (32, 32, (3, 16, 16))
-    saved = load_file(str(tmp_path / "flux-shapes/transformer/diffusion_pytorch_model.safetensors"))
+    saved = load_file(
+        str(tmp_path / f"{model}-shapes/transformer/diffusion_pytorch_model.safetensors")
+    )
     for name, p in ad.transformer.named_parameters():
         torch.testing.assert_close(p, saved[name], atol=0, rtol=0)
 
@@ -75,8 +85,8 @@ def test_shapes_flavour_without_its_directory_says_how_to_make_it(
 
 
 def test_shapes_flavour_of_a_backbone_without_shapes_weights_is_refused() -> None:
-    with pytest.raises(DigenError, match="model.flavour 'shapes' has pretrained weights for flux"):
-        load_adapter("sd3", None, flavour="shapes")
+    with pytest.raises(DigenError, match="'shapes' has pretrained weights for flux and sd3 only"):
+        load_adapter("wan", None, flavour="shapes")
 
 
 def test_training_pairs_use_training_captions_only_and_repeat_from_a_seed() -> None:
@@ -89,9 +99,18 @@ def test_training_pairs_use_training_captions_only_and_repeat_from_a_seed() -> N
     assert xa.shape == (64, 3, 32, 32) and xa.min() >= -1 and xa.max() <= 1
 
 
-def test_pretraining_gives_the_same_weights_from_the_same_seed(tmp_path: Path) -> None:
-    recipe = Recipe(steps=2, batch=4, eval_steps=1, eval_per_category=1, **SMALL)
-    weights = []
+@pytest.mark.parametrize("model", SHAPES_MODELS)
+def test_pretraining_gives_the_same_weights_from_the_same_seed_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str
+) -> None:
+    """Two runs of one recipe and seed give the same weights; with the first one shipped,
+    the second reports that it reproduced them, and a shipped copy altered in one weight is
+    reported with exactly that difference."""
+    recipe = Recipe(model=model, steps=2, batch=4, eval_steps=1, eval_per_category=1)
+    recipe = dataclasses.replace(recipe, **_small(model))
+    shipped = tmp_path / "shipped" / f"{model}-shapes"
+    monkeypatch.setattr(models_base, "PRETRAINED_ROOT", tmp_path / "shipped")
+    weights, reports = [], []
     for run in ("a", "b"):
         with open(tmp_path / f"{run}.log", "w") as log:
             result = pretrain(recipe, tmp_path / run, log=log)
@@ -99,9 +118,38 @@ def test_pretraining_gives_the_same_weights_from_the_same_seed(tmp_path: Path) -
         weights.append(
             load_file(str(tmp_path / run / "transformer/diffusion_pytorch_model.safetensors"))
         )
+        reports.append(json.loads((tmp_path / run / "recipe.json").read_text())["shipped"])
+        if run == "a":
+            shutil.copytree(tmp_path / "a", shipped)
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         torch.testing.assert_close(weights[0][name], weights[1][name], atol=0, rtol=0)
+    assert reports[0] is None  # nothing shipped yet
+    encoders = {"text_encoder", "text_encoder_2"} | (
+        {"text_encoder_3"} if model == "sd3" else set()
+    )
+    assert set(reports[1]["components"]) == {"transformer", *encoders}
+    assert reports[1]["identical"] is True
+    assert all(c["max_abs_diff"] == 0.0 for c in reports[1]["components"].values())
+    first_eval = json.loads((tmp_path / "a" / "recipe.json").read_text())["eval"]
+    assert reports[1]["shipped_eval"] == first_eval
+
+    file = shipped / "transformer" / "diffusion_pytorch_model.safetensors"
+    altered = load_file(str(file))
+    key = sorted(altered)[0]
+    altered[key] = altered[key].clone()
+    altered[key].view(-1)[0] += 0.25
+    save_file(altered, str(file))
+    report = compare_to_shipped(tmp_path / "b", model, ["transformer", *sorted(encoders)])
+    assert report is not None and report["identical"] is False
+    assert report["components"]["transformer"]["identical"] is False
+    assert report["components"]["transformer"]["max_abs_diff"] == pytest.approx(0.25, abs=1e-6)
+    assert all(report["components"][e]["identical"] for e in encoders)
+    # weights of another recipe (the package's own, of other shapes) are not compared
+    package = Path(models_base.__file__).parent / "pretrained"
+    assert (package / f"{model}-shapes" / "model_index.json").is_file()
+    assert compare_to_shipped(tmp_path / "b", model, ["transformer"], root=package) is None
+    assert compare_to_shipped(tmp_path / "b", model, ["transformer"], root=tmp_path) is None
 
 
 @pytest.mark.slow
@@ -127,14 +175,15 @@ def test_the_pretraining_command_trains_and_evaluates_again_to_the_same_figures(
         assert again[split] == trained[split]
 
 
-def test_the_shipped_shapes_model_loads_and_draws_objects() -> None:
+@pytest.mark.parametrize("model", SHAPES_MODELS)
+def test_the_shipped_shapes_model_loads_and_draws_objects(model: str) -> None:
     """The weights in the package, as ``model.flavour=shapes`` loads them: every sample of a
     few training captions holds an object the judge can see (not noise, not blank)."""
     from digen.algos.rollout import SamplerSpec, sample_rollout
     from digen.rewards.shapes import find_objects
 
-    ad = load_adapter("flux", None, flavour="shapes")
-    assert ad.path == models_base.PRETRAINED_ROOT / "flux-shapes"
+    ad = load_adapter(model, None, flavour="shapes")
+    assert ad.path == models_base.PRETRAINED_ROOT / f"{model}-shapes"
     prompts = ["a red square", "a green circle", "two squares", "a circle and a square"]
     spec = SamplerSpec(sigmas=ad.sigmas(10), window=(), stochastic=())
     gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
@@ -143,3 +192,12 @@ def test_the_shipped_shapes_model_loads_and_draws_objects() -> None:
     pixels = ad.decode(final)  # [4, 1, 32, 32, 3]
     for frame in pixels[:, 0].numpy():
         assert find_objects(frame), "a sample of the shipped model holds no object"
+
+
+def test_the_flavour_a_bare_run_trains_exists_for_every_backbone() -> None:
+    from digen.models.registry import BACKBONES
+
+    for name, backbone in BACKBONES.items():
+        shipped = get_adapter_class(name).shipped_flavours
+        assert backbone.run_flavour == "tiny" or backbone.run_flavour in shipped, name
+    assert BACKBONES["flux"].run_flavour == "shapes"

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers import read_jsonl
+from helpers import read_jsonl, run_config
 
 from cli.main import _run_flavour, main
 from digen import load_config
+from digen.presets import preset
 from digen.shapes import CATEGORIES
 
 # Measured with this preset over 30 steps, seeds 0-4 (held-out, 32 images a category):
@@ -29,6 +30,9 @@ def test_a_run_that_names_no_weights_trains_the_shapes_model() -> None:
     assert _run_flavour("flux", None, None, None, ("rollout.n=4",)) == "shapes"
     assert _run_flavour(None, None, None, None, ("model.name=sd3",)) is None  # no shapes weights
     assert _run_flavour("hunyuanvideo", None, None, None, ()) is None
+    assert _run_flavour(None, None, None, Path("shapes"), ("data.prompts=shapes-heldout",)) == (
+        "shapes"
+    )
     for told in (
         (None, Path("weights"), None, None, ()),
         (None, None, Path("run.yaml"), None, ()),
@@ -74,3 +78,25 @@ def test_a_bare_run_raises_held_out_accuracy_on_the_shapes_task(tmp_path: Path, 
     )
     # every optimizer step after a step's first trains on samples of an older policy
     assert all(m["approx_kl"] > 0 for m in read_jsonl(out / "metrics.jsonl"))
+
+
+def test_the_sd3_shapes_flavour_runs_the_shapes_task(tmp_path: Path) -> None:
+    """SD3.5's shipped shapes weights take the same preset: a short run scores its samples,
+    evaluates before and after, and moves its LoRA."""
+    over = ["steps=2", "eval.every=2", "eval.per_category=2", "save_every=0", "rollout.n=4"]
+    over.append("train.micro_batch_size=4")
+    cfg = load_config(base=preset("sd3", "flowgrpo", flavour="shapes"), overrides=over)
+    assert (cfg.model.flavour, cfg.data.prompts, cfg.rollout.guidance_scale) == (
+        "shapes",
+        "shapes",
+        3.0,
+    )
+    result = run_config(cfg, tmp_path, save_weights=False)
+    assert [m["step"] for m in result.metrics] == [0, 1]
+    assert all(0 <= m["reward_mean"] <= 1 for m in result.metrics)
+    assert [r["eval/policy_version"] for r in result.evals] == [0, 2]
+    assert all(r["eval/samples"] == 2 * len(CATEGORIES) for r in result.evals)
+    # the pretrained model draws objects the judge finds: partial credit above zero
+    assert result.evals[0]["eval/reward_mean"] > 0
+    lora_b = [p for n, p in result.final_state.items() if "lora_B" in n]
+    assert lora_b and any(float(p.abs().max()) > 0 for p in lora_b)
