@@ -72,6 +72,8 @@ __all__ = [
 
 WEIGHTS = "weights.safetensors"
 OPTIMIZER = "optimizer.pt"
+OLD_POLICY = "old_policy.safetensors"
+"""The old policy's weights, where the algorithm keeps one (DiffusionNFT)."""
 SHARDED = "sharded"
 """Sharded trainers: the directory of per-trainer shard files."""
 STATE = "state.json"
@@ -112,18 +114,31 @@ def write_trainer_state(
     directory: str | os.PathLike,
     weights: dict[str, torch.Tensor],
     optimizer: dict[str, Any],
+    old: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write the trainer's part (weights and optimizer state) into ``directory``, flushed."""
+    """Write the trainer's part (weights, optimizer state, and the old policy's weights
+    where one is kept) into ``directory``, flushed."""
     import torch
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    save_file(tensors, str(directory / WEIGHTS))
+    files = {WEIGHTS: weights} | ({OLD_POLICY: old} if old is not None else {})
+    for name, state in files.items():
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / name)
+        )
     torch.save(optimizer, directory / OPTIMIZER)
-    for name in (WEIGHTS, OPTIMIZER):
+    for name in (*files, OPTIMIZER):
         _fsync(directory / name)
+
+
+def load_old_policy(directory: str | os.PathLike) -> dict[str, torch.Tensor] | None:
+    """The old policy's weights in a checkpoint, or None where it holds none."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / OLD_POLICY
+    return load_file(str(path)) if path.exists() else None
 
 
 def load_trainer_state(

@@ -53,6 +53,7 @@ ADV_NORMS = ("group", "none")
 ADV_STDS = ("group", "global")
 KL_TYPES = ("flowgrpo", "exact")
 CPS_LOGPROBS = ("published", "gaussian")
+SOLVERS = ("euler", "dpm2")
 
 # Choices derived from the registries: the config types name them, and the loader checks them.
 ModelName = Literal[MODEL_NAMES]  # type: ignore[valid-type]
@@ -302,6 +303,8 @@ class RolloutConfig:
     """Log-prob of the cps step: published (-mean((x' - mu)^2), what published clip ranges mean) or gaussian (the full density)."""
     same_initial_noise: bool = False
     """The samples of a group start from the same noise (DanceGRPO / MixGRPO) instead of each its own."""
+    solver: str = "euler"
+    """How steps without noise move: euler, or dpm2 (second-order multistep DPM-Solver++: DiffusionNFT's sampler)."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "rollout")
@@ -316,6 +319,7 @@ class RolloutConfig:
         _at_least(p, "num_inference_steps", self.num_inference_steps, 1)
         _at_least(p, "noise_level", self.noise_level, 0.0)
         _choice(_key(p, "cps_logprob"), self.cps_logprob, CPS_LOGPROBS)
+        _choice(_key(p, "solver"), self.solver, SOLVERS)
         steps = self.num_inference_steps
         size = self.sde_window_size
         if size < 0 or size > steps:

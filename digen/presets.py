@@ -100,5 +100,7 @@ def preset(
             cfg[section] = (
                 values if isinstance(values, list) else {**cfg.get(section, {}), **values}
             )
+        if algorithm.samples_without_guidance:  # its recipe's own: the task's is for the rest
+            cfg["rollout"]["guidance_scale"] = 1.0
     cfg["runtime"] = {"mode": mode}
     return cfg

@@ -15,6 +15,7 @@ __all__ = [
     "derive_seed",
     "eval_generator",
     "group_generator",
+    "nft_noise_generator",
     "sample_generator",
     "step_generator",
 ]
@@ -44,6 +45,16 @@ def eval_generator(seed: int, prompt_index: int, sample_index: int) -> torch.Gen
 def group_generator(seed: int, step: int, prompt_index: int) -> torch.Generator:
     """The CPU generator of a group's shared initial latent (``rollout.same_initial_noise``)."""
     return torch.Generator("cpu").manual_seed(derive_seed("group", seed, step, prompt_index))
+
+
+def nft_noise_generator(
+    seed: int, step: int, prompt_index: int, sample_index: int, timestep: int
+) -> torch.Generator:
+    """The CPU generator of the noise a forward-process algorithm adds to one sample's clean
+    latent at one trained timestep (its own stream: it moves no sampling noise)."""
+    return torch.Generator("cpu").manual_seed(
+        derive_seed("forward-noise", seed, step, prompt_index, sample_index, timestep)
+    )
 
 
 def step_generator(seed: int, step: int, purpose: str) -> torch.Generator:

@@ -11,8 +11,14 @@ asks, so nothing outside it branches on an algorithm's name:
   step)`` only, so every worker makes the same plan;
 - **the step math**: the :class:`~digen.algos.transitions.Transition` of a stochastic step and
   its log-prob form;
-- **training**: which of a sample's trainable steps it trains (seeded per sample),
-  group advantages (and best-of-N), the clipped loss and the KL to the reference.
+- **training**: what a trainer needs of a sample (:attr:`Algorithm.trains_on`: the SDE
+  window's transitions with their log-probs, or only the clean final latent), which
+  denoising steps a sample trains (seeded per sample), group advantages (and best-of-N),
+  and the loss of a chunk of (sample, timestep) terms (:meth:`Algorithm.chunk_loss`: the
+  clipped ratio and the KL to the reference for the GRPO family);
+- **its own policy copies**: an algorithm that samples with a policy other than the trained
+  one (DiffusionNFT's "old" policy) keeps it through :attr:`Algorithm.keeps_old_policy` and
+  :meth:`Algorithm.update_old`; trainers then serve that copy to the generators.
 
 The base class holds the GRPO parts the algorithms share; a subclass overrides what is its
 own. Modules here import torch only inside the functions that need it, so config checks and
@@ -30,10 +36,12 @@ from digen.algos.transitions import LOG_PROBS, STEP_KINDS, Transition
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from digen.algos.rollout import Rollout, SamplerSpec
     from digen.config import AlgoConfig, DigenConfig
+    from digen.models.base import PromptEmbeds
     from digen.models.registry import Backbone
 
-__all__ = ["Algorithm", "Param", "StepPlan"]
+__all__ = ["Algorithm", "ChunkLoss", "Param", "StepPlan", "TrainChunk"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +71,50 @@ class Param:
     """Returns what is wrong with a value (one clause), or None when it is fine."""
 
 
+@dataclass(frozen=True, slots=True)
+class TrainChunk:
+    """What one forward/backward of a trainer sees: ``R`` (sample, timestep) terms, ``R`` =
+    ``d x B`` for ``d`` timesteps of ``B`` samples (timestep-major), each row at its own
+    denoising step. Built by :meth:`~digen.runtime.worker.policy.Policy.accumulate`."""
+
+    policy: Any
+    """The trainer's :class:`~digen.runtime.worker.policy.Policy`: its velocity under the
+    trained, reference and (if kept) old weights."""
+    spec: SamplerSpec
+    step: int
+    """The train step the samples belong to."""
+    keys: Sequence[Any]
+    """``[R]``: each row's sample (a :class:`~digen.runtime.messages.SampleKey`)."""
+    rollout: Rollout
+    """The samples' rollout (``B`` rows); ``rows`` index it."""
+    rows: Tensor
+    """``[R]`` long: each term's row of ``rollout``."""
+    positions: Tensor
+    """``[R]`` long: each term's position in the sample's trajectory window
+    (:meth:`Algorithm.train_steps`), i.e. into ``rollout.latents`` dim 1."""
+    steps: Tensor
+    """``[R]`` long: each term's denoising step index (into ``spec.sigmas``)."""
+    cond: PromptEmbeds
+    """``[R]`` text conditioning."""
+    neg: PromptEmbeds | None
+    advantages: Tensor
+    """``[R]`` fp32."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLoss:
+    """The loss of a :class:`TrainChunk` (a mean over its terms, with grad) and its
+    diagnostics (detached floats, means over the terms)."""
+
+    loss: Tensor
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    approx_kl: float = 0.0
+    """How far the trained policy has moved from the one that sampled."""
+    nonfinite: int = 0
+    """Terms whose value is not finite (named in the error of a non-finite loss)."""
+
+
 class Algorithm:
     """Base class of the algorithms (module docstring)."""
 
@@ -77,6 +129,17 @@ class Algorithm:
     """The KL convention its published coefficients mean (``algo.kl_type`` default)."""
     params: ClassVar[Mapping[str, Param]] = {}
     """Its own settings, ``algo.params.<name>``."""
+    trains_on: ClassVar[str] = "transitions"
+    """What training reads of a sample: ``transitions`` (the window's ``x_i -> x_{i+1}``
+    and their log-probs, the GRPO family) or ``final`` (the clean latent alone: forward-
+    process methods, which noise it again themselves). Generators keep and ship only that."""
+    samples_without_guidance: ClassVar[bool] = False
+    """Its recipe samples without classifier-free guidance (a task preset's guidance does
+    not apply to it)."""
+    keeps_old_policy: ClassVar[bool] = False
+    """Trainers keep a second copy of the trained weights, the "old" policy, which samples
+    (generators receive it instead of the trained weights) and which :meth:`chunk_loss`
+    may read (:meth:`Algorithm.update_old` moves it after each train step)."""
 
     # --- config ----------------------------------------------------------------------------
 
@@ -96,15 +159,26 @@ class Algorithm:
         """The :class:`StepPlan` of train step ``step`` (a function of the seed and step)."""
         raise NotImplementedError
 
-    def trained_positions(
-        self, cfg: DigenConfig, step: int, plan: StepPlan, prompt: int, sample: int
-    ) -> list[int]:
-        """Positions (into ``plan.trainable``) one sample trains: all of them, or a seeded
+    def train_steps(self, cfg: DigenConfig, step: int) -> tuple[int, ...]:
+        """The denoising steps a sample of train step ``step`` may train, ascending: the
+        plan's trainable transitions (a forward-process method: every step of the
+        schedule)."""
+        return self.plan(cfg, step).trainable
+
+    def terms_per_sample(self, cfg: DigenConfig, step: int) -> int:
+        """Trained timesteps of one sample of ``step`` (:meth:`trained_positions` draws
+        this many)."""
+        trainable = len(self.train_steps(cfg, step))
+        frac = cfg.rollout.timestep_fraction
+        return trainable if frac >= 1.0 else max(1, int(trainable * frac))
+
+    def trained_positions(self, cfg: DigenConfig, step: int, prompt: int, sample: int) -> list[int]:
+        """Positions (into :meth:`train_steps`) one sample trains: all of them, or a seeded
         random ``rollout.timestep_fraction`` of them (DanceGRPO's per-sample subset)."""
         from digen.algos.timesteps import train_timesteps
 
         return train_timesteps(
-            list(plan.trainable),
+            list(self.train_steps(cfg, step)),
             cfg.rollout.timestep_fraction,
             seed=cfg.seed,
             step=step,
@@ -191,3 +265,34 @@ class Algorithm:
         return clipped_policy_loss(
             log_prob, old_log_prob, advantages, algo.clip_ratio, algo.adv_clip_max
         )
+
+    def chunk_loss(self, cfg: DigenConfig, chunk: TrainChunk) -> ChunkLoss:
+        """The loss of one chunk of terms (GRPO): each term's transition re-scored under
+        the trained weights, the clipped ratio to the sampling log-prob (:meth:`loss`), plus
+        ``algo.kl_coef`` times the KL to the reference (:meth:`kl`)."""
+        from digen.algos.rollout import score_step
+
+        ro, r, pos = chunk.rollout, chunk.rows, chunk.positions
+        x_t, x_next = ro.latents[r, pos], ro.next_latents[r, pos]  # [R, *latent]
+        policy, spec = chunk.policy, chunk.spec
+        out = score_step(policy.adapter, x_t, x_next, chunk.steps, chunk.cond, spec, chunk.neg)
+        loss, ls = self.loss(cfg.algo, out.log_prob, ro.log_probs[r, pos], chunk.advantages)
+        kl_val = 0.0
+        if cfg.algo.kl_coef > 0:
+            ref_mean = policy.reference_mean(x_t, chunk.steps, chunk.cond, spec, chunk.neg)
+            kl = self.kl(cfg.algo, out.mean, ref_mean, out).mean()
+            loss = loss + cfg.algo.kl_coef * kl
+            kl_val = float(kl.detach())
+        return ChunkLoss(
+            loss,
+            kl=kl_val,
+            clip_fraction=ls.clip_fraction,
+            approx_kl=ls.approx_kl,
+            nonfinite=int((~out.log_prob.detach().isfinite()).sum()),
+        )
+
+    def update_old(
+        self, cfg: DigenConfig, old: Sequence[Tensor], live: Sequence[Tensor], version: int
+    ) -> None:
+        """Move the old policy (:attr:`keeps_old_policy`) after the train step that made
+        policy version ``version``, in place. The base class keeps none."""

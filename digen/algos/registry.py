@@ -24,6 +24,7 @@ ALGORITHMS: dict[str, str] = {
     "flowgrpo": "digen.algos.flowgrpo:FlowGRPO",
     "dancegrpo": "digen.algos.dancegrpo:DanceGRPO",
     "mixgrpo": "digen.algos.mixgrpo:MixGRPO",
+    "nft": "digen.algos.nft:NFT",
 }
 """``algo.name`` -> ``module:Class`` of its :class:`~digen.algos.base.Algorithm`."""
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)

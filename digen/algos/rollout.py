@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from digen.algos.sde import StepOutput, ode_step, sde_step
+from digen.algos.sde import StepOutput, dpm2_step, ode_step, sde_step
 from digen.models.base import DiffusionAdapter, PromptEmbeds
 
 __all__ = ["Rollout", "SamplerSpec", "sample_rollout", "score_step"]
@@ -36,6 +36,10 @@ class SamplerSpec:
     """Log-prob form (:data:`digen.algos.transitions.LOG_PROBS`)."""
     algorithm: str | None = None
     """Whose step kinds (:meth:`digen.algos.base.Algorithm.transition`); None: the shared ones."""
+    solver: str = "euler"
+    """How the steps without noise move: ``euler`` (first order) or ``dpm2`` (the
+    second-order multistep DPM-Solver++ on the clean prediction, :func:`~digen.algos.sde.dpm2_step`;
+    its history starts afresh after a noisy step)."""
 
     @property
     def num_steps(self) -> int:
@@ -72,9 +76,12 @@ class Rollout:
             self.latents.to(device), self.next_latents.to(device), self.log_probs.to(device), final
         )
 
-    def for_training(self) -> Rollout:
-        """What an update reads: the window's latents and log-probs, without the final latent."""
-        return Rollout(self.latents, self.next_latents, self.log_probs)
+    def for_training(self, final: bool = False) -> Rollout:
+        """What an update reads: the window's latents and log-probs, and the final latent
+        only when ``final`` (a forward-process algorithm trains on it alone)."""
+        return Rollout(
+            self.latents, self.next_latents, self.log_probs, self.final if final else None
+        )
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +134,7 @@ def sample_rollout(
     x = adapter.initial_latents(initial).float()  # [B, *latent]
     kept, noisy = set(spec.window), set(spec.noisy)
     xs, nexts, logps = [], [], []
+    x0_prev = None  # dpm2: the last step's clean prediction (None: the history restarts)
     for i in range(spec.num_steps):
         v = _velocity(adapter, x, spec.sigmas[i], cond, neg_cond, spec)
         if i in noisy:
@@ -141,6 +149,9 @@ def sample_rollout(
                 nexts.append(out.prev_sample)
                 logps.append(out.log_prob)
             x = out.prev_sample
+            x0_prev = None
+        elif spec.solver == "dpm2":
+            x, x0_prev = dpm2_step(v, x, spec.sigmas, i, x0_prev)
         else:
             x = ode_step(v, x, spec.sigmas, i)
     b = x.shape[0]

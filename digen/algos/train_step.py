@@ -76,9 +76,7 @@ def step_plan(cfg: DigenConfig, step: int) -> StepPlan:
 
 def terms_per_sample(cfg: DigenConfig, step: int) -> int:
     """Trained timesteps of one sample of ``step`` (its trainable steps, or their fraction)."""
-    trainable = len(step_plan(cfg, step).trainable)
-    frac = cfg.rollout.timestep_fraction
-    return trainable if frac >= 1.0 else max(1, int(trainable * frac))
+    return get_algorithm(cfg.algo.name).terms_per_sample(cfg, step)
 
 
 def step_terms(cfg: DigenConfig, step: int, prompts: int | None = None) -> int:

@@ -235,5 +235,10 @@ def test_every_registered_algorithm_has_every_part() -> None:
                 assert set(sections) <= {"rollout", "algo", "train", "data", "model"}
         cfg = load_config(algo=name)
         plan = algo.plan(cfg, 0)
-        assert plan.trainable and set(plan.trainable) <= set(plan.stochastic)
+        assert set(plan.trainable) <= set(plan.stochastic)
+        assert algo.train_steps(cfg, 0)  # something trains
+        if algo.trains_on == "transitions":  # the trained transitions are sampled and kept
+            assert plan.trainable and set(algo.train_steps(cfg, 0)) <= set(plan.trainable)
+        else:
+            assert algo.trains_on == "final"
         assert cfg.rollout.sde_type in algo.sde_types

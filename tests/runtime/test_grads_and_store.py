@@ -136,7 +136,7 @@ def _rollout(b: int = 2) -> Rollout:
 def test_store_hands_out_each_part_once_and_is_bounded() -> None:
     store = Store(capacity=2)
     pixels = torch.zeros(2, 1, 8, 8, 3, dtype=torch.uint8)
-    store.put((0, 0), _rollout(), pixels)
+    store.put((0, 0), _rollout().for_training(), pixels)  # what a generator keeps
     store.put((0, 1), _rollout(), pixels)
     with pytest.raises(RuntimeError, match="runtime.max_inflight"):
         store.put((0, 2), _rollout(), pixels)

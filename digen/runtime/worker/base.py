@@ -158,7 +158,8 @@ class PolicyActor(WorkerActor):
         t0 = time.time()
         out = self.policy.generate(keys, [prompt] * len(keys))
         pixels = out.pixels if self._scored_here else None
-        self.store.put((step, mb), out.rollout, pixels, self.policy.cached_conditioning(prompt))
+        kept = out.rollout.for_training(final=self.policy.algorithm.trains_on == "final")
+        self.store.put((step, mb), kept, pixels, self.policy.cached_conditioning(prompt))
         return self.timed(out.version, t0)
 
     @property
@@ -186,8 +187,10 @@ class PolicyActor(WorkerActor):
 
     # --- weights ---------------------------------------------------------------------------
 
-    def _synced(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return self.policy.synced_parameters()
+    def _synced(self) -> list[tuple[str, torch.Tensor]]:
+        """What weight syncs carry: the weights that sample (the old policy where the
+        algorithm keeps one)."""
+        return self.policy.sampling_parameters()
 
     def _buckets(self) -> list[list[int]]:
         max_numel = max(1, int(self.cfg.runtime.sync_bucket_mb * 1e6 / 4))

@@ -8,18 +8,20 @@ and :meth:`Policy.optimizer_step`. Which samples a call makes or trains is given
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from digen.algos.base import TrainChunk
 from digen.algos.registry import get_algorithm
 from digen.algos.rollout import Rollout, SamplerSpec, sample_rollout, score_step
 from digen.checkpoint import publish, staging_for
@@ -126,6 +128,12 @@ class Policy:
             self.optimizer = torch.optim.AdamW(
                 self.params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8
             )
+        self.old: list[torch.Tensor] | None = None
+        """The old policy's weights (:attr:`~digen.algos.base.Algorithm.keeps_old_policy`),
+        in :meth:`synced_parameters` order: a trainer's own; a generator receives them as
+        its weights."""
+        if trainable and self.algorithm.keeps_old_policy:
+            self.old = [p.detach().clone() for _, p in self.synced_parameters()]
 
     # --- sampling -----------------------------------------------------------------------
 
@@ -142,6 +150,7 @@ class Policy:
             stochastic=plan.stochastic,
             log_prob=self.algorithm.log_prob_form(r.sde_type, self.cfg),
             algorithm=self.algorithm.name,
+            solver=r.solver,
         )
 
     def conditioning(self, prompts: Sequence[str]) -> PromptEmbeds:
@@ -201,9 +210,10 @@ class Policy:
         if self.cfg.rollout.same_initial_noise:  # a group starts from one noise
             initial = [group_generator(seed, k.step, k.prompt) for k in keys]
         cond = self.conditioning(prompts)
-        rollout = sample_rollout(
-            self.adapter, cond, gens, spec, self.negative_conditioning(len(keys)), initial
-        )
+        with self.sampling_weights():
+            rollout = sample_rollout(
+                self.adapter, cond, gens, spec, self.negative_conditioning(len(keys)), initial
+            )
         with torch.no_grad():
             pixels = self.adapter.decode(rollout.final.to(self.adapter.dtype)).cpu()
         return Generated(keys, rollout, pixels, self.version, time.perf_counter() - t0)
@@ -212,14 +222,16 @@ class Policy:
         """Evaluation images: deterministic (ODE) sampling from fixed noise, one image per
         ``(prompt index, sample index)`` key (``prompts[i]`` is key i's prompt).
 
-        The same sigmas and guidance as training, no noise after the initial latent, and a
+        The weights that sample (:meth:`sampling_weights`: the old policy where the
+        algorithm keeps one, as the generators hold it), the same sigmas and guidance as
+        training, no noise after the initial latent, and a
         noise stream of its own (:func:`~digen.seeding.eval_generator`): the same key gives
         the same start at every evaluation, and no training sample changes. Returns
         ``uint8 [B, F, H, W, 3]`` on the CPU.
         """
         spec = dataclasses.replace(self.sampler_spec(0), window=(), stochastic=())
         gens = [eval_generator(self.cfg.seed, p, j) for p, j in keys]
-        with torch.no_grad():
+        with torch.no_grad(), self.sampling_weights():
             rollout = sample_rollout(
                 self.adapter,
                 self.conditioning(prompts),
@@ -237,7 +249,8 @@ class Policy:
         ``tsp_degree`` timesteps go through the transformer together, as one batch of
         ``tsp_degree x B`` rows each at its own sigma (timestep parallelism, TSP); 1 is the
         timestep-by-timestep loop of the colocated tools. The gradient is the same either
-        way. Each backward is scaled by ``loss_scale`` (``1 / total terms`` of the optimizer
+        way. Each chunk's loss is the algorithm's (:meth:`~digen.algos.base.Algorithm.chunk_loss`);
+        each backward is scaled by ``loss_scale`` (``1 / total terms`` of the optimizer
         step), so the accumulated gradient is that of the mean loss however the terms are
         split over calls, chunks and workers. No optimizer step here.
         """
@@ -246,11 +259,10 @@ class Policy:
         cfg, algorithm = self.cfg, self.algorithm
         step = item.keys[0].step
         spec = self.sampler_spec(step)
-        plan = algorithm.plan(cfg, step)
         positions = torch.tensor(
-            [algorithm.trained_positions(cfg, step, plan, k.prompt, k.sample) for k in item.keys]
-        )  # [B, K']: positions into the window, per sample
-        window = torch.tensor(spec.window)
+            [algorithm.trained_positions(cfg, step, k.prompt, k.sample) for k in item.keys]
+        )  # [B, K']: positions into the algorithm's train steps, per sample
+        steps_of = torch.tensor(algorithm.train_steps(cfg, step), dtype=torch.long)
         b = len(item.keys)
         cond = self.conditioning(item.prompts)
         neg = self.negative_conditioning(b)
@@ -264,27 +276,28 @@ class Policy:
             pos = positions[:, j0 : j0 + tsp_degree].T.reshape(-1)  # [d*B], timestep-major
             d = pos.numel() // b
             r = rows.repeat(d)  # [d*B]
-            x_t = ro.latents[r, pos]  # [d*B, *latent]
-            x_next = ro.next_latents[r, pos]
-            old = ro.log_probs[r, pos]  # [d*B]
-            cond_d = cond if d == 1 else PromptEmbeds.cat([cond] * d)
-            neg_d = neg if neg is None or d == 1 else PromptEmbeds.cat([neg] * d)
-            out = score_step(self.adapter, x_t, x_next, window[pos], cond_d, spec, neg_d)
-            loss, ls = algorithm.loss(cfg.algo, out.log_prob, old, advantages.repeat(d))
-            kl_val = 0.0
-            if cfg.algo.kl_coef > 0:
-                ref_mean = self._reference_mean(x_t, window[pos], cond_d, spec, neg_d)
-                kl = algorithm.kl(cfg.algo, out.mean, ref_mean, out).mean()
-                loss = loss + cfg.algo.kl_coef * kl
-                kl_val = float(kl.detach())
+            chunk = TrainChunk(
+                policy=self,
+                spec=spec,
+                step=step,
+                keys=[item.keys[i] for i in r.tolist()],
+                rollout=ro,
+                rows=r,
+                positions=pos,
+                steps=steps_of[pos],
+                cond=cond if d == 1 else PromptEmbeds.cat([cond] * d),
+                neg=neg if neg is None or d == 1 else PromptEmbeds.cat([neg] * d),
+                advantages=advantages.repeat(d),
+            )
+            out = algorithm.chunk_loss(cfg, chunk)
+            loss = out.loss
             terms = d * b
             if not torch.isfinite(loss.detach()):
                 if cfg.train.on_nonfinite == "fail":
-                    bad = int((~torch.isfinite(out.log_prob.detach())).sum())
                     raise NonFiniteError(
                         f"the loss of train step {step} (prompt {item.keys[0].prompt}, samples "
                         f"{[k.sample for k in item.keys]}) is {float(loss.detach())} with "
-                        f"{bad} of {out.log_prob.numel()} log-probs non-finite; lower train.lr, "
+                        f"{out.nonfinite} of {terms} terms non-finite; lower train.lr, "
                         "or set train.on_nonfinite=drop to leave such micro-batches out."
                     )
                 if not self.sharded:  # sharded members must all run the backward, and the
@@ -295,25 +308,73 @@ class Policy:
                 LossStats(
                     terms=terms,
                     loss=float(loss.detach()) * terms,
-                    kl=kl_val * terms,
-                    clip_fraction=ls.clip_fraction * terms,
-                    approx_kl=ls.approx_kl * terms,
+                    kl=out.kl * terms,
+                    clip_fraction=out.clip_fraction * terms,
+                    approx_kl=out.approx_kl * terms,
                 )
             )
         self.adapter.transformer.eval()
         return stats
 
+    def velocity(self, x_t, sigma, cond, neg) -> torch.Tensor:
+        """The trained weights' velocity at ``x_t`` (with grad): ``sigma`` one per row."""
+        return self.adapter.predict_velocity(x_t, sigma, cond, neg, self.cfg.rollout.guidance_scale)
+
     @torch.no_grad()
-    def _reference_mean(self, x_t, step_index, cond, spec, neg) -> torch.Tensor:
+    def reference_velocity(self, x_t, sigma, cond, neg) -> torch.Tensor:
+        """The reference (base) weights' velocity: LoRA off, or the frozen full copy."""
+        with self._reference():
+            return self.velocity(x_t, sigma, cond, neg)
+
+    @torch.no_grad()
+    def old_velocity(self, x_t, sigma, cond, neg) -> torch.Tensor:
+        """The old policy's velocity (:attr:`~digen.algos.base.Algorithm.keeps_old_policy`)."""
+        with self.sampling_weights():
+            return self.velocity(x_t, sigma, cond, neg)
+
+    @torch.no_grad()
+    def reference_mean(self, x_t, step_index, cond, spec, neg) -> torch.Tensor:
+        """The reference policy's step mean at ``x_t`` (the KL of the GRPO family)."""
+        with self._reference():
+            return score_step(self.adapter, x_t, x_t, step_index, cond, spec, neg).mean
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[None]:
         if self.reference is None:
             with adapters_disabled(self.adapter.transformer):
-                return score_step(self.adapter, x_t, x_t, step_index, cond, spec, neg).mean
+                yield
+            return
         live = self.adapter.pipe.transformer
         self.adapter.pipe.transformer = self.reference
         try:
-            return score_step(self.adapter, x_t, x_t, step_index, cond, spec, neg).mean
+            yield
         finally:
             self.adapter.pipe.transformer = live
+
+    @contextlib.contextmanager
+    def sampling_weights(self) -> Iterator[None]:
+        """The weights that sample, in place for the block: the old policy where this copy
+        keeps one (the trained tensors step aside, no copy), else the trained weights."""
+        if self.old is None:
+            yield
+            return
+        params = [p for _, p in self.synced_parameters()]
+        live = [p.data for p in params]
+        try:
+            for p, o in zip(params, self.old, strict=True):
+                p.data = o
+            yield
+        finally:
+            for p, t in zip(params, live, strict=True):
+                p.data = t
+
+    def sampling_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of the weights generators sample with, in the order of
+        :meth:`synced_parameters`: the old policy where this copy keeps one."""
+        named = self.synced_parameters()
+        if self.old is None:
+            return named
+        return [(n, o) for (n, _), o in zip(named, self.old, strict=True)]
 
     def grads(self) -> list[torch.Tensor]:
         """The accumulated gradients of the trainable parameters (zeros where none)."""
@@ -351,13 +412,15 @@ class Policy:
             names = [n for n, _ in self.synced_parameters()]
             write_sharded_state(directory, self.adapter.transformer, self.optimizer, names)
         elif lead:
-            write_trainer_state(directory, self.trainable_state(), self.optimizer_state())
+            old = None if self.old is None else dict(self.sampling_parameters())
+            write_trainer_state(directory, self.trainable_state(), self.optimizer_state(), old)
 
     def load_checkpoint(self, directory: str | os.PathLike, version: int) -> None:
         """Continue from the checkpoint in ``directory``, whichever layout wrote it and
         however many trainers (sharded members all call at once)."""
         from digen.checkpoint import (
             is_sharded_checkpoint,
+            load_old_policy,
             load_sharded_state,
             load_trainer_state,
         )
@@ -370,6 +433,17 @@ class Policy:
             return
         weights, optimizer = load_trainer_state(directory)
         self.restore(weights, optimizer, version)
+        if self.old is not None:
+            old = load_old_policy(directory)
+            if old is None:
+                raise ValueError(
+                    f"the checkpoint in {directory} holds no old policy, which "
+                    f"{self.cfg.algo.name} samples with; it was written by another algorithm"
+                )
+            self._check_fits(old)
+            with torch.no_grad():
+                for (name, _), o in zip(self.synced_parameters(), self.old, strict=True):
+                    o.copy_(old[name].to(o.device, o.dtype))
 
     def restore(
         self, weights: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, version: int
@@ -443,8 +517,12 @@ class Policy:
 
     def finish_step(self) -> int:
         """The train step's last optimizer step is taken: bump the policy version (the
-        weights generators sample the next step with); returns it."""
+        weights generators sample the next step with) and move the old policy where one is
+        kept; returns the version."""
         self.version += 1
+        if self.old is not None:
+            live = [p.detach() for _, p in self.synced_parameters()]
+            self.algorithm.update_old(self.cfg, self.old, live, self.version)
         return self.version
 
     def save_weights(

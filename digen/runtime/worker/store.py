@@ -72,7 +72,7 @@ class Store:
                     f"this worker already holds {len(self._items)} micro-batches, its limit "
                     "(runtime.max_inflight bounds what is generated and not yet trained)"
                 )
-            self._items[key] = _Held(rollout.for_training(), pixels, conditioning)
+            self._items[key] = _Held(rollout, pixels, conditioning)
 
     def put_pixels(self, key: Key, pixels: torch.Tensor) -> None:
         """Hold images with no rollout (an evaluation's), until scoring takes them; outside
