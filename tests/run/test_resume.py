@@ -21,8 +21,8 @@ COMMON = ["train.lr=1e-3", "train.lr_schedule=cosine", "train.warmup_steps=1"]
 COMMON += ["rollout.num_inference_steps=4", "save_every=1"]
 
 
-def _cfg(mode: str, steps: int, extra: list[str] = ()):
-    return tiny_config("sd3", "flowgrpo", [*COMMON, f"steps={steps}", *extra], mode=mode)
+def _cfg(mode: str, steps: int, extra: list[str] = (), algo: str = "flowgrpo"):
+    return tiny_config("sd3", algo, [*COMMON, f"steps={steps}", *extra], mode=mode)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -33,18 +33,26 @@ _SAME = ("step", "reward_mean", "reward_std", "loss", "clip_fraction", "approx_k
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_stopped_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "algo"),
+    # NFT: the old policy, which samples, must come back from the checkpoint too
+    [("colocated", "flowgrpo"), ("disaggregated", "flowgrpo"), ("disaggregated", "nft")],
+)
+def test_stopped_and_resumed_equals_uninterrupted_bit_for_bit(
+    tmp_path: Path, mode: str, algo: str
+) -> None:
     extra = ["runtime.tag=none"] if mode == "disaggregated" else []
-    whole = run_config(_cfg(mode, 3, extra), tmp_path / "whole")
-    first = run_config(_cfg(mode, 2, extra), tmp_path / "split")
+    if algo == "nft":
+        extra.append("algo.params.decay_rate=0.2")  # an old policy well behind the trained one
+    whole = run_config(_cfg(mode, 3, extra, algo), tmp_path / "whole")
+    first = run_config(_cfg(mode, 2, extra, algo), tmp_path / "split")
     assert first.checkpoint == tmp_path / "split" / "checkpoints" / "step-000002"
     # what a full disk or a crash left unfinished goes at the next start
     junk = tmp_path / "split" / "checkpoints" / ".tmp-step-000007"
     junk.mkdir()
     (junk / "weights.safetensors").write_bytes(b"\0" * 64)
     (tmp_path / "split" / ".tmp-lora").mkdir()
-    resumed = run_config(_cfg(mode, 3, extra), tmp_path / "split", resume=True)
+    resumed = run_config(_cfg(mode, 3, extra, algo), tmp_path / "split", resume=True)
     assert resumed.first_step == 2 and len(resumed.metrics) == 1
     assert whole.final_state.keys() == resumed.final_state.keys()
     for name, value in whole.final_state.items():

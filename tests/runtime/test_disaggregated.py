@@ -216,7 +216,7 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
 
 # every backbone with MixGRPO, Flow-GRPO and DanceGRPO each on image and video backbones, NFT on video;
 # the colocated suite runs every pair in-process (tests/run/test_run.py); these spawn processes,
-# so each model runs once and each algorithm at least once (the runtime is the same for all)
+# so each model and each algorithm runs at least once (the runtime is the same for all)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "algo"),
