@@ -22,6 +22,7 @@ __all__ = ["ALGORITHMS", "ALGO_NAMES", "get_algorithm"]
 
 ALGORITHMS: dict[str, str] = {
     "flowgrpo": "digen.algos.flowgrpo:FlowGRPO",
+    "flowgrpo-fast": "digen.algos.flowgrpo_fast:FlowGRPOFast",
     "dancegrpo": "digen.algos.dancegrpo:DanceGRPO",
     "mixgrpo": "digen.algos.mixgrpo:MixGRPO",
     "nft": "digen.algos.nft:NFT",

@@ -242,3 +242,38 @@ def test_every_registered_algorithm_has_every_part() -> None:
         else:
             assert algo.trains_on == "final"
         assert cfg.rollout.sde_type in algo.sde_types
+
+
+def test_flowgrpo_fast_is_the_published_fast_recipe_on_flowgrpos_window() -> None:
+    from digen.models.registry import get_backbone
+    from digen.presets import preset
+
+    fast = get_algorithm("flowgrpo-fast")
+    real = fast.preset(get_backbone("sd3"), True)
+    r, a = real["rollout"], real["algo"]
+    # geneval_sd3_fast_nocfg: 10 steps, a cps window of 3 in the first half, a = 0.8, no CFG
+    assert (r["num_inference_steps"], r["sde_window_size"], r["sde_window_range"]) == (
+        10,
+        3,
+        [0, 5],
+    )
+    assert (r["sde_type"], r["noise_level"], r["guidance_scale"]) == ("cps", 0.8, 1.0)
+    assert (a["clip_ratio"], a["kl_coef"], a["adv_std"]) == (1e-5, 0.0, "global")
+    # the same plan as flowgrpo with these settings: digen's window expresses it
+    cfg = load_config(base=preset("sd3", "flowgrpo-fast", real_weights=True))
+    same = load_config(
+        base=preset("sd3", "flowgrpo", real_weights=True),
+        overrides=[f"rollout.{k}={v}" for k, v in r.items() if k != "sde_window_range"]
+        + ["rollout.sde_window_range=[0,5]"],
+    )
+    starts = set()
+    for step in range(40):
+        plan = fast.plan(cfg, step)
+        assert plan == get_algorithm("flowgrpo").plan(same, step)
+        assert len(plan.trainable) == 3 and plan.trainable == plan.stochastic
+        assert plan.trainable[0] >= 0 and plan.trainable[-1] < 5
+        starts.add(plan.trainable[0])
+    assert starts == {0, 1, 2}  # the start is drawn per step over the whole range
+    assert cfg.rollout.guidance_scale == 1.0
+    with pytest.raises(Exception, match="Flow-GRPO-Fast trains a window"):
+        load_config(base=preset("sd3", "flowgrpo-fast"), overrides=["rollout.sde_window_size=0"])
