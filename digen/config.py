@@ -352,7 +352,7 @@ class RolloutConfig:
 @dataclass(kw_only=True, slots=True)
 class AlgoConfig:
     name: AlgoName = "flowgrpo"
-    """One of the registered algorithms (digen.algos.registry: flowgrpo, dancegrpo, mixgrpo)."""
+    """One of the registered algorithms (digen.algos.registry: flowgrpo, flowgrpo-fast, dancegrpo, mixgrpo, nft)."""
     adv_norm: str = "group"
     """Advantage scaling: group (centre per prompt and divide by a std) or none (Dr.GRPO: centred only)."""
     adv_std: str = "group"
@@ -373,6 +373,8 @@ class AlgoConfig:
     """DanceGRPO best-of-N: train only the top and bottom k/2 samples of each group; 0 keeps all."""
     reward_weighting: str = "sum"
     """Several rewards: sum (advantages of their weighted sum: Flow-GRPO's) or advantage (each reward's own group advantages, then their weighted sum: DanceGRPO's multi-reward form, which keeps a reward of small spread from being drowned)."""
+    ratio_norm: bool = False
+    """GRPO-Guard: the clipped ratio without its mean shift, scaled to the step's std, and each step's loss divided by its |dt| (sde steps; generators then keep each step's mean)."""
     params: dict[str, Any] = field(default_factory=dict)
     """The algorithm's own settings (algo.params.<key>; see `digen algos`); missing ones take its defaults."""
 
@@ -823,6 +825,14 @@ def _check_cross(cfg: DigenConfig) -> None:
     problem = algorithm.check(cfg)
     if problem:
         raise ConfigError(problem + ".")
+    if algo.ratio_norm and (algorithm.trains_on != "transitions" or rollout.sde_type != "sde"):
+        raise _bad(
+            "algo.ratio_norm",
+            True,
+            "GRPO-Guard normalises the ratio of Flow-GRPO's sde step, so it needs an "
+            f"algorithm that trains transitions and rollout.sde_type = 'sde' (not "
+            f"{algo.name} with {rollout.sde_type!r})",
+        )
 
     if algo.best_of_n > rollout.n:
         raise _bad(

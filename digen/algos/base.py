@@ -266,6 +266,30 @@ class Algorithm:
             log_prob, old_log_prob, advantages, algo.clip_ratio, algo.adv_clip_max
         )
 
+    def guarded_loss(self, cfg: DigenConfig, chunk: TrainChunk, out: Any) -> tuple[Tensor, Any]:
+        """GRPO-Guard (``algo.ratio_norm``): the clipped loss on the normalised ratio
+        (:func:`~digen.algos.loss.guard_log_ratio`, against the sampling-time step mean the
+        generator kept), each term divided by its step's ``|dt|`` so every noise level pulls
+        alike."""
+        from digen.algos.loss import clipped_policy_loss, guard_log_ratio
+
+        ro, r, pos = chunk.rollout, chunk.rows, chunk.positions
+        if ro.means is None:
+            raise ValueError("algo.ratio_norm needs the sampling-time step means in the rollout")
+        old_log_prob = ro.log_probs[r, pos]
+        log_ratio = guard_log_ratio(out.log_prob, old_log_prob, out.mean, ro.means[r, pos], out.std)
+        sigmas = chunk.spec.sigmas.to(out.log_prob.device)
+        dt = (sigmas[chunk.steps + 1] - sigmas[chunk.steps]).abs().float()  # [R]
+        return clipped_policy_loss(
+            out.log_prob,
+            old_log_prob,
+            chunk.advantages,
+            cfg.algo.clip_ratio,
+            cfg.algo.adv_clip_max,
+            log_ratio=log_ratio,
+            weight=1.0 / dt,
+        )
+
     def chunk_loss(self, cfg: DigenConfig, chunk: TrainChunk) -> ChunkLoss:
         """The loss of one chunk of terms (GRPO): each term's transition re-scored under
         the trained weights, the clipped ratio to the sampling log-prob (:meth:`loss`), plus
@@ -276,7 +300,10 @@ class Algorithm:
         x_t, x_next = ro.latents[r, pos], ro.next_latents[r, pos]  # [R, *latent]
         policy, spec = chunk.policy, chunk.spec
         out = score_step(policy.adapter, x_t, x_next, chunk.steps, chunk.cond, spec, chunk.neg)
-        loss, ls = self.loss(cfg.algo, out.log_prob, ro.log_probs[r, pos], chunk.advantages)
+        if cfg.algo.ratio_norm:
+            loss, ls = self.guarded_loss(cfg, chunk, out)
+        else:
+            loss, ls = self.loss(cfg.algo, out.log_prob, ro.log_probs[r, pos], chunk.advantages)
         kl_val = 0.0
         if cfg.algo.kl_coef > 0:
             ref_mean = policy.reference_mean(x_t, chunk.steps, chunk.cond, spec, chunk.neg)

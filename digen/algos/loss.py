@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LossStats", "clipped_policy_loss", "kl_to_reference"]
+__all__ = ["LossStats", "clipped_policy_loss", "guard_log_ratio", "kl_to_reference"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +27,16 @@ def clipped_policy_loss(
     advantages: torch.Tensor,
     clip_ratio: float,
     adv_clip_max: float | None = None,
+    *,
+    log_ratio: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """PPO-clip loss averaged over every (sample, trained timestep) term.
 
     log_prob, old_log_prob: ``[B, K]`` (or ``[B]``); advantages: ``[B]`` or the same shape as
-    log_prob. Returns ``mean(max(-A r, -A clip(r, 1 - eps, 1 + eps)))`` and its stats.
+    log_prob. Returns ``mean(w max(-A r, -A clip(r, 1 - eps, 1 + eps)))`` and its stats, with
+    ``r = exp(log_ratio)`` (default ``log_prob - old_log_prob``) and per-term weights ``w``
+    (default 1).
     """
     adv = advantages.float()
     if adv.ndim < log_prob.ndim:
@@ -39,10 +44,11 @@ def clipped_policy_loss(
     if adv_clip_max is not None:
         adv = adv.clamp(-adv_clip_max, adv_clip_max)
     diff = log_prob.float() - old_log_prob.float()
-    ratio = torch.exp(diff)
+    ratio = torch.exp(diff if log_ratio is None else log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = torch.maximum(unclipped, clipped).mean()
+    terms = torch.maximum(unclipped, clipped)
+    loss = (terms if weight is None else terms * weight).mean()
     with torch.no_grad():
         stats = LossStats(
             policy_loss=float(loss),
@@ -51,6 +57,27 @@ def clipped_policy_loss(
             ratio_mean=float(ratio.mean()),
         )
     return loss, stats
+
+
+def guard_log_ratio(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    mean: torch.Tensor,
+    old_mean: torch.Tensor,
+    std: torch.Tensor,
+) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio (RatioNorm) of one Gaussian step per row -> ``[B]``.
+
+    ``s (logp - old_logp) + mean((mu - mu_old)^2) / (2 s)`` with ``s`` the step's std and the
+    log-probs per-element means (Flow-GRPO's): the plain log-ratio's mean shift
+    ``-mean((mu - mu_old)^2) / (2 s^2)``, which pushes ratios below 1, is taken out and what
+    is left is scaled to the step's noise. It equals ``mean((mu - mu_old) * eps)`` for the
+    step's drawn noise ``eps = (x' - mu_old) / s``.
+    log_prob, old_log_prob: ``[B]``; mean, old_mean: ``[B, ...]``; std: ``[B, 1, ...]``.
+    """
+    s = std.float().reshape(std.shape[0], -1)[:, 0]
+    shift = ((mean.float() - old_mean.float()) ** 2).mean(dim=tuple(range(1, mean.ndim)))
+    return s * (log_prob.float() - old_log_prob.float()) + shift / (2 * s)
 
 
 def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

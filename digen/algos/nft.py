@@ -122,6 +122,11 @@ class NFT(Algorithm):
                 f"rollout.sde_window_size = {r.sde_window_size} is not allowed: DiffusionNFT "
                 "samples without noise and trains on the clean latent, leave the window unset"
             )
+        if a.ratio_norm:
+            return (
+                "algo.ratio_norm = true is not allowed: DiffusionNFT has no likelihood ratio "
+                "to normalise (GRPO-Guard is an option of the GRPO family)"
+            )
         if a.best_of_n:
             return (
                 f"algo.best_of_n = {a.best_of_n} is not allowed: DiffusionNFT trains every "

@@ -36,6 +36,8 @@ class SamplerSpec:
     """Log-prob form (:data:`digen.algos.transitions.LOG_PROBS`)."""
     algorithm: str | None = None
     """Whose step kinds (:meth:`digen.algos.base.Algorithm.transition`); None: the shared ones."""
+    keep_means: bool = False
+    """Keep each kept transition's mean under the sampling policy (GRPO-Guard's ratio)."""
     solver: str = "euler"
     """How the steps without noise move: ``euler`` (first order) or ``dpm2`` (the
     second-order multistep DPM-Solver++ on the clean prediction, :func:`~digen.algos.sde.dpm2_step`;
@@ -62,44 +64,55 @@ class Rollout:
     """``[B, K]``: log-prob of each drawn step under the sampling policy."""
     final: torch.Tensor | None = None
     """``[B, *latent]``: the fully denoised latent, to decode and score (None once decoded:
-    training does not need it)."""
+    training does not need it, unless it trains on it alone)."""
+    means: torch.Tensor | None = None
+    """``[B, K, *latent]``: each drawn step's mean under the sampling policy, where the loss
+    reads it (``algo.ratio_norm``); else None."""
+
+    def _map(self, fn) -> Rollout:
+        return Rollout(
+            *(fn(t) for t in (self.latents, self.next_latents, self.log_probs)),
+            *(None if t is None else fn(t) for t in (self.final, self.means)),
+        )
 
     def select(self, rows: torch.Tensor | slice) -> Rollout:
         """The trajectories at ``rows`` (an index tensor or a slice)."""
-        final = None if self.final is None else self.final[rows]
-        return Rollout(self.latents[rows], self.next_latents[rows], self.log_probs[rows], final)
+        return self._map(lambda t: t[rows])
 
     def to(self, device: torch.device | str) -> Rollout:
         """The same trajectories on ``device`` (no copy where they already are)."""
-        final = None if self.final is None else self.final.to(device)
-        return Rollout(
-            self.latents.to(device), self.next_latents.to(device), self.log_probs.to(device), final
-        )
+        return self._map(lambda t: t.to(device))
 
     def for_training(self, final: bool = False) -> Rollout:
-        """What an update reads: the window's latents and log-probs, and the final latent
-        only when ``final`` (a forward-process algorithm trains on it alone)."""
+        """What an update reads: the window's latents, log-probs (and means, where kept), and
+        the final latent only when ``final`` (a forward-process algorithm trains on it alone)."""
         return Rollout(
-            self.latents, self.next_latents, self.log_probs, self.final if final else None
+            self.latents,
+            self.next_latents,
+            self.log_probs,
+            self.final if final else None,
+            self.means,
         )
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            t.nbytes
-            for t in (self.latents, self.next_latents, self.log_probs, self.final)
-            if t is not None
-        )
+        parts = (self.latents, self.next_latents, self.log_probs, self.final, self.means)
+        return sum(t.nbytes for t in parts if t is not None)
 
     @staticmethod
     def cat(parts: Sequence[Rollout]) -> Rollout:
         """Concatenate batches of trajectories (same window length)."""
-        finals = [p.final for p in parts]
+
+        def joined(name: str) -> torch.Tensor | None:
+            got = [getattr(p, name) for p in parts]
+            return None if any(t is None for t in got) else torch.cat(got)
+
         return Rollout(
             torch.cat([p.latents for p in parts]),
             torch.cat([p.next_latents for p in parts]),
             torch.cat([p.log_probs for p in parts]),
-            None if any(f is None for f in finals) else torch.cat(finals),
+            joined("final"),
+            joined("means"),
         )
 
 
@@ -133,7 +146,7 @@ def sample_rollout(
     initial = generators if initial_generators is None else initial_generators
     x = adapter.initial_latents(initial).float()  # [B, *latent]
     kept, noisy = set(spec.window), set(spec.noisy)
-    xs, nexts, logps = [], [], []
+    xs, nexts, logps, means = [], [], [], []
     x0_prev = None  # dpm2: the last step's clean prediction (None: the history restarts)
     for i in range(spec.num_steps):
         v = _velocity(adapter, x, spec.sigmas[i], cond, neg_cond, spec)
@@ -148,6 +161,8 @@ def sample_rollout(
                 xs.append(x)
                 nexts.append(out.prev_sample)
                 logps.append(out.log_prob)
+                if spec.keep_means:
+                    means.append(out.mean)
             x = out.prev_sample
             x0_prev = None
         elif spec.solver == "dpm2":
@@ -161,6 +176,7 @@ def sample_rollout(
         next_latents=torch.stack(nexts, dim=1) if nexts else empty,
         log_probs=torch.stack(logps, dim=1) if logps else x.new_zeros((b, 0)),
         final=x,
+        means=(torch.stack(means, dim=1) if means else empty) if spec.keep_means else None,
     )
 
 

@@ -45,8 +45,15 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
 @pytest.mark.parametrize(
     ("model", "algo", "both", "extra", "exact"),
     [
-        # GAP (a prompt's samples spread over 2 generators) and TSP (2 timesteps per forward)
-        ("flux", "flowgrpo", [], ["runtime.generators=2", "runtime.tsp_degree=2"], False),
+        # GAP (a prompt's samples spread over 2 generators) and TSP (2 timesteps per forward),
+        # with GRPO-Guard: generators keep each step's mean, and trainers fetch it
+        (
+            "flux",
+            "flowgrpo",
+            ["algo.ratio_norm=true"],
+            ["runtime.generators=2", "runtime.tsp_degree=2"],
+            False,
+        ),
         # GAP over 3 generators (6 samples: 3 micro-batches per group), two TAG micro-batches.
         # The micro-batches are the colocated trainer's own (2 samples) and gradients are
         # summed in micro-batch order: the same bits, wherever each ran.

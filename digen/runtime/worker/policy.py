@@ -150,6 +150,7 @@ class Policy:
             stochastic=plan.stochastic,
             log_prob=self.algorithm.log_prob_form(r.sde_type, self.cfg),
             algorithm=self.algorithm.name,
+            keep_means=self.cfg.algo.ratio_norm,
             solver=r.solver,
         )
 
