@@ -54,6 +54,7 @@ ADV_STDS = ("group", "global")
 KL_TYPES = ("flowgrpo", "exact")
 CPS_LOGPROBS = ("published", "gaussian")
 SOLVERS = ("euler", "dpm2")
+TIME_INPUTS = ("sigma", "int1000")
 
 # Choices derived from the registries: the config types name them, and the loader checks them.
 ModelName = Literal[MODEL_NAMES]  # type: ignore[valid-type]
@@ -305,6 +306,10 @@ class RolloutConfig:
     """The samples of a group start from the same noise (DanceGRPO / MixGRPO) instead of each its own."""
     solver: str = "euler"
     """How steps without noise move: euler, or dpm2 (second-order multistep DPM-Solver++: DiffusionNFT's sampler)."""
+    shift: float | None = None
+    """A fixed time shift s of the sigmas (s*t / (1 + (s - 1) t) on a uniform grid: MixGRPO's FLUX schedule uses 3); None keeps the backbone scheduler's own (FLUX: resolution-dependent)."""
+    time_input: str = "sigma"
+    """What the transformer is told the time is: sigma, or int1000 (int(1000 sigma) / 1000, as DanceGRPO's and MixGRPO's code feeds it); the step math always uses sigma."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "rollout")
@@ -320,6 +325,9 @@ class RolloutConfig:
         _at_least(p, "noise_level", self.noise_level, 0.0)
         _choice(_key(p, "cps_logprob"), self.cps_logprob, CPS_LOGPROBS)
         _choice(_key(p, "solver"), self.solver, SOLVERS)
+        _choice(_key(p, "time_input"), self.time_input, TIME_INPUTS)
+        if self.shift is not None:
+            _positive(p, "shift", self.shift)
         steps = self.num_inference_steps
         size = self.sde_window_size
         if size < 0 or size > steps:
@@ -373,6 +381,10 @@ class AlgoConfig:
     """DanceGRPO best-of-N: train only the top and bottom k/2 samples of each group; 0 keeps all."""
     reward_weighting: str = "sum"
     """Several rewards: sum (advantages of their weighted sum: Flow-GRPO's) or advantage (each reward's own group advantages, then their weighted sum: DanceGRPO's multi-reward form, which keeps a reward of small spread from being drowned)."""
+    normalize_reward_weights: bool = False
+    """With reward_weighting = advantage: divide the rewards' weights by their sum (MixGRPO's multi-reward script), so each reward's advantages mix as a weighted mean."""
+    old_kl_coef: float = 0.0
+    """Weight of 0.5 * mean((logp - logp_old)^2), the squared log-ratio to the sampling policy (MixGRPO's kl_coeff, published 0); 0 turns it off."""
     ratio_norm: bool = False
     """GRPO-Guard: the clipped ratio without its mean shift, scaled to the step's std, and each step's loss divided by its |dt| (sde steps; generators then keep each step's mean)."""
     params: dict[str, Any] = field(default_factory=dict)
@@ -407,6 +419,7 @@ class AlgoConfig:
         _positive(p, "adv_clip_max", self.adv_clip_max)
         _positive(p, "clip_ratio", self.clip_ratio)
         _at_least(p, "kl_coef", self.kl_coef, 0.0, " (0 turns the KL term off)")
+        _at_least(p, "old_kl_coef", self.old_kl_coef, 0.0, " (0 turns the term off)")
         # The upper bound (rollout.n) lives in another section: see _check_cross.
         if self.best_of_n != 0 and (self.best_of_n < 2 or self.best_of_n % 2):
             raise _bad(

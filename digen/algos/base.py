@@ -304,6 +304,9 @@ class Algorithm:
             loss, ls = self.guarded_loss(cfg, chunk, out)
         else:
             loss, ls = self.loss(cfg.algo, out.log_prob, ro.log_probs[r, pos], chunk.advantages)
+        if cfg.algo.old_kl_coef > 0:  # MixGRPO's kl_coeff: the squared log-ratio
+            diff = out.log_prob.float() - ro.log_probs[r, pos].float()
+            loss = loss + cfg.algo.old_kl_coef * 0.5 * (diff**2).mean()
         kl_val = 0.0
         if cfg.algo.kl_coef > 0:
             ref_mean = policy.reference_mean(x_t, chunk.steps, chunk.cond, spec, chunk.neg)

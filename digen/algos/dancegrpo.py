@@ -56,6 +56,7 @@ class DanceGRPO(Algorithm):
             "sde_type": "dance",
             "sde_window_size": 0,
             "same_initial_noise": True,
+            "time_input": "int1000",  # its code tells the transformer int(1000 sigma) / 1000
         }
         algo = {
             "clip_ratio": 1e-4,

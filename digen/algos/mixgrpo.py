@@ -6,7 +6,12 @@ trains, every step in it; all other steps are Euler (ODE) steps, so the decoded 
 last step's clean prediction. The window starts at step 0 and moves ``stride`` (1) steps
 later every ``shift_every`` (25) train steps, within steps ``0 .. N-3``, rolling back to 0 at
 the end. Advantages per group with the unbiased std (+ 1e-8), clipped at 5; the samples of a
-group share their initial noise; PPO clip 1e-4; no KL.
+group share their initial noise; PPO clip 1e-4; no KL. Its FLUX sigmas take a fixed shift of
+3 (``rollout.shift``), its transformer is told ``int(1000 sigma) / 1000``
+(``rollout.time_input``), several rewards mix as each one's advantages with weights
+normalised to sum 1, and its optional ``kl_coeff`` term is ``0.5 mean((logp - logp_old)^2)``
+(``algo.old_kl_coef``, published 0). The official schedule's empty window (start ``N - 2``)
+is never made: see :meth:`MixGRPO.window_start`.
 
 This file is the example of what an algorithm is in digen: its parameters
 (``algo.params.*``), its checks, its presets, and its :class:`~digen.algos.base.StepPlan`;
@@ -59,11 +64,22 @@ class MixGRPO(Algorithm):
 
     def window_start(self, cfg: DigenConfig, step: int) -> int:
         """Where the window starts at train step ``step``: 0, then ``stride`` later every
-        ``shift_every`` steps, over starts ``0 .. N-3``."""
+        ``shift_every`` steps while the start is at most ``N - 3``; past it, back to 0
+        (``roll_back``, as the official schedule rolls back) or stay at ``N - 3``.
+
+        The official schedule also visits start ``N - 2``, whose window is empty (every
+        step ODE, nothing trained), and clips there without roll-back; its script cannot
+        train such a step, and its published runs (300 steps of 25-step windows) never
+        reach it. digen never makes an empty window: a train step always trains something.
+        Up to the first visit of ``N - 2`` the starts are the official ones."""
         p = cfg.algo.params
-        starts = cfg.rollout.num_inference_steps - 2
-        moved = step // p["shift_every"] * p["stride"]
-        return moved % starts if p["roll_back"] else min(moved, starts - 1)
+        last = cfg.rollout.num_inference_steps - 3  # the last start with a step to train
+        moves, stride = step // p["shift_every"], p["stride"]
+        if stride == 0:
+            return 0
+        if p["roll_back"]:
+            return moves % (last // stride + 1) * stride
+        return min(moves * stride, last)
 
     def plan(self, cfg: DigenConfig, step: int) -> StepPlan:
         start = self.window_start(cfg, step)
@@ -98,6 +114,10 @@ class MixGRPO(Algorithm):
             "adv_std_unbiased": True,
             "adv_eps": 1e-8,
             "kl_coef": 0.0,
+            "old_kl_coef": 0.0,  # its kl_coeff, published 0
+            # several rewards: each reward's group advantages, weights normalised to sum 1
+            "reward_weighting": "advantage",
+            "normalize_reward_weights": True,
         }
         if not real_weights:  # 6 steps: the window visits starts 0..3, moving every 3 steps
             rollout = {"n": 8, "num_inference_steps": 6, "sde_window_size": 2}
@@ -105,5 +125,12 @@ class MixGRPO(Algorithm):
         else:  # the paper's FLUX run; it fine-tunes fully at lr 1e-5, the preset uses LoRA
             rollout = {"n": 12, "num_inference_steps": 25, "sde_window_size": 4}
             params = {"shift_every": 25, "stride": 1, "roll_back": True}
-        rollout |= {"sde_type": "sde", "noise_level": 0.7, "same_initial_noise": True}
+        rollout |= {
+            "sde_type": "sde",
+            "noise_level": 0.7,
+            "same_initial_noise": True,
+            "time_input": "int1000",  # its code tells the transformer int(1000 sigma) / 1000
+        }
+        if real_weights and backbone.name == "flux":
+            rollout["shift"] = 3.0  # its FLUX schedule: a fixed shift, not FLUX's dynamic one
         return {"rollout": rollout, "algo": {**algo, "params": params}}

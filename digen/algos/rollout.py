@@ -16,7 +16,7 @@ import torch
 from digen.algos.sde import StepOutput, dpm2_step, ode_step, sde_step
 from digen.models.base import DiffusionAdapter, PromptEmbeds
 
-__all__ = ["Rollout", "SamplerSpec", "sample_rollout", "score_step"]
+__all__ = ["Rollout", "SamplerSpec", "model_time", "sample_rollout", "score_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,8 @@ class SamplerSpec:
     """Log-prob form (:data:`digen.algos.transitions.LOG_PROBS`)."""
     algorithm: str | None = None
     """Whose step kinds (:meth:`digen.algos.base.Algorithm.transition`); None: the shared ones."""
+    time_input: str = "sigma"
+    """What the transformer is told the time is (:func:`model_time`)."""
     keep_means: bool = False
     """Keep each kept transition's mean under the sampling policy (GRPO-Guard's ratio)."""
     solver: str = "euler"
@@ -116,6 +118,14 @@ class Rollout:
         )
 
 
+def model_time(sigma: torch.Tensor, time_input: str) -> torch.Tensor:
+    """The time the transformer is given for ``sigma``: itself (``sigma``), or
+    ``int(1000 sigma) / 1000`` (``int1000``: DanceGRPO's and MixGRPO's code)."""
+    if time_input == "int1000":
+        return torch.trunc(torch.as_tensor(sigma, dtype=torch.float32) * 1000) / 1000
+    return sigma
+
+
 def _velocity(
     adapter: DiffusionAdapter,
     x: torch.Tensor,
@@ -124,7 +134,8 @@ def _velocity(
     neg_cond: PromptEmbeds | None,
     spec: SamplerSpec,
 ) -> torch.Tensor:
-    return adapter.predict_velocity(x, sigma, cond, neg_cond, spec.guidance_scale)
+    t = model_time(sigma, spec.time_input)
+    return adapter.predict_velocity(x, t, cond, neg_cond, spec.guidance_scale)
 
 
 @torch.no_grad()

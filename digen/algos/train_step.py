@@ -49,6 +49,9 @@ def score_groups(
     algorithm = get_algorithm(algo.name)
     if algo.reward_weighting != "advantage":
         components = ()
+    elif algo.normalize_reward_weights and components:
+        total = sum(w for w, _ in components)
+        components = [(w / total, c) for w, c in components]
     bad = dropped_groups(rewards)  # [G]
     if not bad.any():
         return algorithm.advantages(rewards, algo, components)

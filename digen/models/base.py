@@ -462,11 +462,18 @@ class DiffusionAdapter(ABC):
         shape = self.latent_shape()
         return int(torch.tensor(shape[1:]).prod().item()) // 4
 
-    def sigmas(self, num_inference_steps: int) -> torch.Tensor:
-        """Sigmas ``[N + 1]`` from the pipeline's scheduler (with its shift), ending in 0."""
+    def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
+        """Sigmas ``[N + 1]`` from the pipeline's scheduler (with its shift), ending in 0.
+
+        ``shift``: a fixed time shift ``s t / (1 + (s - 1) t)`` of the uniform grid instead
+        of the scheduler's own (a dynamic, resolution-dependent one included)."""
         sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
         kwargs: dict[str, Any] = {}
-        if sched.config.get("use_dynamic_shifting", False):
+        if shift is not None:
+            sched = FlowMatchEulerDiscreteScheduler.from_config(
+                self.scheduler.config, shift=shift, use_dynamic_shifting=False
+            )
+        elif sched.config.get("use_dynamic_shifting", False):
             kwargs["mu"] = self._dynamic_shift_mu(sched)
         base = torch.linspace(1.0, 1.0 / num_inference_steps, num_inference_steps).tolist()
         sched.set_timesteps(sigmas=base, device="cpu", **kwargs)

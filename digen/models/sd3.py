@@ -210,13 +210,16 @@ class SD3Adapter(DiffusionAdapter):
         p = int(self.transformer.config.patch_size)
         return (h // p) * (w // p)
 
-    def sigmas(self, num_inference_steps: int) -> torch.Tensor:
+    def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
         """Sigmas ``[N + 1]`` of the SD3 pipeline's default schedule, ending in 0.
 
         Unlike FLUX, the SD3 pipeline passes no sigmas: the scheduler spaces the timesteps
         evenly between its shifted ``sigma_max`` (1) and ``sigma_min`` and shifts them again,
-        which ends much closer to 0 than ``linspace(1, 1 / N, N)`` does.
+        which ends much closer to 0 than ``linspace(1, 1 / N, N)`` does. A fixed ``shift``
+        takes the uniform grid of the base class instead.
         """
+        if shift is not None:
+            return super().sigmas(num_inference_steps, shift)
         sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
         kwargs: dict[str, Any] = {}
         if sched.config.get("use_dynamic_shifting", False):

@@ -87,7 +87,7 @@ class Policy:
         )
         self.version = 0
         self.algorithm = get_algorithm(cfg.algo.name)
-        self.sigmas = self.adapter.sigmas(cfg.rollout.num_inference_steps)
+        self.sigmas = self.adapter.sigmas(cfg.rollout.num_inference_steps, cfg.rollout.shift)
         self._cond_cache: OrderedDict[str, PromptEmbeds] = OrderedDict()
         self.encoded = 0
         """Prompts this copy ran through the text encoders (the rest came cached or shipped)."""
@@ -151,6 +151,7 @@ class Policy:
             log_prob=self.algorithm.log_prob_form(r.sde_type, self.cfg),
             algorithm=self.algorithm.name,
             keep_means=self.cfg.algo.ratio_norm,
+            time_input=r.time_input,
             solver=r.solver,
         )
 
