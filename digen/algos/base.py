@@ -111,8 +111,9 @@ class ChunkLoss:
     clip_fraction: float = 0.0
     approx_kl: float = 0.0
     """How far the trained policy has moved from the one that sampled."""
-    nonfinite: int = 0
-    """Terms whose value is not finite (named in the error of a non-finite loss)."""
+    values: Tensor | None = None
+    """``[R]`` per-term values whose non-finite ones the error of a non-finite loss counts
+    (read only then: counting them would sync the device at every chunk)."""
 
 
 class Algorithm:
@@ -318,7 +319,7 @@ class Algorithm:
             kl=kl_val,
             clip_fraction=ls.clip_fraction,
             approx_kl=ls.approx_kl,
-            nonfinite=int((~out.log_prob.detach().isfinite()).sum()),
+            values=out.log_prob.detach(),
         )
 
     def update_old(

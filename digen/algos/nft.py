@@ -228,8 +228,7 @@ class NFT(Algorithm):
             loss = loss + cfg.algo.kl_coef * kl
             kl_val = float(kl.detach())
         moved = float(((v.detach() - v_old) ** 2).mean())
-        bad = int((~per_term.detach().isfinite()).sum())
-        return ChunkLoss(loss, kl=kl_val, approx_kl=moved, nonfinite=bad)
+        return ChunkLoss(loss, kl=kl_val, approx_kl=moved, values=per_term.detach())
 
     def update_old(
         self, cfg: DigenConfig, old: Sequence[Tensor], live: Sequence[Tensor], version: int

@@ -296,10 +296,11 @@ class Policy:
             terms = d * b
             if not torch.isfinite(loss.detach()):
                 if cfg.train.on_nonfinite == "fail":
+                    bad = terms if out.values is None else int((~out.values.isfinite()).sum())
                     raise NonFiniteError(
                         f"the loss of train step {step} (prompt {item.keys[0].prompt}, samples "
                         f"{[k.sample for k in item.keys]}) is {float(loss.detach())} with "
-                        f"{out.nonfinite} of {terms} terms non-finite; lower train.lr, "
+                        f"{bad} of {terms} terms non-finite; lower train.lr, "
                         "or set train.on_nonfinite=drop to leave such micro-batches out."
                     )
                 if not self.sharded:  # sharded members must all run the backward, and the
