@@ -53,7 +53,7 @@ ADV_NORMS = ("group", "none")
 ADV_STDS = ("group", "global")
 KL_TYPES = ("flowgrpo", "exact")
 CPS_LOGPROBS = ("published", "gaussian")
-SOLVERS = ("euler", "dpm2")
+SOLVERS = ("euler", "dpm2", "dpm2-post")
 TIME_INPUTS = ("sigma", "int1000")
 
 # Choices derived from the registries: the config types name them, and the loader checks them.
@@ -305,7 +305,9 @@ class RolloutConfig:
     same_initial_noise: bool = False
     """The samples of a group start from the same noise (DanceGRPO / MixGRPO) instead of each its own."""
     solver: str = "euler"
-    """How steps without noise move: euler, or dpm2 (second-order multistep DPM-Solver++: DiffusionNFT's sampler)."""
+    """How steps without noise move: euler; dpm2 (second-order multistep DPM-Solver++ on every step without noise: DiffusionNFT's sampler); or dpm2-post (Euler up to the end of the SDE window, DPM-Solver++ after it: MixGRPO-Flash's dpm_apply_strategy=post)."""
+    post_compress: float = 1.0
+    """With solver dpm2-post: the steps after the SDE window are redrawn as int((N - last window step) * post_compress) - 1 uniform steps down to 0 (at least 1); 1.0 keeps them (MixGRPO-Flash's dpm_post_compress_ratio, published 0.4). In (0, 1]."""
     shift: float | None = None
     """A fixed time shift s of the sigmas (s*t / (1 + (s - 1) t) on a uniform grid: MixGRPO's FLUX schedule uses 3); None keeps the backbone scheduler's own (FLUX: resolution-dependent)."""
     time_input: str = "sigma"
@@ -354,13 +356,22 @@ class RolloutConfig:
                 )
         if not 0 < self.timestep_fraction <= 1:
             raise _bad(_key(p, "timestep_fraction"), self.timestep_fraction, "it must be in (0, 1]")
+        if not 0 < self.post_compress <= 1:
+            raise _bad(_key(p, "post_compress"), self.post_compress, "it must be in (0, 1]")
+        if self.post_compress < 1 and self.solver != "dpm2-post":
+            raise _bad(
+                _key(p, "post_compress"),
+                self.post_compress,
+                f"it compresses the steps after the SDE window, which only "
+                f"{_key(p, 'solver')} = dpm2-post does (here {self.solver})",
+            )
         _at_least(p, "guidance_scale", self.guidance_scale, 1.0, " (1.0 turns guidance off)")
 
 
 @dataclass(kw_only=True, slots=True)
 class AlgoConfig:
     name: AlgoName = "flowgrpo"
-    """One of the registered algorithms (digen.algos.registry: flowgrpo, flowgrpo-fast, dancegrpo, mixgrpo, nft)."""
+    """One of the registered algorithms (digen.algos.registry: flowgrpo, flowgrpo-fast, dancegrpo, mixgrpo, mixgrpo-flash, nft)."""
     adv_norm: str = "group"
     """Advantage scaling: group (centre per prompt and divide by a std) or none (Dr.GRPO: centred only)."""
     adv_std: str = "group"

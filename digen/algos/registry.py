@@ -25,6 +25,7 @@ ALGORITHMS: dict[str, str] = {
     "flowgrpo-fast": "digen.algos.flowgrpo_fast:FlowGRPOFast",
     "dancegrpo": "digen.algos.dancegrpo:DanceGRPO",
     "mixgrpo": "digen.algos.mixgrpo:MixGRPO",
+    "mixgrpo-flash": "digen.algos.mixgrpo_flash:MixGRPOFlash",
     "nft": "digen.algos.nft:NFT",
 }
 """``algo.name`` -> ``module:Class`` of its :class:`~digen.algos.base.Algorithm`."""

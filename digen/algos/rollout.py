@@ -41,9 +41,11 @@ class SamplerSpec:
     keep_means: bool = False
     """Keep each kept transition's mean under the sampling policy (GRPO-Guard's ratio)."""
     solver: str = "euler"
-    """How the steps without noise move: ``euler`` (first order) or ``dpm2`` (the
-    second-order multistep DPM-Solver++ on the clean prediction, :func:`~digen.algos.sde.dpm2_step`;
-    its history starts afresh after a noisy step)."""
+    """How the steps without noise move: ``euler`` (first order); ``dpm2`` (the second-order
+    multistep DPM-Solver++ on the clean prediction, :func:`~digen.algos.sde.dpm2_step`; its
+    history starts afresh after a noisy step); or ``dpm2-post`` (MixGRPO-Flash: Euler up to
+    the last noisy step, DPM-Solver++ after it, with a history of every step's clean
+    prediction, the noisy ones' included)."""
 
     @property
     def num_steps(self) -> int:
@@ -159,8 +161,12 @@ def sample_rollout(
     kept, noisy = set(spec.window), set(spec.noisy)
     xs, nexts, logps, means = [], [], [], []
     x0_prev = None  # dpm2: the last step's clean prediction (None: the history restarts)
+    post = spec.solver == "dpm2-post"
+    last_noisy = max(noisy, default=-1)
     for i in range(spec.num_steps):
         v = _velocity(adapter, x, spec.sigmas[i], cond, neg_cond, spec)
+        if post and i <= last_noisy:  # the history Flash's solver keeps through the window
+            x0 = x - spec.sigmas[i].float() * v.float()
         if i in noisy:
             noise = torch.stack(
                 [torch.randn(x.shape[1:], generator=g, dtype=torch.float32) for g in generators]
@@ -175,11 +181,12 @@ def sample_rollout(
                 if spec.keep_means:
                     means.append(out.mean)
             x = out.prev_sample
-            x0_prev = None
-        elif spec.solver == "dpm2":
+            x0_prev = x0 if post else None
+        elif spec.solver == "dpm2" or (post and i > last_noisy):
             x, x0_prev = dpm2_step(v, x, spec.sigmas, i, x0_prev)
         else:
             x = ode_step(v, x, spec.sigmas, i)
+            x0_prev = x0 if post else None
     b = x.shape[0]
     empty = x.new_zeros((b, 0) + tuple(x.shape[1:]))
     return Rollout(

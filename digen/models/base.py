@@ -467,6 +467,22 @@ class DiffusionAdapter(ABC):
 
         ``shift``: a fixed time shift ``s t / (1 + (s - 1) t)`` of the uniform grid instead
         of the scheduler's own (a dynamic, resolution-dependent one included)."""
+        base = torch.linspace(1.0, 1.0 / num_inference_steps, num_inference_steps).tolist()
+        return self.shifted_sigmas(base, shift)
+
+    def tail_sigmas(
+        self, num_inference_steps: int, start: int, count: int, shift: float | None = None
+    ) -> torch.Tensor:
+        """``[count + 1]`` sigmas of ``count`` steps from step ``start`` of the
+        ``num_inference_steps`` schedule (:meth:`sigmas`) down to 0, uniform in the grid's
+        time and shifted as it is (MixGRPO-Flash's compressed steps after the window)."""
+        grid = torch.linspace(1.0, 1.0 / num_inference_steps, num_inference_steps)
+        times = torch.linspace(float(grid[start]), 0.0, count + 1)[:-1]
+        return self.shifted_sigmas(times.tolist(), shift)
+
+    def shifted_sigmas(self, times: Sequence[float], shift: float | None = None) -> torch.Tensor:
+        """The sigmas ``[len(times) + 1]`` of descending grid times in (0, 1], shifted as
+        :meth:`sigmas` shifts its uniform grid, with the terminal 0 appended."""
         sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
         kwargs: dict[str, Any] = {}
         if shift is not None:
@@ -475,8 +491,7 @@ class DiffusionAdapter(ABC):
             )
         elif sched.config.get("use_dynamic_shifting", False):
             kwargs["mu"] = self._dynamic_shift_mu(sched)
-        base = torch.linspace(1.0, 1.0 / num_inference_steps, num_inference_steps).tolist()
-        sched.set_timesteps(sigmas=base, device="cpu", **kwargs)
+        sched.set_timesteps(sigmas=list(times), device="cpu", **kwargs)
         return sched.sigmas.to(torch.float32).clone()
 
     def _dynamic_shift_mu(self, sched: FlowMatchEulerDiscreteScheduler) -> float:

@@ -227,6 +227,25 @@ class SD3Adapter(DiffusionAdapter):
         sched.set_timesteps(num_inference_steps=num_inference_steps, device="cpu", **kwargs)
         return sched.sigmas.to(torch.float32).clone()
 
+    def tail_sigmas(
+        self, num_inference_steps: int, start: int, count: int, shift: float | None = None
+    ) -> torch.Tensor:
+        """As the base class's, on SD3's own grid: the grid time of step ``start`` is its
+        sigma with the scheduler's fixed shift undone."""
+        if shift is not None:
+            return super().tail_sigmas(num_inference_steps, start, count, shift)
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
+        if sched.config.get("use_dynamic_shifting", False):
+            raise ValueError(
+                "a compressed tail (rollout.post_compress < 1) on a dynamically shifted SD3 "
+                "schedule needs a fixed rollout.shift"
+            )
+        s = float(sched.config.shift)
+        sigma = float(self.sigmas(num_inference_steps)[start])
+        grid = sigma / (s - (s - 1.0) * sigma)  # s g / (1 + (s - 1) g) = sigma
+        times = torch.linspace(grid, 0.0, count + 1)[:-1]
+        return self.shifted_sigmas(times.tolist(), None)
+
     def _text_length(self) -> int:
         if self.max_sequence_length is not None:
             return int(self.max_sequence_length)

@@ -5,6 +5,8 @@ and the ``kl_coeff`` term."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import tiny_config
@@ -12,7 +14,7 @@ from helpers import tiny_config
 from digen.algos.registry import get_algorithm
 from digen.algos.rollout import SamplerSpec, model_time, sample_rollout
 from digen.algos.train_step import score_groups
-from digen.config import load_config
+from digen.config import ConfigError, load_config
 from digen.presets import preset
 from digen.runtime.messages import SampleKey, TrainItem
 from digen.runtime.worker.policy import Policy
@@ -142,3 +144,103 @@ def test_the_kl_coeff_term_is_half_the_mean_squared_log_ratio() -> None:
     (plain, akl), (with_kl, akl2) = losses[0.0], losses[3.0]
     assert akl == pytest.approx(akl2) and akl > 1e-6  # approx_kl is 0.5 mean((logp - old)^2)
     assert with_kl - plain == pytest.approx(3.0 * akl, rel=1e-4)
+
+
+def _official_flash(f, z, noises, sigmas, window, ratio, shift, eta=0.7):
+    """MixGRPO-Flash's sampling loop as published (``dpm_apply_strategy=post``, DPM-Solver++
+    midpoint, order 2, its Flow-GRPO sampling path), written out in fp32: Euler before the
+    window, the ``sde`` step in it, every step's ``x0 = x - sigma v`` kept, and after the
+    window a compressed schedule of ``int((N - L) * ratio)`` points solved by DPM-Solver++."""
+    n, last = sigmas.numel() - 1, max(window)
+    points = int(max((n - last) * ratio, 1))
+    post_t = torch.linspace(1, 0, n + 1)[last + 1].item()
+    grid = torch.linspace(post_t, 0, points)
+    sched = torch.cat([sigmas[: last + 1], shift * grid / (1 + (shift - 1) * grid)])
+    x0s, noises = [], list(noises)
+    for i in range(sched.numel() - 1):
+        s, t = sched[i], sched[i + 1]
+        v = f(z, torch.trunc(s * 1000) / 1000)
+        x0 = z - s * v
+        x0s.append(x0)
+        if i <= last:
+            dt = t - s
+            if i in window:
+                std = torch.sqrt(s / (1 - torch.where(s == 1, sched[1], s))) * eta
+                mean = z * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
+                z = mean + std * torch.sqrt(-dt) * noises.pop(0)
+            else:
+                z = z + dt * v
+            continue
+        lam = lambda u: torch.log(1 - u) - torch.log(u)  # noqa: E731
+        if i == sched.numel() - 2:  # lower_order_final: first order, x' = x0 at sigma 0
+            z = (t / s) * z - ((1 - t) * (torch.exp(-(lam(t) - lam(s))) - 1.0)) * x0
+            continue
+        h, h0 = lam(t) - lam(s), lam(s) - lam(sched[i - 1])
+        d1 = (1.0 / (h0 / h)) * (x0s[-1] - x0s[-2])
+        a = (1 - t) * (torch.exp(-h) - 1.0)
+        z = (t / s) * z - a * x0s[-1] - 0.5 * a * d1
+    return z, sched
+
+
+class _Toy:
+    """A stand-in adapter with a velocity that depends on x and the time it is told."""
+
+    def initial_latents(self, generators):
+        return torch.stack([torch.randn(2, 3, generator=g) for g in generators])
+
+    def predict_velocity(self, x, t, cond, neg, guidance):
+        return 0.8 * x - 0.3 + 0.5 * torch.as_tensor(t) * torch.tanh(x)
+
+
+@pytest.mark.parametrize("step", [0, 40, 160])
+def test_flash_samples_as_its_published_post_strategy(step) -> None:
+    over = ["rollout.shift=3.0", "rollout.num_inference_steps=25", "rollout.sde_window_size=4"]
+    cfg = tiny_config("flux", "mixgrpo-flash", over)
+    assert cfg.rollout.solver == "dpm2-post" and cfg.rollout.post_compress == 0.4
+    cfg.algo.params["shift_every"] = 20  # the published Flash recipe's
+    policy = Policy(cfg, trainable=False)
+    spec = policy.sampler_spec(step)
+    window = get_algorithm("mixgrpo-flash").plan(cfg, step).trainable
+    assert spec.window == window and window[0] == step // 20
+    g = torch.Generator().manual_seed(step)
+    z = torch.randn(2, 3, generator=g)
+    noises = [torch.randn(2, 3, generator=g) for _ in window]
+    want, sched = _official_flash(
+        lambda x, t: _Toy().predict_velocity(x, t, None, None, 1.0),
+        z,
+        noises,
+        policy.sigmas,
+        window,
+        0.4,
+        3.0,
+    )
+    torch.testing.assert_close(spec.sigmas, sched, rtol=0, atol=1e-6)
+    # 25 steps become the window's end + int((25 - L) * 0.4) - 1: fewer transformer passes
+    last = window[-1]
+    assert spec.num_steps == last + int((25 - last) * 0.4) < 25
+    got = sample_rollout(_Toy(), None, [torch.Generator().manual_seed(step)], spec)
+    torch.testing.assert_close(got.final[0], want, rtol=0, atol=2e-5)
+    # the window's transitions are MixGRPO's on the schedule's own sigmas
+    assert spec.sigmas[: last + 2].tolist() == policy.sigmas[: last + 2].tolist()
+    euler = dataclasses.replace(spec, solver="euler")
+    plain = sample_rollout(_Toy(), None, [torch.Generator().manual_seed(step)], euler)
+    assert torch.equal(plain.latents, got.latents)
+    assert float((plain.final - got.final).abs().max()) > 1e-3  # the tail is not Euler's
+
+
+def test_flash_always_finishes_the_sample_and_post_compress_needs_dpm2_post() -> None:
+    # window end 21 of 25: int(4 * 0.4) = 1 point, no step in the published code; digen 1
+    cfg = tiny_config(
+        "flux",
+        "mixgrpo-flash",
+        ["rollout.shift=3.0", "rollout.num_inference_steps=25", "rollout.sde_window_size=4"],
+    )
+    policy = Policy(cfg, trainable=False)
+    sig = policy._post_sigmas((18, 19, 20, 21))
+    assert sig.numel() == 24 and float(sig[-1]) == 0.0 and float(sig[-2]) > 0.05
+    with pytest.raises(ConfigError, match="rollout.post_compress = 0.4 is not allowed"):
+        load_config(algo="mixgrpo", overrides=["rollout.post_compress=0.4"])
+    with pytest.raises(ConfigError, match="MixGRPO-Flash samples"):
+        load_config(
+            algo="mixgrpo-flash", overrides=["rollout.solver=euler", "rollout.post_compress=1.0"]
+        )

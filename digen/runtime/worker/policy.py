@@ -88,6 +88,7 @@ class Policy:
         self.version = 0
         self.algorithm = get_algorithm(cfg.algo.name)
         self.sigmas = self.adapter.sigmas(cfg.rollout.num_inference_steps, cfg.rollout.shift)
+        self._post_cache: dict[int, torch.Tensor] = {}
         self._cond_cache: OrderedDict[str, PromptEmbeds] = OrderedDict()
         self.encoded = 0
         """Prompts this copy ran through the text encoders (the rest came cached or shipped)."""
@@ -142,7 +143,7 @@ class Policy:
         r = self.cfg.rollout
         plan = self.algorithm.plan(self.cfg, step)
         return SamplerSpec(
-            sigmas=self.sigmas,
+            sigmas=self._post_sigmas(plan.stochastic),
             window=plan.trainable,
             sde_type=r.sde_type,
             noise_level=r.noise_level,
@@ -154,6 +155,26 @@ class Policy:
             time_input=r.time_input,
             solver=r.solver,
         )
+
+    def _post_sigmas(self, noisy: tuple[int, ...]) -> torch.Tensor:
+        """The sigmas a plan samples on: the schedule, with the steps after its last noisy
+        one redrawn as fewer steps where ``rollout.post_compress`` < 1 (MixGRPO-Flash).
+
+        With ``L`` the last noisy step, ``int((N - L) * post_compress) - 1`` steps (at least
+        1) run from sigma ``L + 1`` to 0, uniform in the grid's time. MixGRPO-Flash's code
+        draws the same count and makes no step where it is 0, leaving the sample at sigma
+        ``L + 1``; digen always finishes it. The steps up to ``L + 1`` are unchanged, so
+        the kept transitions train on the schedule's own sigmas."""
+        r = self.cfg.rollout
+        last = max(noisy, default=-1)
+        if r.solver != "dpm2-post" or r.post_compress >= 1 or last + 1 >= r.num_inference_steps:
+            return self.sigmas
+        if last not in self._post_cache:
+            n = r.num_inference_steps
+            count = max(int((n - last) * r.post_compress) - 1, 1)
+            tail = self.adapter.tail_sigmas(n, last + 1, count, r.shift)
+            self._post_cache[last] = torch.cat([self.sigmas[: last + 2], tail[1:]])
+        return self._post_cache[last]
 
     def conditioning(self, prompts: Sequence[str]) -> PromptEmbeds:
         """Text conditioning per prompt (cached: text encoders are frozen).
@@ -232,6 +253,8 @@ class Policy:
         ``uint8 [B, F, H, W, 3]`` on the CPU.
         """
         spec = dataclasses.replace(self.sampler_spec(0), window=(), stochastic=())
+        if spec.solver == "dpm2-post":  # no window: Euler on the whole schedule
+            spec = dataclasses.replace(spec, sigmas=self.sigmas, solver="euler")
         gens = [eval_generator(self.cfg.seed, p, j) for p, j in keys]
         with torch.no_grad(), self.sampling_weights():
             rollout = sample_rollout(
