@@ -61,6 +61,8 @@ __all__ = [
     "checkpoint_identity",
     "latest_checkpoint",
     "is_sharded_checkpoint",
+    "load_eval_ema",
+    "load_old_policy",
     "load_sharded_state",
     "load_trainer_state",
     "publish",
@@ -74,6 +76,8 @@ WEIGHTS = "weights.safetensors"
 OPTIMIZER = "optimizer.pt"
 OLD_POLICY = "old_policy.safetensors"
 """The old policy's weights, where the algorithm keeps one (DiffusionNFT)."""
+EVAL_EMA = "eval_ema.safetensors"
+"""The moving average of the trained weights that evaluation samples with (``eval.ema``)."""
 SHARDED = "sharded"
 """Sharded trainers: the directory of per-trainer shard files."""
 STATE = "state.json"
@@ -115,15 +119,17 @@ def write_trainer_state(
     weights: dict[str, torch.Tensor],
     optimizer: dict[str, Any],
     old: dict[str, torch.Tensor] | None = None,
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write the trainer's part (weights, optimizer state, and the old policy's weights
-    where one is kept) into ``directory``, flushed."""
+    """Write the trainer's part (weights, optimizer state, and the old policy's weights and
+    the evaluation's moving average where they are kept) into ``directory``, flushed."""
     import torch
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    files = {WEIGHTS: weights} | ({OLD_POLICY: old} if old is not None else {})
+    kept = {OLD_POLICY: old, EVAL_EMA: ema}
+    files = {WEIGHTS: weights} | {k: v for k, v in kept.items() if v is not None}
     for name, state in files.items():
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / name)
@@ -135,9 +141,18 @@ def write_trainer_state(
 
 def load_old_policy(directory: str | os.PathLike) -> dict[str, torch.Tensor] | None:
     """The old policy's weights in a checkpoint, or None where it holds none."""
+    return _load_kept(directory, OLD_POLICY)
+
+
+def load_eval_ema(directory: str | os.PathLike) -> dict[str, torch.Tensor] | None:
+    """The evaluation's moving average in a checkpoint, or None where it holds none."""
+    return _load_kept(directory, EVAL_EMA)
+
+
+def _load_kept(directory: str | os.PathLike, name: str) -> dict[str, torch.Tensor] | None:
     from safetensors.torch import load_file
 
-    path = Path(directory) / OLD_POLICY
+    path = Path(directory) / name
     return load_file(str(path)) if path.exists() else None
 
 

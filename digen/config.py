@@ -549,6 +549,8 @@ class EvalConfig:
     """Images per prompt, each from its own fixed noise (the same at every evaluation)."""
     per_category: int | None = None
     """Shapes-world prompts only: each category's prompts are taken this many times (cycled when it has fewer, evenly spaced when more; each eval.samples images), so a category with one held-out prompt weighs as much as one with 88; None: every prompt once."""
+    ema: float = 0.0
+    """Evaluate a moving average of the trained weights with this decay instead of the weights that sample: after optimizer step s, ema += (1 - min((1 + s) / (10 + s), ema)) (theta - ema) (DiffusionNFT evaluates one at 0.9, its preset's value); 0: evaluate the sampling weights. In [0, 1)."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "eval")
@@ -560,6 +562,8 @@ class EvalConfig:
         _at_least(p, "samples", self.samples, 1)
         if self.per_category is not None:
             _at_least(p, "per_category", self.per_category, 1)
+        if not 0 <= self.ema < 1:
+            raise _bad(_key(p, "ema"), self.ema, "it must be in [0, 1) (0 turns it off)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -856,6 +860,14 @@ def _check_cross(cfg: DigenConfig) -> None:
             "GRPO-Guard normalises the ratio of Flow-GRPO's sde step, so it needs an "
             f"algorithm that trains transitions and rollout.sde_type = 'sde' (not "
             f"{algo.name} with {rollout.sde_type!r})",
+        )
+
+    if cfg.eval.ema > 0 and cfg.runtime.sharded:
+        raise _bad(
+            "eval.ema",
+            cfg.eval.ema,
+            f"sharded trainers (runtime.trainer_parallel = {cfg.runtime.trainer_parallel}) "
+            "keep no moving average; use 0 or replicated trainers",
         )
 
     if algo.best_of_n > rollout.n:

@@ -155,14 +155,17 @@ class NFT(Algorithm):
             "kl_coef": 1e-4,
         }
         params = {"beta": 1.0, "decay_start": 0, "decay_rate": 0.001, "decay_max": 0.5}
+        evaluation = {"ema": 0.9}  # it evaluates an EMA of the trained weights
         if not real_weights:
             return {
                 "rollout": {**rollout, "n": 8, "num_inference_steps": 6},
                 "algo": {**algo, "params": params},
+                "eval": evaluation,
             }
         return {  # the official SD3.5-M GenEval / PickScore recipe
             "rollout": {**rollout, "n": 24, "num_inference_steps": 10},
             "algo": {**algo, "params": params},
+            "eval": evaluation,
             "train": {
                 "lora_rank": 32,
                 "lora_alpha": 64.0,

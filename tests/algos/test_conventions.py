@@ -232,7 +232,7 @@ def test_every_registered_algorithm_has_every_part() -> None:
         for backbone in BACKBONES.values():
             for real in (False, True):
                 sections = algo.preset(backbone, real)
-                assert set(sections) <= {"rollout", "algo", "train", "data", "model"}
+                assert set(sections) <= {"rollout", "algo", "train", "data", "model", "eval"}
         cfg = load_config(algo=name)
         plan = algo.plan(cfg, 0)
         assert set(plan.trainable) <= set(plan.stochastic)

@@ -17,7 +17,7 @@ from digen.algos.nft import old_decay
 from digen.algos.registry import get_algorithm
 from digen.algos.rollout import Rollout
 from digen.algos.sde import dpm2_step, ode_step
-from digen.algos.train_step import score_groups
+from digen.algos.train_step import mini_batches, score_groups
 from digen.runtime.messages import SampleKey, TrainItem
 from digen.runtime.worker.policy import Policy
 from digen.seeding import nft_noise_generator
@@ -202,7 +202,8 @@ def test_the_loss_and_its_gradient_are_the_published_ones() -> None:
 
 def test_the_old_policy_moves_after_each_step_and_is_what_samples() -> None:
     decay = ["algo.params.decay_rate=0.3", "algo.params.decay_max=0.5"]
-    policy = _policy([*decay, "train.mini_batch_size=null"])  # one optimizer step a step
+    # one optimizer step a step; evaluation samples with the old policy too, without eval.ema
+    policy = _policy([*decay, "train.mini_batch_size=null", "eval.ema=0"])
     _perturb_old(policy)
     old0 = [o.clone() for o in policy.old]
     theta = [p.detach().clone() for _, p in policy.synced_parameters()]
@@ -248,3 +249,47 @@ def test_a_checkpoint_keeps_the_old_policy(tmp_path: Path) -> None:
     other.write_checkpoint(tmp_path / "grpo", lead=True)
     with pytest.raises(ValueError, match="holds no old policy"):
         again.load_checkpoint(tmp_path / "grpo", version=1)
+
+
+def test_evaluation_samples_with_the_published_moving_average(tmp_path: Path) -> None:
+    """The official ``EMAModuleWrapper(decay=0.9)`` stepped after every optimizer step ``s``
+    (1, 2, ...): ``ema += (1 - min((1 + s) / (10 + s), 0.9)) (theta - ema)``, from theta."""
+    policy = _policy([])  # the preset's eval.ema = 0.9
+    assert policy.cfg.eval.ema == 0.9
+    theta0 = [p.detach().clone() for _, p in policy.synced_parameters()]
+    want = [t.clone() for t in theta0]
+    g = torch.Generator().manual_seed(3)
+    for s in (1, 2, 3):
+        for _, p in policy.synced_parameters():  # stand-in gradients: any update will do
+            p.grad = torch.randn(p.shape, generator=g)
+        policy.optimizer_step()
+        d = min((1 + s) / (10 + s), 0.9)
+        for w, (_, p) in zip(want, policy.synced_parameters(), strict=True):
+            w.add_((1 - d) * (p.detach() - w))
+    assert policy.optimizer_steps == 3
+    for e, w in zip(policy.ema, want, strict=True):
+        torch.testing.assert_close(e, w, rtol=0, atol=1e-7)
+    theta = [p.detach().clone() for _, p in policy.synced_parameters()]
+    assert max(float((e - t).abs().max()) for e, t in zip(policy.ema, theta)) > 1e-4
+
+    # evaluation samples with the average; a sampling-only copy holding it agrees
+    sampler = Policy(policy.cfg, trainable=False)
+    sampler.set_eval_weights(policy.ema_state())
+    ev = policy.evaluate([(0, 0)], ["a blue circle"])
+    assert torch.equal(ev, sampler.evaluate([(0, 0)], ["a blue circle"]))
+    sampler.set_eval_weights(None)  # let go: the copy evaluates its own weights again
+    assert not torch.equal(ev, sampler.evaluate([(0, 0)], ["a blue circle"]))
+    for (_, p), t in zip(policy.synced_parameters(), theta, strict=True):
+        assert torch.equal(p, t)  # the trained weights are back in place
+
+    # a checkpoint keeps it, and a resumed copy counts the optimizer steps on
+    policy.write_checkpoint(tmp_path / "ckpt", lead=True)
+    again = _policy([])
+    again.load_checkpoint(tmp_path / "ckpt", version=3)
+    assert again.optimizer_steps == 3 * len(mini_batches(again.cfg))
+    for a, b in zip(again.ema, policy.ema, strict=True):
+        assert torch.equal(a, b)
+    plain = _policy(["eval.ema=0"])
+    plain.write_checkpoint(tmp_path / "plain", lead=True)
+    with pytest.raises(ValueError, match="holds no moving average"):
+        again.load_checkpoint(tmp_path / "plain", version=1)

@@ -75,6 +75,37 @@ def test_the_same_weights_evaluate_the_same_in_both_modes(tmp_path: Path) -> Non
     assert first[0] == pytest.approx(first[1], rel=1e-6)
 
 
+@pytest.mark.slow
+def test_nfts_moving_average_evaluates_the_same_in_both_modes(tmp_path: Path) -> None:
+    """DiffusionNFT evaluates the trainers' moving average (eval.ema): disaggregated, trainer 0
+    lends it to the generators for the evaluation; the numbers are the colocated run's."""
+    over = [*SMALL, "steps=2", f"eval.prompts={_prompts(tmp_path)}", "eval.every=1"]
+    # the micro-batches of two generators and one optimizer step a step: the same bits
+    over += ["train.micro_batch_size=2", "train.mini_batch_size=null"]
+    key = "eval/reward/jpeg_incompressibility"
+    got = {}
+    for name, mode, extra in (
+        ("colocated", "colocated", []),
+        ("disaggregated", "disaggregated", ["runtime.generators=2", "runtime.tag=static"]),
+        ("sampling", "colocated", ["eval.ema=0"]),
+    ):
+        cfg = tiny_config("flux", "nft", [*over, *extra], mode=mode)
+        assert cfg.eval.ema == (0.0 if name == "sampling" else 0.9)
+        threads = torch.get_num_threads()
+        if mode == "colocated":  # as each worker (runtime.threads_per_worker): the same kernels
+            torch.set_num_threads(1)
+        try:
+            run = run_config(cfg, tmp_path / name)
+        finally:
+            torch.set_num_threads(threads)
+        got[name] = [(r["eval/policy_version"], r[key]) for r in run.evals]
+    assert [v for v, _ in got["colocated"]] == [0, 1, 2]
+    assert got["disaggregated"] == got["colocated"]  # the same training, the same average
+    # before training all three are the base model; after it the average is not the old policy
+    assert got["sampling"][0][1] == pytest.approx(got["colocated"][0][1], rel=1e-6)
+    assert got["sampling"][2][1] != pytest.approx(got["colocated"][2][1], rel=1e-6)
+
+
 def _scores(categories: list[str], strict: list[float], total: list[float]) -> EvalScores:
     return EvalScores(
         total=total,

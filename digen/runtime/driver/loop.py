@@ -412,7 +412,15 @@ class Driver:
             )
             return made.value, scored.value
 
-        done = await asyncio.gather(*(one(c, b) for c, b in enumerate(batches)))
+        ema = None
+        if self.cfg.eval.ema > 0:  # the trainers' moving average, lent to the generators
+            ema = await self.trainers[0].call("ema_state")
+            await asyncio.gather(*(g.call("set_eval_weights", ema) for g in self.gens))
+        try:
+            done = await asyncio.gather(*(one(c, b) for c, b in enumerate(batches)))
+        finally:
+            if ema is not None:
+                await asyncio.gather(*(g.call("set_eval_weights", None) for g in self.gens))
         versions = {v for v, _ in done}
         if len(versions) != 1:
             raise RuntimeError(f"an evaluation met several versions: {sorted(versions)}")

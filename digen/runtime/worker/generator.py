@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from digen.config import DigenConfig
 from digen.runtime.messages import TimedResult
 from digen.runtime.worker.base import PolicyActor, pool_config
 from digen.runtime.worker.scorer import EVAL_STEP, Scoring, reward_loop
 from digen.sched.names import Pool, index_of, worker_name
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GeneratorActor"]
 
@@ -49,6 +52,11 @@ class GeneratorActor(PolicyActor):
         t0 = time.time()
         self.store.put_pixels((EVAL_STEP, batch), self.policy.evaluate(keys, prompts))
         return self.timed(self.policy.version, t0)
+
+    def set_eval_weights(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Evaluate with ``state`` (trainer 0's moving average, ``eval.ema``) until it is
+        set back to None."""
+        self.policy.set_eval_weights(state)
 
     def score_eval(self, *args: Any) -> TimedResult:
         """Rewards of an evaluation batch (:meth:`~digen.runtime.worker.scorer.Scoring.evaluate`),

@@ -24,6 +24,7 @@ import torch
 from digen.algos.base import TrainChunk
 from digen.algos.registry import get_algorithm
 from digen.algos.rollout import Rollout, SamplerSpec, sample_rollout, score_step
+from digen.algos.train_step import mini_batches
 from digen.checkpoint import publish, staging_for
 from digen.config import DigenConfig
 from digen.errors import NonFiniteError
@@ -135,6 +136,16 @@ class Policy:
         its weights."""
         if trainable and self.algorithm.keeps_old_policy:
             self.old = [p.detach().clone() for _, p in self.synced_parameters()]
+        self.ema: list[torch.Tensor] | None = None
+        """A moving average of the trained weights that evaluation samples with
+        (``eval.ema``), in :meth:`synced_parameters` order, on a trainer."""
+        if trainable and cfg.eval.ema > 0:
+            self.ema = [p.detach().clone() for _, p in self.synced_parameters()]
+        self.eval_weights: list[torch.Tensor] | None = None
+        """What evaluation samples with where the trainers keep it (a generator's copy of
+        trainer 0's :attr:`ema`, while an evaluation runs); None: :meth:`sampling_weights`."""
+        self.optimizer_steps = 0
+        """Optimizer steps taken (the moving average's warm-up reads it)."""
 
     # --- sampling -----------------------------------------------------------------------
 
@@ -256,7 +267,7 @@ class Policy:
         if spec.solver == "dpm2-post":  # no window: Euler on the whole schedule
             spec = dataclasses.replace(spec, sigmas=self.sigmas, solver="euler")
         gens = [eval_generator(self.cfg.seed, p, j) for p, j in keys]
-        with torch.no_grad(), self.sampling_weights():
+        with torch.no_grad(), self.evaluation_weights():
             rollout = sample_rollout(
                 self.adapter,
                 self.conditioning(prompts),
@@ -381,18 +392,54 @@ class Policy:
     def sampling_weights(self) -> Iterator[None]:
         """The weights that sample, in place for the block: the old policy where this copy
         keeps one (the trained tensors step aside, no copy), else the trained weights."""
-        if self.old is None:
+        with self._weights_in_place(self.old):
+            yield
+
+    @contextlib.contextmanager
+    def evaluation_weights(self) -> Iterator[None]:
+        """The weights evaluation samples with, in place for the block: the moving average
+        (``eval.ema``: this trainer's, or trainer 0's as a generator received it), else
+        :meth:`sampling_weights`."""
+        kept = self.ema if self.ema is not None else self.eval_weights
+        if kept is None:
+            with self.sampling_weights():
+                yield
+            return
+        with self._weights_in_place(kept):
+            yield
+
+    @contextlib.contextmanager
+    def _weights_in_place(self, tensors: list[torch.Tensor] | None) -> Iterator[None]:
+        """``tensors`` (in :meth:`synced_parameters` order) stand in for the trained ones
+        for the block, no copy; None: the trained ones."""
+        if tensors is None:
             yield
             return
         params = [p for _, p in self.synced_parameters()]
         live = [p.data for p in params]
         try:
-            for p, o in zip(params, self.old, strict=True):
+            for p, o in zip(params, tensors, strict=True):
                 p.data = o
             yield
         finally:
             for p, t in zip(params, live, strict=True):
                 p.data = t
+
+    def set_eval_weights(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Hold ``state`` (name -> tensor: trainer 0's moving average) as what evaluation
+        samples with, in this copy's device and dtype; None lets it go."""
+        if state is None:
+            self.eval_weights = None
+            return
+        self._check_fits(state)
+        self.eval_weights = [state[n].to(p.device, p.dtype) for n, p in self.synced_parameters()]
+
+    def ema_state(self) -> dict[str, torch.Tensor] | None:
+        """Name -> the moving average evaluation samples with (``eval.ema``), or None."""
+        if self.ema is None:
+            return None
+        named = self.synced_parameters()
+        return {n: e for (n, _), e in zip(named, self.ema, strict=True)}
 
     def sampling_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of the weights generators sample with, in the order of
@@ -439,13 +486,16 @@ class Policy:
             write_sharded_state(directory, self.adapter.transformer, self.optimizer, names)
         elif lead:
             old = None if self.old is None else dict(self.sampling_parameters())
-            write_trainer_state(directory, self.trainable_state(), self.optimizer_state(), old)
+            write_trainer_state(
+                directory, self.trainable_state(), self.optimizer_state(), old, self.ema_state()
+            )
 
     def load_checkpoint(self, directory: str | os.PathLike, version: int) -> None:
         """Continue from the checkpoint in ``directory``, whichever layout wrote it and
         however many trainers (sharded members all call at once)."""
         from digen.checkpoint import (
             is_sharded_checkpoint,
+            load_eval_ema,
             load_old_policy,
             load_sharded_state,
             load_trainer_state,
@@ -466,10 +516,21 @@ class Policy:
                     f"the checkpoint in {directory} holds no old policy, which "
                     f"{self.cfg.algo.name} samples with; it was written by another algorithm"
                 )
-            self._check_fits(old)
-            with torch.no_grad():
-                for (name, _), o in zip(self.synced_parameters(), self.old, strict=True):
-                    o.copy_(old[name].to(o.device, o.dtype))
+            self._load_kept(self.old, old)
+        if self.ema is not None:
+            ema = load_eval_ema(directory)
+            if ema is None:
+                raise ValueError(
+                    f"the checkpoint in {directory} holds no moving average for eval.ema = "
+                    f"{self.cfg.eval.ema}; it was written by a run without one"
+                )
+            self._load_kept(self.ema, ema)
+
+    def _load_kept(self, kept: list[torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+        self._check_fits(saved)
+        with torch.no_grad():
+            for (name, _), t in zip(self.synced_parameters(), kept, strict=True):
+                t.copy_(saved[name].to(t.device, t.dtype))
 
     def restore(
         self, weights: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, version: int
@@ -496,6 +557,7 @@ class Policy:
         if optimizer is not None and self.optimizer is not None:
             set_optimizer_state_dict(transformer, self.optimizer, optimizer, options=options)
         self.version = version
+        self.optimizer_steps = version * len(mini_batches(self.cfg))
 
     def _check_fits(self, weights: dict[str, torch.Tensor]) -> None:
         """Refuse checkpoint weights of another shape or set of parameters, naming one."""
@@ -539,6 +601,13 @@ class Policy:
             )
         # else: the update is skipped (the weights stay; grad_norm reports the NaN)
         self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        if self.ema is not None:  # DiffusionNFT's EMAModuleWrapper, stepped per update
+            s = self.optimizer_steps
+            d = min((1 + s) / (10 + s), self.cfg.eval.ema)
+            with torch.no_grad():
+                for e, (_, p) in zip(self.ema, self.synced_parameters(), strict=True):
+                    e.add_((1 - d) * (p.detach() - e))
         return float(norm)
 
     def finish_step(self) -> int:

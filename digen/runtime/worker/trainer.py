@@ -109,6 +109,12 @@ class TrainerActor(PolicyActor):
             return list(self._full.items())
         return super()._synced()
 
+    def ema_state(self) -> dict[str, torch.Tensor] | None:
+        """Name -> CPU copy of the moving average evaluation samples with (``eval.ema``),
+        or None where none is kept."""
+        state = self.policy.ema_state()
+        return None if state is None else {k: v.detach().cpu().clone() for k, v in state.items()}
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         if self.sharded:
             return {k: v.clone() for k, v in self._full.items()}
