@@ -170,11 +170,19 @@ def load_trainer_state(
 
 
 _W, _OPT, _SEP = "weights", "optimizer", "::"
+KEPT = {"old": "old policy", "ema": "moving average for evaluation"}
+"""What a sharded checkpoint may keep beside the weights (its key prefix -> what it is)."""
 
 
-def _flat_sharded(model: torch.nn.Module, optimizer: Any, names: list[str]):
-    """This member's trained weights and their AdamW state as one flat ``key -> tensor``
-    dict (DTensors where sharded), and the optimizer state dict it came from."""
+def _flat_sharded(
+    model: torch.nn.Module,
+    optimizer: Any,
+    names: list[str],
+    kept: dict[str, dict[str, torch.Tensor]] | None = None,
+):
+    """This member's trained weights, their AdamW state and the tensors ``kept`` beside them
+    (:data:`KEPT` -> name -> tensor) as one flat ``key -> tensor`` dict (DTensors where
+    sharded), and the optimizer state dict it came from."""
     import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -186,6 +194,8 @@ def _flat_sharded(model: torch.nn.Module, optimizer: Any, names: list[str]):
     weights = get_model_state_dict(model, options=options)
     osd = get_optimizer_state_dict(model, optimizer, options=options)  # made if still empty
     flat = {f"{_W}{_SEP}{n}": weights[n] for n in names}
+    for prefix, tensors in (kept or {}).items():
+        flat |= {f"{prefix}{_SEP}{n}": t for n, t in tensors.items()}
     for fqn, state in osd["state"].items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
@@ -194,14 +204,19 @@ def _flat_sharded(model: torch.nn.Module, optimizer: Any, names: list[str]):
 
 
 def write_sharded_state(
-    directory: str | os.PathLike, model: torch.nn.Module, optimizer: Any, names: list[str]
+    directory: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: Any,
+    names: list[str],
+    kept: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> None:
     """Every sharded member calls this at once: each writes its own shards of the tensors
-    ``names`` of ``model`` and of their optimizer state into ``directory/sharded``."""
+    ``names`` of ``model``, of their optimizer state and of the tensors ``kept`` beside
+    them (the old policy, the moving average: :data:`KEPT`) into ``directory/sharded``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    flat, _ = _flat_sharded(model, optimizer, names)
+    flat, _ = _flat_sharded(model, optimizer, names, kept)
     path = Path(directory) / SHARDED
     dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True))
     for f in path.iterdir():  # every member's file is written once save returns
@@ -216,10 +231,13 @@ def load_sharded_state(
     names: list[str],
     *,
     sharded: bool,
+    kept: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> None:
-    """Load a ``sharded/`` checkpoint into ``model`` and ``optimizer`` (None: weights only):
-    sharded members all call at once and read the pieces of their shards; an unsharded
-    model (``sharded`` False) reads the whole tensors on its own."""
+    """Load a ``sharded/`` checkpoint into ``model`` and ``optimizer`` (None: weights only)
+    and, in place, the tensors ``kept`` beside them (:func:`write_sharded_state`): sharded members all call
+    at once and read the pieces of their shards; an unsharded model (``sharded`` False)
+    reads the whole tensors on its own."""
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import (
@@ -228,10 +246,17 @@ def load_sharded_state(
         set_optimizer_state_dict,
     )
 
-    flat, osd = _flat_sharded(model, optimizer, names)
+    flat, osd = _flat_sharded(model, optimizer, names, kept)
     if optimizer is None:
-        flat = {k: v for k, v in flat.items() if k.startswith(_W + _SEP)}
+        flat = {k: v for k, v in flat.items() if not k.startswith(_OPT + _SEP)}
     reader = HuggingFaceStorageReader(str(Path(directory) / SHARDED))
+    held = reader.read_metadata().state_dict_metadata
+    for prefix in kept or {}:
+        if not any(k.startswith(prefix + _SEP) for k in held):
+            raise ValueError(
+                f"the checkpoint in {directory} holds no {KEPT[prefix]}, which this run "
+                "keeps; it was written by a run without one"
+            )
     with warnings.catch_warnings():  # alone is what no_dist says; no need to warn of it
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(flat, storage_reader=reader, no_dist=not sharded)
@@ -240,6 +265,11 @@ def load_sharded_state(
         parts = key.split(_SEP)
         if parts[0] == _W:
             weights[parts[1]] = value
+        elif parts[0] in KEPT:
+            target = (kept or {})[parts[0]][parts[1]]
+            if value is not target:  # loaded in place unless it had to be replaced
+                with torch.no_grad():
+                    target.copy_(value)
         else:
             osd["state"][parts[1]][parts[2]] = value
     options = StateDictOptions(full_state_dict=False, strict=False)

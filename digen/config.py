@@ -862,14 +862,6 @@ def _check_cross(cfg: DigenConfig) -> None:
             f"{algo.name} with {rollout.sde_type!r})",
         )
 
-    if cfg.eval.ema > 0 and cfg.runtime.sharded:
-        raise _bad(
-            "eval.ema",
-            cfg.eval.ema,
-            f"sharded trainers (runtime.trainer_parallel = {cfg.runtime.trainer_parallel}) "
-            "keep no moving average; use 0 or replicated trainers",
-        )
-
     if algo.best_of_n > rollout.n:
         raise _bad(
             "algo.best_of_n",

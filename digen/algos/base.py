@@ -99,6 +99,9 @@ class TrainChunk:
     neg: PromptEmbeds | None
     advantages: Tensor
     """``[R]`` fp32."""
+    version: int | None = None
+    """The policy version whose weights sampled these samples (a stale micro-batch's is
+    behind the trainer's); None: the trainer's own."""
 
 
 @dataclass(frozen=True, slots=True)

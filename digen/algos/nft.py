@@ -132,11 +132,6 @@ class NFT(Algorithm):
                 f"algo.best_of_n = {a.best_of_n} is not allowed: DiffusionNFT trains every "
                 "sample (its advantage weighs the positive and negative terms)"
             )
-        if cfg.runtime.sharded:
-            return (
-                f"runtime.trainer_parallel = {cfg.runtime.trainer_parallel} is not allowed: "
-                "DiffusionNFT's old policy is kept by replicated trainers only (ddp)"
-            )
         return None
 
     def preset(self, backbone: Backbone, real_weights: bool) -> dict[str, dict[str, Any]]:
@@ -215,7 +210,8 @@ class NFT(Algorithm):
         sigma = spec.sigmas.to(x0.device)[chunk.steps]  # [R]
         t = sigma.view(-1, *([1] * (x0.ndim - 1)))  # [R, 1, ...]
         x_t = (1 - t) * x0 + t * noise
-        v_old = policy.old_velocity(x_t, sigma, chunk.cond, chunk.neg).float().detach()
+        v_old = policy.old_velocity(x_t, sigma, chunk.cond, chunk.neg, chunk.version)
+        v_old = v_old.float().detach()  # the old policy that sampled them (TCSS: behind)
         v = policy.velocity(x_t, sigma, chunk.cond, chunk.neg).float()
         beta = float(cfg.algo.params["beta"])
         r = self.optimality(cfg, chunk.advantages)  # [R]

@@ -56,6 +56,9 @@ class TrainItem:
     rollout: Rollout
     advantages: torch.Tensor
     """``[B]`` fp32."""
+    version: int | None = None
+    """The policy version that sampled them (behind the trainer's for a stale micro-batch);
+    None: the trainer's own."""
 
 
 @dataclass(slots=True)

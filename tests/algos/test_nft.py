@@ -293,3 +293,48 @@ def test_evaluation_samples_with_the_published_moving_average(tmp_path: Path) ->
     plain.write_checkpoint(tmp_path / "plain", lead=True)
     with pytest.raises(ValueError, match="holds no moving average"):
         again.load_checkpoint(tmp_path / "plain", version=1)
+
+
+def test_a_stale_micro_batch_trains_against_the_old_policy_that_sampled_it() -> None:
+    """TCSS: a micro-batch sampled at version v - 1 reaches a trainer at version v. Its loss
+    reads the old policy of version v - 1, which sampled it (as on-policy NFT reads the one
+    that sampled), kept by the trainer for ``runtime.max_staleness`` versions."""
+    over = ["rollout.num_inference_steps=4", "algo.params.decay_rate=0.3", "eval.ema=0"]
+    over += ["runtime.max_staleness=1", "runtime.staleness_ratio=0.5", "runtime.generators=2"]
+    cfg = tiny_config("sd3", "nft", over, mode="disaggregated")
+    policy = Policy(cfg, trainable=True)
+    _perturb_old(policy)
+    keys = [SampleKey(0, 0, j) for j in range(2)]
+    made = policy.generate(keys, ["a blue circle"] * 2)  # version 0, by the old policy of 0
+    old0 = [o.clone() for o in policy.old]
+    with torch.no_grad():  # a train step moved theta; the old policy follows a part of it
+        for name, p in policy.synced_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    assert policy.finish_step() == 1
+    assert max(float((o - o0).abs().max()) for o, o0 in zip(policy.old, old0)) > 1e-3
+
+    def loss(version: int | None) -> float:
+        item = TrainItem(
+            keys,
+            ["a blue circle"] * 2,
+            made.rollout.for_training(final=True),
+            torch.tensor([1.0, -1.0]),
+            version=version,
+        )
+        return policy.accumulate(item, 1.0).loss
+
+    stale, current = loss(0), loss(None)
+    assert loss(1) == current  # sampled at the trainer's own version: the current old policy
+    now = [o.clone() for o in policy.old]
+    with torch.no_grad():  # the same loss with the old policy of version 0 put in place
+        for o, o0 in zip(policy.old, old0, strict=True):
+            o.copy_(o0)
+    assert loss(None) == stale != current
+    with torch.no_grad():
+        for o, n in zip(policy.old, now, strict=True):
+            o.copy_(n)
+    policy.finish_step()  # version 2: with a staleness of 1, version 0's old policy goes
+    assert policy.old_at(1) is not None
+    with pytest.raises(RuntimeError, match="sampled at version 0"):
+        policy.old_at(0)

@@ -204,8 +204,9 @@ def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algo", ["flowgrpo", "nft"])  # NFT: old policy, average in shards
 def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
-    tmp_path: Path,
+    tmp_path: Path, algo: str
 ) -> None:
     """Two FSDP trainers write a checkpoint, each its own shards (torch.distributed.checkpoint
     in safetensors: nobody gathers the model); two FSDP trainers resume it bit for bit, and
@@ -215,9 +216,10 @@ def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
 
     from safetensors import safe_open
 
-    fsdp = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
-    whole = run_config(_cfg("disaggregated", 3, fsdp), tmp_path / "whole")
-    split = run_config(_cfg("disaggregated", 2, fsdp), tmp_path / "split")
+    lag = ["algo.params.decay_rate=0.2"] if algo == "nft" else []  # old well behind theta
+    fsdp = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none", *lag]
+    whole = run_config(_cfg("disaggregated", 3, fsdp, algo), tmp_path / "whole")
+    split = run_config(_cfg("disaggregated", 2, fsdp, algo), tmp_path / "split")
     files = sorted((split.checkpoint / "sharded").iterdir())
     assert len(files) == 2 and not (split.checkpoint / "weights.safetensors").exists()
     manifest = json.loads((split.checkpoint / "manifest.json").read_text())["files"]
@@ -227,12 +229,14 @@ def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
         with safe_open(str(f), framework="pt") as fh:
             names = [k for k in fh.keys() if k.startswith("weights::")]  # noqa: SIM118
             held = [fh.get_slice(k).get_shape() for k in names]
+            kept = {k.split("::")[0] for k in fh.keys()} - {"weights", "optimizer"}  # noqa: SIM118
+        assert kept == ({"old", "ema"} if algo == "nft" else set())
         numel = sum(torch.Size(shape).numel() for shape in held)
         assert len(held) == len(split.final_state) and 0.3 * total < numel < 0.7 * total
     shutil.copytree(tmp_path / "split", tmp_path / "moved")
-    resumed = run_config(_cfg("disaggregated", 3, fsdp), tmp_path / "split", resume=True)
-    one = ["runtime.tag=none"]
-    moved = run_config(_cfg("disaggregated", 3, one), tmp_path / "moved", resume=True)
+    resumed = run_config(_cfg("disaggregated", 3, fsdp, algo), tmp_path / "split", resume=True)
+    one = ["runtime.tag=none", *lag]
+    moved = run_config(_cfg("disaggregated", 3, one, algo), tmp_path / "moved", resume=True)
     for name, value in whole.final_state.items():
         assert torch.equal(resumed.final_state[name], value), name
         torch.testing.assert_close(moved.final_state[name], value, rtol=1e-5, atol=1e-6)

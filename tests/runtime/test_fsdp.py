@@ -185,6 +185,60 @@ def test_sharded_full_finetune_equals_colocated_and_saves_full_weights(tmp_path:
 
 
 @pytest.mark.slow
+def test_sharded_nft_trainers_keep_the_old_policy_and_its_average(tmp_path: Path) -> None:
+    """DiffusionNFT on 2 FSDP trainers: each keeps its shards of the old policy (which the
+    second step samples with, served from trainer 0's gathered copy) and of the evaluation's
+    moving average (gathered by both for an evaluation); two steps end with the colocated
+    trainer's weights, and the checkpoint's shards load into one unsharded policy as the
+    colocated run's old policy and average."""
+    from digen.runtime.worker.policy import Policy
+
+    nft = ["steps=2", "algo.params.decay_rate=0.25", "eval.every=2", "save_every=2"]
+    nft.append(f"eval.prompts={_eval_prompts(tmp_path)}")
+
+    def run(mode: str, extra: list[str], name: str):
+        cfg = tiny_config("flux", "nft", [*COMMON, *nft, *extra], mode=mode)
+        return cfg, run_config(cfg, tmp_path / name)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg, colocated = run("colocated", [], "colocated")
+    finally:
+        torch.set_num_threads(threads)
+    extra = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=static"]
+    extra += ["runtime.tag_k=1", "runtime.weight_sync=broadcast"]
+    _, sharded = run("disaggregated", extra, "fsdp")
+    assert _moved(colocated.final_state) > 1e-4
+    for name, value in colocated.final_state.items():
+        torch.testing.assert_close(sharded.final_state[name], value, rtol=1e-5, atol=1e-6)
+    assert [r["eval/policy_version"] for r in sharded.evals] == [0, 2]
+    assert sharded.metrics[-1]["tag_microbatches"] >= 1  # both members sampled with old
+
+    kept = {}
+    for name, run_ in (("colocated", colocated), ("fsdp", sharded)):
+        policy = Policy(cfg, trainable=True)
+        policy.load_checkpoint(run_.checkpoint, version=2)
+        kept[name] = (policy.old, policy.ema)
+    assert (sharded.checkpoint / "sharded").is_dir()
+    for got, want in zip(kept["fsdp"], kept["colocated"], strict=True):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    theta = colocated.final_state
+    old, ema = kept["colocated"]
+    names = list(theta)
+    # neither is the trained weights: the old policy lags them, the average lags too
+    assert max(float((o - theta[n]).abs().max()) for n, o in zip(names, old)) > 1e-5
+    assert max(float((e - theta[n]).abs().max()) for n, e in zip(names, ema)) > 1e-5
+
+
+def _eval_prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "eval_prompts.txt"
+    path.write_text("a red apple\na blue car on a road\n")
+    return path
+
+
+@pytest.mark.slow
 def test_all_gathers_per_update_fall_with_the_tsp_degree(tmp_path: Path) -> None:
     """FSDP all-gathers a block's weights once per forward (and once more for its backward),
     so TSP, which runs k timesteps in one pass, needs the all-gathers of ceil(K / k) passes

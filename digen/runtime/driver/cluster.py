@@ -208,7 +208,15 @@ class ShardedTrainers:
     A call to all of them's span runs from the first member's start to the last one's end.
     """
 
-    _EVERY_MEMBER = ("generate", "update", "step", "write_checkpoint", "ping", "statistics")
+    _EVERY_MEMBER = (
+        "generate",
+        "update",
+        "step",
+        "write_checkpoint",
+        "ping",
+        "statistics",
+        "ema_state",  # gathered from every member's shards
+    )
 
     def __init__(self, trainers: Sequence[ActorHandle]) -> None:
         self.handles = list(trainers)

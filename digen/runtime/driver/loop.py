@@ -414,7 +414,7 @@ class Driver:
 
         ema = None
         if self.cfg.eval.ema > 0:  # the trainers' moving average, lent to the generators
-            ema = await self.trainers[0].call("ema_state")
+            ema = await self.trainers[0].call("ema_state")  # sharded: all gather, 0 returns
             await asyncio.gather(*(g.call("set_eval_weights", ema) for g in self.gens))
         try:
             done = await asyncio.gather(*(one(c, b) for c, b in enumerate(batches)))
@@ -490,7 +490,9 @@ class Driver:
         text = self.prompts(s)[0][mb.prompt]
         scale = 1.0 / step_terms(self.cfg, s, prompts=self.mini_size)  # its optimizer step's
         args = (s, mb.mb, task.rollout.holder, keys, list(task.rows), text, list(task.advantages))
-        stats = await self._call(t, TaskKind.UPDATE, s, mb.mb, s, t.call("update", *args, scale))
+        made_by = task.rollout.version  # the version that sampled it (TCSS: maybe behind)
+        call = t.call("update", *args, scale, made_by)
+        stats = await self._call(t, TaskKind.UPDATE, s, mb.mb, s, call)
         self.book.trained(s, mb.mb, stats)
         await self._notify()
         self._maybe_trained(s)

@@ -136,6 +136,9 @@ class Policy:
         its weights."""
         if trainable and self.algorithm.keeps_old_policy:
             self.old = [p.detach().clone() for _, p in self.synced_parameters()]
+        self._old_before: dict[int, list[torch.Tensor]] = {}
+        """Version -> the old policy that sampled at it, for the last
+        ``runtime.max_staleness`` versions (stale micro-batches read it)."""
         self.ema: list[torch.Tensor] | None = None
         """A moving average of the trained weights that evaluation samples with
         (``eval.ema``), in :meth:`synced_parameters` order, on a trainer."""
@@ -324,6 +327,7 @@ class Policy:
                 cond=cond if d == 1 else PromptEmbeds.cat([cond] * d),
                 neg=neg if neg is None or d == 1 else PromptEmbeds.cat([neg] * d),
                 advantages=advantages.repeat(d),
+                version=item.version,
             )
             out = algorithm.chunk_loss(cfg, chunk)
             loss = out.loss
@@ -364,10 +368,24 @@ class Policy:
             return self.velocity(x_t, sigma, cond, neg)
 
     @torch.no_grad()
-    def old_velocity(self, x_t, sigma, cond, neg) -> torch.Tensor:
-        """The old policy's velocity (:attr:`~digen.algos.base.Algorithm.keeps_old_policy`)."""
-        with self.sampling_weights():
+    def old_velocity(self, x_t, sigma, cond, neg, version: int | None = None) -> torch.Tensor:
+        """The old policy's velocity (:attr:`~digen.algos.base.Algorithm.keeps_old_policy`):
+        the one that sampled at policy ``version`` (None: the current one)."""
+        with self._weights_in_place(self.old_at(version)):
             return self.velocity(x_t, sigma, cond, neg)
+
+    def old_at(self, version: int | None) -> list[torch.Tensor] | None:
+        """The old policy that sampled at policy ``version``: the current one, or for a
+        stale micro-batch (TCSS) the one kept from that version."""
+        if version is None or version >= self.version:
+            return self.old
+        if version not in self._old_before:
+            raise RuntimeError(
+                f"a micro-batch sampled at version {version} reached a trainer at version "
+                f"{self.version}, which keeps the old policy of versions "
+                f"{sorted(self._old_before)} only (runtime.max_staleness)"
+            )
+        return self._old_before[version]
 
     @torch.no_grad()
     def reference_mean(self, x_t, step_index, cond, spec, neg) -> torch.Tensor:
@@ -416,6 +434,18 @@ class Policy:
             yield
             return
         params = [p for _, p in self.synced_parameters()]
+        if self.sharded:  # FSDP gathers from its own shard storage: move values, not tensors
+            with torch.no_grad():
+                live = [p.detach().clone() for p in params]
+                for p, o in zip(params, tensors, strict=True):
+                    p.copy_(o)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for p, t in zip(params, live, strict=True):
+                        p.copy_(t)
+            return
         live = [p.data for p in params]
         try:
             for p, o in zip(params, tensors, strict=True):
@@ -483,7 +513,9 @@ class Policy:
 
         if self.sharded:
             names = [n for n, _ in self.synced_parameters()]
-            write_sharded_state(directory, self.adapter.transformer, self.optimizer, names)
+            write_sharded_state(
+                directory, self.adapter.transformer, self.optimizer, names, self._kept()
+            )
         elif lead:
             old = None if self.old is None else dict(self.sampling_parameters())
             write_trainer_state(
@@ -504,8 +536,16 @@ class Policy:
         if is_sharded_checkpoint(directory):
             names = [n for n, _ in self.synced_parameters()]
             transformer = self.adapter.transformer
-            load_sharded_state(directory, transformer, self.optimizer, names, sharded=self.sharded)
+            load_sharded_state(
+                directory,
+                transformer,
+                self.optimizer,
+                names,
+                sharded=self.sharded,
+                kept=self._kept(),
+            )
             self.version = version
+            self.optimizer_steps = version * len(mini_batches(self.cfg))
             return
         weights, optimizer = load_trainer_state(directory)
         self.restore(weights, optimizer, version)
@@ -527,10 +567,24 @@ class Policy:
             self._load_kept(self.ema, ema)
 
     def _load_kept(self, kept: list[torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+        """Fill ``kept`` from whole tensors by name (sharded members keep their shards)."""
         self._check_fits(saved)
         with torch.no_grad():
             for (name, _), t in zip(self.synced_parameters(), kept, strict=True):
-                t.copy_(saved[name].to(t.device, t.dtype))
+                whole = saved[name].to(t.device, t.dtype)
+                if hasattr(t, "device_mesh"):  # a shard: this member's piece of the whole
+                    from torch.distributed.tensor import distribute_tensor
+
+                    whole = distribute_tensor(whole, t.device_mesh, t.placements)
+                t.copy_(whole)
+
+    def _kept(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What this copy keeps beside the trained weights, by checkpoint prefix
+        (:data:`digen.checkpoint.KEPT`): the old policy, the moving average (shards where
+        sharded)."""
+        names = [n for n, _ in self.synced_parameters()]
+        kept = {"old": self.old, "ema": self.ema}
+        return {k: dict(zip(names, v, strict=True)) for k, v in kept.items() if v is not None}
 
     def restore(
         self, weights: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, version: int
@@ -616,6 +670,11 @@ class Policy:
         kept; returns the version."""
         self.version += 1
         if self.old is not None:
+            behind = self.cfg.runtime.max_staleness
+            if behind > 0:  # stale micro-batches were sampled by it: their loss reads it
+                self._old_before[self.version - 1] = [o.detach().clone() for o in self.old]
+                for v in [v for v in self._old_before if v < self.version - behind]:
+                    del self._old_before[v]
             live = [p.detach() for _, p in self.synced_parameters()]
             self.algorithm.update_old(self.cfg, self.old, live, self.version)
         return self.version

@@ -84,6 +84,9 @@ class TrainerActor(PolicyActor):
         self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
         self._full: dict[str, torch.Tensor] = {}
         """Sharded: trainer 0's full copy of the trained weights (the others hold none)."""
+        self._full_old: dict[str, torch.Tensor] = {}
+        """Sharded, where the algorithm keeps an old policy: trainer 0's full copy of it
+        (what the generators sample with)."""
         if self.sharded:
             self._gather_full()
         if rank == 0:
@@ -103,17 +106,26 @@ class TrainerActor(PolicyActor):
         trainer 0 keeps them (on the CPU: a full copy need not fit next to the shards)."""
         named = self.policy.synced_parameters()
         self._full = full_tensors(named, keep=self.rank == 0)
+        if self.policy.old is not None:
+            self._full_old = full_tensors(self.policy.sampling_parameters(), self.rank == 0)
 
     def _synced(self) -> list[tuple[str, torch.Tensor]]:
         if self.sharded:
-            return list(self._full.items())
+            full = self._full if self.policy.old is None else self._full_old
+            return list(full.items())
         return super()._synced()
 
     def ema_state(self) -> dict[str, torch.Tensor] | None:
         """Name -> CPU copy of the moving average evaluation samples with (``eval.ema``),
-        or None where none is kept."""
+        or None where none is kept. Sharded trainers all call at once, gathering it; trainer
+        0 returns it."""
         state = self.policy.ema_state()
-        return None if state is None else {k: v.detach().cpu().clone() for k, v in state.items()}
+        if state is None:
+            return None
+        if self.sharded:
+            full = full_tensors(list(state.items()), keep=self.rank == 0)
+            return full if self.rank == 0 else None
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         if self.sharded:
@@ -147,11 +159,13 @@ class TrainerActor(PolicyActor):
         prompt: str,
         advantages: Sequence[float],
         loss_scale: float,
+        version: int | None = None,
     ) -> TimedResult:
         """Forward/backward the samples ``keys`` of micro-batch ``(step, mb)``.
 
         ``rows``: their positions in the micro-batch, whose rollout ``holder`` keeps;
-        ``advantages``: one per key. TSP chunks of ``runtime.tsp_degree`` timesteps.
+        ``advantages``: one per key; ``version``: the policy version that sampled them.
+        TSP chunks of ``runtime.tsp_degree`` timesteps.
         """
         self.jitter()
         t0 = time.time()
@@ -183,6 +197,7 @@ class TrainerActor(PolicyActor):
                     prompts=[prompt] * len(idx),
                     rollout=rollout.select(torch.tensor([at[i] for i in idx])),
                     advantages=adv[idx],
+                    version=version,
                 )
                 got = self.policy.accumulate(part, scale, self.cfg.runtime.tsp_degree)
                 if chunk is not None:
