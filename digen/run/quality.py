@@ -275,11 +275,19 @@ def summarise_quality(s: QualitySettings, curves: Sequence[Curve], command: str 
         report["tcss_within_on_policy_spread"] = [
             o["min"] <= t["median"] <= o["max"] for o, t in zip(on, stale, strict=True)
         ]
+    # an arm counts when most of its seeds reach the target: one lucky seed is no ranking
     timed = {
-        k: a["seconds_to_target"]["median"] for k, a in arms_.items() if a["seconds_to_target"]
+        k: a["seconds_to_target"]["median"]
+        for k, a in arms_.items()
+        if a["seconds_to_target"] and 2 * _hits(a["reached"]) > len(a["seeds"])
     }
     report["first_to_target"] = min(timed, key=timed.__getitem__) if timed else None
     return report
+
+
+def _hits(reached: str) -> int:
+    """The seeds that reached the target, from ``"k/n"``."""
+    return int(reached.split("/")[0])
 
 
 def format_quality(report: dict) -> str:

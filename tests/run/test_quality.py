@@ -59,6 +59,8 @@ def test_the_report_ranks_arms_by_time_to_target_and_checks_tcss_against_the_spr
         _curve("disaggregated", 1, [0.1, 0.4, 0.6], step_s=0.5),  # at 2 s
         _curve("tcss", 0, [0.1, 0.45, 0.9], step_s=0.4),  # inside, inside, above
         _curve("tcss", 1, [0.1, 0.55, 0.9], step_s=0.4),
+        _curve("colocated-mixgrpo", 0, [0.1, 0.6, 0.6], step_s=0.1),  # at 0.1 s, one seed
+        _curve("colocated-mixgrpo", 1, [0.1, 0.2, 0.3], step_s=0.1),
     ]
     report = summarise_quality(s, curves, command="digen bench --quality")
     colo = report["arms"]["colocated"]
@@ -69,7 +71,9 @@ def test_the_report_ranks_arms_by_time_to_target_and_checks_tcss_against_the_spr
     assert last == {"median": pytest.approx(0.65), "min": 0.6, "max": 0.7}
     assert report["tcss_within_on_policy_spread"] == [True, True, False]
     assert report["arms"]["tcss"]["seconds_to_target"]["median"] == pytest.approx(1.2)
-    assert report["first_to_target"] == "tcss"  # median 1.2 s, on-policy split 1.5 s
+    assert report["arms"]["colocated-mixgrpo"]["reached"] == "1/2"
+    # median 1.2 s, on-policy split 1.5 s; an arm one seed of two carried is not ranked
+    assert report["first_to_target"] == "tcss"
     table = format_quality(report)
     assert "TCSS median within the on-policy seeds' range at 2 of 3 evaluations" in table
     assert "first to the target in training time: tcss" in table
