@@ -61,8 +61,7 @@ __all__ = [
     "checkpoint_identity",
     "latest_checkpoint",
     "is_sharded_checkpoint",
-    "load_eval_ema",
-    "load_old_policy",
+    "load_kept",
     "load_sharded_state",
     "load_trainer_state",
     "publish",
@@ -78,6 +77,10 @@ OLD_POLICY = "old_policy.safetensors"
 """The old policy's weights, where the algorithm keeps one (DiffusionNFT)."""
 EVAL_EMA = "eval_ema.safetensors"
 """The moving average of the trained weights that evaluation samples with (``eval.ema``)."""
+KEPT = {"old": "old policy", "ema": "moving average for evaluation"}
+"""What a checkpoint may keep beside the weights (its key prefix -> what it is)."""
+KEPT_FILES = {"old": OLD_POLICY, "ema": EVAL_EMA}
+"""Where a whole-tensor checkpoint keeps each of :data:`KEPT`."""
 SHARDED = "sharded"
 """Sharded trainers: the directory of per-trainer shard files."""
 STATE = "state.json"
@@ -139,21 +142,18 @@ def write_trainer_state(
         _fsync(directory / name)
 
 
-def load_old_policy(directory: str | os.PathLike) -> dict[str, torch.Tensor] | None:
-    """The old policy's weights in a checkpoint, or None where it holds none."""
-    return _load_kept(directory, OLD_POLICY)
-
-
-def load_eval_ema(directory: str | os.PathLike) -> dict[str, torch.Tensor] | None:
-    """The evaluation's moving average in a checkpoint, or None where it holds none."""
-    return _load_kept(directory, EVAL_EMA)
-
-
-def _load_kept(directory: str | os.PathLike, name: str) -> dict[str, torch.Tensor] | None:
+def load_kept(directory: str | os.PathLike, prefix: str) -> dict[str, torch.Tensor]:
+    """One of :data:`KEPT` (``old``, ``ema``) from a whole-tensor checkpoint, by name;
+    a clear error where the checkpoint holds none (a run without it wrote it)."""
     from safetensors.torch import load_file
 
-    path = Path(directory) / name
-    return load_file(str(path)) if path.exists() else None
+    path = Path(directory) / KEPT_FILES[prefix]
+    if not path.exists():
+        raise ValueError(
+            f"the checkpoint in {directory} holds no {KEPT[prefix]}, which this run keeps; "
+            "it was written by a run without one"
+        )
+    return load_file(str(path))
 
 
 def load_trainer_state(
@@ -170,8 +170,6 @@ def load_trainer_state(
 
 
 _W, _OPT, _SEP = "weights", "optimizer", "::"
-KEPT = {"old": "old policy", "ema": "moving average for evaluation"}
-"""What a sharded checkpoint may keep beside the weights (its key prefix -> what it is)."""
 
 
 def _flat_sharded(

@@ -527,8 +527,7 @@ class Policy:
         however many trainers (sharded members all call at once)."""
         from digen.checkpoint import (
             is_sharded_checkpoint,
-            load_eval_ema,
-            load_old_policy,
+            load_kept,
             load_sharded_state,
             load_trainer_state,
         )
@@ -549,22 +548,8 @@ class Policy:
             return
         weights, optimizer = load_trainer_state(directory)
         self.restore(weights, optimizer, version)
-        if self.old is not None:
-            old = load_old_policy(directory)
-            if old is None:
-                raise ValueError(
-                    f"the checkpoint in {directory} holds no old policy, which "
-                    f"{self.cfg.algo.name} samples with; it was written by another algorithm"
-                )
-            self._load_kept(self.old, old)
-        if self.ema is not None:
-            ema = load_eval_ema(directory)
-            if ema is None:
-                raise ValueError(
-                    f"the checkpoint in {directory} holds no moving average for eval.ema = "
-                    f"{self.cfg.eval.ema}; it was written by a run without one"
-                )
-            self._load_kept(self.ema, ema)
+        for prefix, kept in self._kept().items():
+            self._load_kept(list(kept.values()), load_kept(directory, prefix))
 
     def _load_kept(self, kept: list[torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
         """Fill ``kept`` from whole tensors by name (sharded members keep their shards)."""
