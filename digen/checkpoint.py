@@ -121,18 +121,16 @@ def write_trainer_state(
     directory: str | os.PathLike,
     weights: dict[str, torch.Tensor],
     optimizer: dict[str, Any],
-    old: dict[str, torch.Tensor] | None = None,
-    ema: dict[str, torch.Tensor] | None = None,
+    kept: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> None:
-    """Write the trainer's part (weights, optimizer state, and the old policy's weights and
-    the evaluation's moving average where they are kept) into ``directory``, flushed."""
+    """Write the trainer's part (weights, optimizer state, and the tensors ``kept`` beside
+    them: :data:`KEPT` -> name -> tensor) into ``directory``, flushed."""
     import torch
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    kept = {OLD_POLICY: old, EVAL_EMA: ema}
-    files = {WEIGHTS: weights} | {k: v for k, v in kept.items() if v is not None}
+    files = {WEIGHTS: weights} | {KEPT_FILES[k]: v for k, v in (kept or {}).items()}
     for name, state in files.items():
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / name)

@@ -466,10 +466,7 @@ class Policy:
 
     def ema_state(self) -> dict[str, torch.Tensor] | None:
         """Name -> the moving average evaluation samples with (``eval.ema``), or None."""
-        if self.ema is None:
-            return None
-        named = self.synced_parameters()
-        return {n: e for (n, _), e in zip(named, self.ema, strict=True)}
+        return self._kept().get("ema")
 
     def sampling_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of the weights generators sample with, in the order of
@@ -517,9 +514,8 @@ class Policy:
                 directory, self.adapter.transformer, self.optimizer, names, self._kept()
             )
         elif lead:
-            old = None if self.old is None else dict(self.sampling_parameters())
             write_trainer_state(
-                directory, self.trainable_state(), self.optimizer_state(), old, self.ema_state()
+                directory, self.trainable_state(), self.optimizer_state(), self._kept()
             )
 
     def load_checkpoint(self, directory: str | os.PathLike, version: int) -> None:
