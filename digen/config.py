@@ -618,6 +618,7 @@ LR_SCHEDULES = ("constant", "cosine")
 NONFINITE_POLICIES = ("fail", "drop")
 MICROBATCH_AXES = ("generation", "prompt")
 WEIGHT_SYNCS = ("rpc", "broadcast")
+GENERATOR_LOSS = ("continue", "fail")
 GRAD_ORDERS = ("auto", "fixed", "arrival")
 
 
@@ -674,7 +675,11 @@ class RuntimeConfig:
     rpc_timeout_s: float = 600.0
     """Longest a single remote call may take before the run stops with an error."""
     heartbeat_s: float = 60.0
-    """A worker that answers no ping for this long (hung, or its machine gone) stops the run, naming it; a worker process that exits is noticed within 0.1 s."""
+    """A worker that answers no ping for this long (hung, or its machine gone) counts as lost, named in the log; a worker process that exits is noticed within 0.1 s."""
+    on_generator_loss: str = "continue"
+    """A generator lost mid-run (its process killed, its machine gone): continue (the run goes on with the generators left, and what the lost one held is made again elsewhere from the same keys) or fail (the run stops, with a checkpoint and the command to resume). A lost trainer always stops the run."""
+    min_generators: int = 1
+    """With on_generator_loss=continue: the run stops when fewer generators than this are left (scoring runs beside the generators, so at least 1)."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "runtime")
@@ -724,6 +729,11 @@ class RuntimeConfig:
             raise _bad(_key(p, "address"), self.address, "give an IP address such as 127.0.0.1")
         _positive(p, "rpc_timeout_s", self.rpc_timeout_s)
         _positive(p, "heartbeat_s", self.heartbeat_s)
+        _choice(_key(p, "on_generator_loss"), self.on_generator_loss, GENERATOR_LOSS)
+        _at_least(p, "min_generators", self.min_generators, 1, " (scoring runs beside a generator)")
+        if self.min_generators > self.generators:
+            why = f"it cannot exceed runtime.generators ({self.generators})"
+            raise _bad(_key(p, "min_generators"), self.min_generators, why)
 
 
 _SECTIONS: dict[str, type] = {

@@ -246,6 +246,19 @@ class DigenRunner:
                 log.info("workers_ready", seconds=round(time.perf_counter() - t0, 3))
                 if outputs:
                     await self._write_workers(backend)
+                if hasattr(backend, "on_pool_change"):
+
+                    async def pool_changed(event: dict, backend: Any = backend) -> None:
+                        log.warning(**event)  # "generator_lost": who, why, what is remade
+                        print(
+                            f"note: {event['cause']} The run goes on with "
+                            f"{event['generators']} generator(s).",
+                            file=sys.stderr,
+                        )
+                        if outputs:
+                            await self._write_workers(backend)
+
+                    backend.on_pool_change = pool_changed
                 if ckpt is not None:
                     if cfg.runtime.mode != "disaggregated":  # the driver's trainers load it
                         await backend.restore(ckpt)

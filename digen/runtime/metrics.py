@@ -27,7 +27,11 @@ Columns:
 - ``utilisation``, ``bubble_fraction``: from the step's trace (:mod:`digen.sched.trace`);
 - ``memory/peak_gb/generator`` and ``/trainer``: the largest peak memory a worker of the pool
   reported (GPU: ``max_memory_allocated``; CPU: peak resident size); colocated workers do
-  both jobs and report the same number twice.
+  both jobs and report the same number twice;
+- disaggregated only: ``generators_alive`` at the step's end, ``remade_microbatches`` (made
+  again because the generator holding them was lost), ``time/remade_s``, the seconds
+  those remakes took, and ``lost_microbatches``: left out of the step's gradient (TCSS
+  only: stale work of a lost generator, scored with a version no generator holds any more).
 
 An evaluation (``eval.every``) of the weights a step ends with adds to that step's row
 (:func:`eval_metrics`): ``eval/reward_mean`` and ``eval/reward/<name>`` over the evaluation's
@@ -94,6 +98,7 @@ def step_metrics(
     tags: int = 0,
     memory_gb: Mapping[str, float] | None = None,
     reward_latency_s: Mapping[str, Sequence[float]] | None = None,
+    elastic: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The metrics row of one step (module docstring). ``rewards``: ``[B, n]``."""
     # one reduction order whatever the caller's layout (a strided view sums differently)
@@ -141,6 +146,7 @@ def step_metrics(
             },
         }
     )
+    row.update(elastic or {})  # disaggregated: generators_alive, remade_microbatches, ...
     return row
 
 

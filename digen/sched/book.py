@@ -15,6 +15,7 @@ own, which the driver sets when it queues new weights on it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,11 +23,11 @@ from typing import Any
 
 from digen.sched.costs import Costs
 from digen.sched.microbatch import MicroBatch
-from digen.sched.names import Pool, TaskKind, index_of, pool_of
+from digen.sched.names import Pool, TaskKind, index_of, pool_of, worker_name
 from digen.sched.plan import SchedulePlan
 from digen.sched.state import SchedState, WorkerClock
 
-__all__ = ["Book", "StepRecord"]
+__all__ = ["Book", "Remake", "StepRecord"]
 
 
 @dataclass(slots=True)
@@ -56,6 +57,13 @@ class StepRecord:
     """TAG micro-batches inserted while this was the train step."""
     bubbles: int = 0
     """Trainer bubbles decided while this was the train step."""
+    remade: int = 0
+    """Micro-batches of this step made again after their generator was lost."""
+    remade_s: float = 0.0
+    """Seconds those remakes took (generation made twice: what the losses cost)."""
+    orphaned: int = 0
+    """Micro-batches of this step left out of its gradient: scored stale work of a lost
+    generator whose version no generator holds any more (TCSS only)."""
 
     @property
     def size(self) -> int:
@@ -83,6 +91,21 @@ class StepRecord:
     def stats_in_order(self) -> list[Any]:
         """The trained micro-batches' statistics in micro-batch order (a fixed sum order)."""
         return [self.trained[m] for m in sorted(self.trained)]
+
+
+@dataclass(frozen=True, slots=True)
+class Remake:
+    """A micro-batch a lost generator held, to make again from its keys.
+
+    ``scored``: its rewards are in (its group may have its advantages): it is made again only
+    for the trainers, with the version that made it (``version``), so that its samples are
+    the ones scored. Otherwise it is made and scored as if handed out now.
+    """
+
+    step: int
+    mb: int
+    scored: bool
+    version: int | None = None
 
 
 @dataclass(slots=True)
@@ -123,6 +146,12 @@ class Book:
         """Per worker, the calls sent to it and not finished, oldest (the running one) first."""
         self.waiting: set[int] = set()
         """Trainers idle at a bubble already decided (or with nothing to generate)."""
+        self.lost: set[int] = set()
+        """Generators lost mid-run (``runtime.on_generator_loss = continue``)."""
+        self.remakes: deque[Remake] = deque()
+        """What lost generators held, to make again, oldest first (before any hand-out)."""
+        self.remaking: dict[tuple[int, int], int] = {}
+        """Remakes taken, by the generator making them."""
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -258,6 +287,129 @@ class Book:
         if not insert:
             self.waiting.add(trainer)
 
+    # --- lost generators -------------------------------------------------------------------
+
+    @property
+    def alive(self) -> list[int]:
+        """The generators not lost, in order."""
+        return [i for i in range(self.generators) if i not in self.lost]
+
+    def lose_generator(self, i: int, running: Sequence[tuple[int, int]] = ()) -> list[Remake]:
+        """Generator ``i`` (and its scoring lane) is lost with its store: what it held goes
+        on :attr:`remakes`, and is returned. ``running``: ``(step, mb)`` it was making or
+        scoring when a call to it failed (that task may be off :attr:`busy` already); called
+        again for such a call after the loss was recorded, only those are looked at.
+
+        Left out: a micro-batch a trainer is updating from it now (the update may have taken
+        its rollout before the loss; :meth:`remake_scored` is for when it did not), and what
+        trainers made that its lane was scoring, which goes back to the head of SQ.
+        """
+        gen, lane = worker_name(Pool.GENERATOR, i), worker_name(Pool.SCORER, i)
+        held = list(running)
+        if i not in self.lost:
+            self.lost.add(i)
+            self.gen_version[i] = -1
+            for key in [k for k, g in self.remaking.items() if g == i]:
+                del self.remaking[key]  # it was making it again: someone else will
+                held.append(key)
+            for worker in (gen, lane):
+                held += [(t.step, t.mb) for t in self.busy.pop(worker, ()) if t.mb >= 0]
+            if self.to_score:
+                held += list(self.to_score[i])
+                self.to_score[i].clear()
+            for s, rec in sorted(self.steps.items()):
+                held += [(s, mb) for mb, (holder, _) in sorted(rec.made.items()) if holder == gen]
+        updating = {
+            (t.step, t.mb)
+            for worker, queue in self.busy.items()
+            if pool_of(worker) == Pool.TRAINER
+            for t in queue
+            if t.kind == TaskKind.UPDATE
+        }
+        out, back_to_sq = [], []
+        for s, mb in dict.fromkeys(held):  # once each, in the order found
+            rec = self.steps.get(s)
+            if rec is None or mb in rec.trained or mb in rec.dropped or (s, mb) in updating:
+                continue
+            holder, version = rec.made.get(mb, (gen, None))
+            if holder != gen:  # made (again) elsewhere
+                tag = pool_of(holder) == Pool.TRAINER  # scored by another lane, then
+                if tag and mb not in rec.scored and (s, mb) not in self.sq:
+                    back_to_sq.append((s, mb))
+                continue
+            remake = self._remake(s, mb, version)
+            if remake is not None:
+                out.append(remake)
+        self.sq[:0] = back_to_sq
+        return out
+
+    def remake_scored(self, step: int, mb: int) -> Remake | None:
+        """An update of ``(step, mb)`` failed because its holder was lost: make it again
+        (None when it already is, or needs nothing)."""
+        rec = self.steps.get(step)
+        if rec is None or mb in rec.trained or mb in rec.dropped:
+            return None
+        return self._remake(step, mb, rec.made[mb][1])
+
+    def _remake(self, step: int, mb: int, version: int | None) -> Remake | None:
+        rec = self.record(step)
+        if (step, mb) in self.remaking or any((r.step, r.mb) == (step, mb) for r in self.remakes):
+            return None
+        scored = mb in rec.scored
+        remake = Remake(step, mb, scored, version if scored else None)
+        if not scored:  # a scored one keeps its entry: its group's advantages read it
+            rec.made.pop(mb, None)
+        self.remakes.append(remake)
+        return remake
+
+    def take_remake(self, version: int, generator: int, take: bool = True) -> Remake | None:
+        """The oldest remake generator ``generator``, holding ``version``, may make now,
+        taken (``take`` False: only looked at): a scored one with exactly the version that
+        made it; an unscored one where the admission rule admits it, or with any version
+        once no live generator's would."""
+        live = [self.gen_version[i] for i in self.alive]
+        rule = self.plan.admission
+        for k, r in enumerate(self.remakes):
+            if r.scored:
+                fits = r.version == version
+            else:
+                fits = rule.admits(r.step, r.mb, version) or not any(
+                    rule.admits(r.step, r.mb, v) for v in live
+                )
+            if fits and not take:
+                return r
+            if fits:
+                del self.remakes[k]
+                self.remaking[r.step, r.mb] = generator
+                return r
+        return None
+
+    def orphaned(self) -> list[Remake]:
+        """Scored remakes whose version no live generator holds any more, nor will (versions
+        only move forward): taken off :attr:`remakes` and counted as dropped. Under TCSS
+        only; the caller releases and reports them."""
+        live = [self.gen_version[i] for i in self.alive]
+        gone = [r for r in self.remakes if r.scored and all(v > r.version for v in live)]
+        for r in gone:
+            self.remakes.remove(r)
+            rec = self.record(r.step)
+            rec.queued.discard(r.mb)
+            rec.orphaned += 1
+            self.dropped(r.step, r.mb)
+        return gone
+
+    def remade(self, remake: Remake, holder: str, version: int, seconds: float) -> None:
+        """``remake`` was made again by ``holder``: where it lives now; a scored one goes
+        back to where it was (its update), an unscored one on to be scored."""
+        self.remaking.pop((remake.step, remake.mb), None)
+        rec = self.record(remake.step)
+        rec.remade += 1
+        rec.remade_s += seconds
+        if remake.scored:
+            rec.made[remake.mb] = (holder, version)
+        else:
+            self.generated(rec.mbs[remake.mb], holder, version)
+
     # --- what a TAG policy sees ----------------------------------------------------------------
 
     def sched_state(self, trainer: int, now: float, costs: Costs) -> SchedState:
@@ -304,17 +456,20 @@ class Book:
                 for p in sorted({m.prompt for m in r.mbs})
                 if 0 < (c := r.group_scored(p)) < len(r.group(p))
             )
+        alive = self.alive  # a lost generator is no longer part of the pool planned with
+        plan = self.plan if not self.lost else dataclasses.replace(self.plan, generators=len(alive))
+        lanes = [i for i in alive if i < len(self.to_score)]
         return SchedState(
             now=now,
             trainer=trainer,
-            plan=self.plan,
+            plan=plan,
             step=self.version,
-            generators=tuple(clock(Pool.GENERATOR, i) for i in range(self.generators)),
+            generators=tuple(clock(Pool.GENERATOR, i) for i in alive),
             trainers=tuple(clock(Pool.TRAINER, j) for j in range(self.trainers)),
-            scorers=tuple(clock(Pool.SCORER, i) for i in range(len(self.to_score))),
+            scorers=tuple(clock(Pool.SCORER, i) for i in lanes),
             next_mb=self.frontier,
             sq=tuple(self.sq),
-            to_score=tuple(tuple(q) for q in self.to_score),
+            to_score=tuple(tuple(self.to_score[i]) for i in lanes),
             uq=len(rec.queued)
             - sum(
                 1

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from digen.runtime.messages import LossStats, Scores, TimedResult
-from digen.sched.names import Pool, worker_name
+from digen.runtime.transport.actors import WorkerDied
+from digen.sched.names import Pool, pool_of, worker_name
 
 
 class InjectedFailure(RuntimeError):
@@ -74,6 +75,16 @@ class World:
     """(worker, method) whose every call fails."""
     fail_at: int | None = None
     """The index (from 0, over every call of every actor) of the one call that fails."""
+    kill_at: frozenset[int] = frozenset()
+    """Indices of calls whose generator is lost as they run (while another generator lives)."""
+    generators: int = 0
+    dead: dict[str, WorkerDied] = field(default_factory=dict)
+    losses: asyncio.Queue = field(default_factory=asyncio.Queue)
+    holders: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Who holds each micro-batch's rollout now."""
+    trained: set[tuple[int, int]] = field(default_factory=set)
+    remade: int = 0
+    """Generations of a micro-batch a lost generator had made (or was making)."""
     cost: Callable[[random.Random, str, str], float] = _real_cost
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     now: Callable[[], float] = lambda: asyncio.get_running_loop().time()
@@ -93,15 +104,28 @@ class World:
         self.starts.append((self.now(), method))
         self.running += 1
         try:
+            if worker in self.dead:
+                raise self.dead[worker].again()
+            if index in self.kill_at and self._may_lose(worker):
+                await self.sleep(self.cost(self.rng, worker, method) / 2)
+                self.dead[worker] = WorkerDied(worker, None, -9)
+                self.losses.put_nowait(self.dead[worker])
+                raise self.dead[worker].again()
             if self.fail_on == (worker, method) or self.fail_at == index:
                 await self.sleep(self.cost(self.rng, worker, method) / 2)
                 self.failed = f"{method} on {worker} (call {index}) failed on purpose"
                 raise InjectedFailure(self.failed)
             t0 = self.now()
             await self.sleep(self.cost(self.rng, worker, method))
+            if worker in self.dead:  # lost while this call ran
+                raise self.dead[worker].again()
             return t0, self.now()
         finally:
             self.running -= 1
+
+    def _may_lose(self, worker: str) -> bool:
+        alive = self.generators - sum(pool_of(w) == Pool.GENERATOR for w in self.dead)
+        return pool_of(worker) == Pool.GENERATOR and worker not in self.dead and alive > 1
 
 
 class FakeActor:
@@ -112,20 +136,26 @@ class FakeActor:
         self.version = 0
         self.busy = asyncio.Lock()
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         async with self.busy:
             return await self._run(method, *args)
 
     async def _run(self, method: str, *args: Any) -> Any:
         w = self.world
         t0, t1 = await w.work(self.worker, method)
+        if method == "update" and args[2] in w.dead:  # its holder's store went with it
+            raise RuntimeError("ECONNRESET: connection reset by peer (fetching the rollout)")
         w.log.append((self.worker, method, *args[:2]))
         if method == "generate":
             step, mb = args[0], args[1]
-            assert (step, mb) not in w.made, f"micro-batch {(step, mb)} generated twice"
+            if (step, mb) in w.made:  # made again: only what a lost generator held
+                assert w.holders[step, mb] in w.dead, f"micro-batch {(step, mb)} generated twice"
+                w.remade += 1
+            else:
+                w.untrained += 1
+                w.untrained_max = max(w.untrained_max, w.untrained)
             w.made[(step, mb)] = self.version
-            w.untrained += 1
-            w.untrained_max = max(w.untrained_max, w.untrained)
+            w.holders[step, mb] = self.worker
             return TimedResult(self.version, t0, t1)
         if method == "score":
             n = len(args[3])
@@ -134,6 +164,11 @@ class FakeActor:
             )
         if method == "update":
             assert self.version == args[0], f"step {args[0]} trained on version {self.version}"
+            step, mb, holder = args[0], args[1], args[2]
+            assert w.holders[step, mb] == holder, (step, mb, holder, w.holders[step, mb])
+            assert w.made[step, mb] == args[-1], "trained against another version than made it"
+            assert (step, mb) not in w.trained, f"micro-batch {(step, mb)} trained twice"
+            w.trained.add((step, mb))
             w.untrained -= 1
             return TimedResult(LossStats(terms=len(args[3]), loss=1.0), t0, t1)
         if method == "step":
@@ -155,16 +190,20 @@ class FakeCluster:
         self.released: list[tuple[str, list]] = []
         self.lost_worker: Exception | None = None
         """What :meth:`lost_behind` finds: a worker lost behind a failed call, if a test says."""
+        world.generators = generators
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
-    async def lost(self) -> Exception:
-        """Fake workers are never lost between calls: injected failures fail calls."""
-        return await asyncio.get_running_loop().create_future()
+    async def next_loss(self) -> WorkerDied:
+        """Generators lost at the calls ``World.kill_at`` names, in turn."""
+        return await self.world.losses.get()
 
-    async def lost_behind(self, error: BaseException) -> Exception | None:
+    async def death_of(self, worker: str) -> WorkerDied | None:
+        return self.world.dead.get(worker)
+
+    async def lost_behind(self, error: BaseException, skip: Any = ()) -> Exception | None:
         return self.lost_worker
 
     def serve_weights(self, version: int) -> None:
@@ -172,6 +211,8 @@ class FakeCluster:
 
     async def send_weights(self, i: int, version: int) -> TimedResult:
         gen = self.gens[i]
+        if gen.worker in self.world.dead:
+            raise self.world.dead[gen.worker].again()
         async with gen.busy:  # behind what the generator is running
             t0, t1 = await self.world.work(gen.worker, "load_weights")
             self.world.log.append((gen.worker, "load_weights", version))

@@ -196,13 +196,16 @@ async def test_trace_accounts_for_every_microbatch_and_version() -> None:
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process() -> None:
+    """With ``runtime.on_generator_loss = fail`` a lost generator ends the run as a lost
+    trainer does (the default goes on: test_elastic.py)."""
     import os
     import signal
     import time
 
     from digen.runtime.transport.actors import WorkerDied
 
-    cfg = _cfg("sd3", "flowgrpo", "disaggregated", ["runtime.generators=2", "steps=3"])
+    over = ["runtime.generators=2", "steps=3", "runtime.on_generator_loss=fail"]
+    cfg = _cfg("sd3", "flowgrpo", "disaggregated", over)
     driver = Driver(cfg, None, PromptSet.builtin(), Trace())
     killed_at: list[float] = []
 
@@ -212,7 +215,7 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
 
     async with driver:
         pids = driver.cluster.system.pids()
-        with pytest.raises(WorkerDied, match="generator-1"):
+        with pytest.raises(WorkerDied, match="generator-1.*runtime.on_generator_loss is fail"):
             await asyncio.wait_for(driver.run(3, kill_after_first_step), timeout=60)
         assert time.monotonic() - killed_at[0] < 15
     time.sleep(0.5)

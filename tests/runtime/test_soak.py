@@ -70,7 +70,9 @@ def _settings(rng: random.Random) -> list[str]:
         return cfg
 
 
-def _world(seed: int, clock: VirtualClock, fail_at: int | None = None) -> World:
+def _world(
+    seed: int, clock: VirtualClock, fail_at: int | None = None, kill_at: frozenset = frozenset()
+) -> World:
     rng = random.Random(seed)
     speed = {}  # each worker its own speed, each call its own jitter, now and then a straggler
 
@@ -79,7 +81,9 @@ def _world(seed: int, clock: VirtualClock, fail_at: int | None = None) -> World:
         tail = 5.0 if rng.random() < 0.03 else 1.0
         return _BASE[method] * factor * rng.uniform(0.6, 1.4) * tail
 
-    return World(rng, fail_at=fail_at, cost=cost, sleep=clock.sleep, now=clock.seconds)
+    return World(
+        rng, fail_at=fail_at, kill_at=kill_at, cost=cost, sleep=clock.sleep, now=clock.seconds
+    )
 
 
 async def _drive(cfg, world: World, clock: VirtualClock, stop_at: int | None = None):
@@ -218,3 +222,62 @@ async def test_soak_a_stop_at_any_moment_ends_at_a_micro_batch_boundary() -> Non
         assert clock.now - stop_at < 3000, (seed, clock.now - stop_at)  # promptly
         stopped_inside += any(s == len(done) for (s, m) in world.made)
     assert stopped_inside > RUNS // 2  # most stops came inside a step, which was left
+
+
+@pytest.mark.asyncio
+async def test_soak_generators_lost_at_random_calls_nothing_lost_nothing_twice() -> None:
+    """Generators lost at random calls (one always left): every run ends, every micro-batch
+    is trained exactly once on the version of its step, a scored one made again with the
+    version that made it (the fakes check both), and the metrics count the losses."""
+    remade = losses = for_update = 0
+    for seed in range(RUNS):
+        over = random.Random(4000 + seed)
+        cfg = _settings(over)
+        while cfg.runtime.generators < 2:
+            cfg = _settings(over)
+        clock = VirtualClock(LIMIT)
+        world = _world(seed, clock)
+        await _drive(cfg, world, clock)
+        pick = random.Random(seed)
+        kill_at = frozenset(pick.randrange(world.calls) for _ in range(pick.randint(1, 3)))
+        clock = VirtualClock(LIMIT)
+        world = _world(seed, clock, kill_at=kill_at)
+        try:
+            results, _ = await _drive(cfg, world, clock)
+            steps = range(cfg.steps)
+            everything = {(s, mb.mb) for s in steps for mb in schedule_plan(cfg).microbatches_of(s)}
+            updated = Counter((a[2], a[3]) for a in world.log if a[1] == "update")
+            released = Counter((a[2], a[3]) for a in world.log if a[1] == "release")
+            lost = {k for k in everything if k not in updated and k not in released}
+            assert updated + released + Counter(lost) == dict.fromkeys(everything, 1)
+            per_step = [r.metrics["lost_microbatches"] for r in results]
+            assert per_step == [sum(s == k[0] for k in lost) for s in steps]
+            if lost:  # only stale work of a lost generator, whose version is gone
+                assert cfg.runtime.max_staleness > 0
+                assert all(world.holders[k] in world.dead and world.made[k] < k[0] for k in lost)
+            assert world.trained == set(updated)
+            assert world.untrained == len(lost)  # the fakes count a drop at its release
+            assert [r.metrics["policy_version"] for r in results] == [s + 1 for s in steps]
+            alive = [r.metrics["generators_alive"] for r in results]
+            assert alive == sorted(alive, reverse=True)
+            assert alive[-1] == cfg.runtime.generators - len(world.dead)
+            assert sum(r.metrics["remade_microbatches"] for r in results) >= world.remade
+        except AssertionError as exc:
+            raise AssertionError(
+                f"seed {seed}, kills {sorted(kill_at)}, {cfg.runtime}: {exc}"
+            ) from exc
+        remade += world.remade
+        losses += len(world.dead)
+        # made again after being scored (for its update only): the last make follows a score
+        at = {(a[1], a[2], a[3]): i for i, a in enumerate(world.log) if len(a) == 4}
+        for_update += sum(
+            i > at.get(("score", *k[1:]), len(world.log))
+            for k, i in at.items()
+            if k[0] == "generate"
+        )
+    assert losses >= RUNS and remade > RUNS  # the losses did happen, with work in hand
+    assert for_update > 0  # and some of that work was already scored
+    print(
+        f"soak: {RUNS} runs, {losses} generators lost, {remade} micro-batches made again, "
+        f"{for_update} of them after their scoring"
+    )

@@ -14,7 +14,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Coroutine, Sequence
+from collections.abc import Collection, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,13 @@ from digen.config import DigenConfig, config_to_dict
 from digen.runtime.messages import LossStats, TimedResult
 from digen.runtime.notes import NOTES_ENV
 from digen.runtime.placement import all_devices, check_groups, device_maps, run_groups
-from digen.runtime.transport.actors import ActorHandle, ActorSystem, WorkerSpec, active_launch
+from digen.runtime.transport.actors import (
+    ActorHandle,
+    ActorSystem,
+    WorkerDied,
+    WorkerSpec,
+    active_launch,
+)
 from digen.runtime.transport.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.transport.groups import listen
 from digen.sched.names import Pool, worker_names
@@ -145,10 +151,21 @@ class Cluster:
         once there is one."""
         return (await self.system.lost()).again()
 
-    async def lost_behind(self, error: BaseException) -> Exception | None:
+    async def next_loss(self) -> WorkerDied:
+        """The next worker lost (exited, killed, hung past its heartbeat), once there is one;
+        each loss once, in the order found."""
+        return await self.system.next_loss()
+
+    async def death_of(self, worker: str) -> WorkerDied | None:
+        """``worker``'s loss, checked now (:meth:`ActorSystem.death_of`), or None."""
+        return await self.system.death_of(worker)
+
+    async def lost_behind(
+        self, error: BaseException, skip: Collection[str] = ()
+    ) -> Exception | None:
         """The error of a lost worker that explains ``error`` (see
-        :meth:`ActorSystem.lost_behind`), or None when no worker was lost."""
-        died = await self.system.lost_behind(error)
+        :meth:`ActorSystem.lost_behind`), or None when no worker outside ``skip`` was lost."""
+        died = await self.system.lost_behind(error, skip)
         return None if died is None else died.again()
 
     # --- weights ---------------------------------------------------------------------------
@@ -175,8 +192,9 @@ class Cluster:
         return await self.trainers[0].call("trainable_state")
 
     async def whereabouts(self) -> dict[str, dict[str, Any]]:
-        """``{worker: {"host", "pid"}}`` as each worker reports it (torchrun ranks too)."""
-        names = self.gen_names + self.trainer_names
+        """``{worker: {"host", "pid"}}`` as each live worker reports it (torchrun ranks too)."""
+        dead = self.system.dead()
+        names = [n for n in self.gen_names + self.trainer_names if n not in dead]
         found = await asyncio.gather(*(self.system.run(n, _whereabouts) for n in names))
         return dict(zip(names, found))
 
@@ -191,7 +209,10 @@ class Cluster:
             if isinstance(sharded, ShardedTrainers) and holder == sharded.worker
             else []
         )
-        await asyncio.gather(*(self.system.run(h, release, keys) for h in holders or [holder]))
+        dead = self.system.dead()  # a lost holder's store went with it
+        await asyncio.gather(
+            *(self.system.run(h, release, keys) for h in holders or [holder] if h not in dead)
+        )
 
     @property
     def payload(self) -> Any:

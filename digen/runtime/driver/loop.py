@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
@@ -48,7 +49,7 @@ from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.driver.cluster import Cluster
 from digen.runtime.messages import EvalScores, SampleKey, StepResult
 from digen.runtime.transport.actors import WorkerDied
-from digen.sched.book import Book
+from digen.sched.book import Book, Remake
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
 from digen.sched.names import DRIVER, Pool, TaskKind, worker_name, worker_names
@@ -148,6 +149,11 @@ class Driver:
         self._inflight = 0
         self._quiet = asyncio.Event()
         """Set once stopping and no call is running: every worker is at a micro-batch boundary."""
+        self._tasks: dict[tuple[int, int], UpdateTask] = {}
+        """Each ``(step, mb)``'s update, once its group is scored, until it is trained."""
+        self.on_pool_change: Callable[[dict[str, Any]], Any] | None = None
+        """Told (sync or async) of each generator lost: ``{"event", "worker", "cause",
+        "remade", "generators"}`` (the runner logs it and rewrites ``workers.json``)."""
 
     @property
     def gens(self) -> list[Any]:
@@ -277,44 +283,124 @@ class Driver:
             error = _main_error(group)
         else:
             return results
-        if not isinstance(error, WorkerDied) and (died := await self.cluster.lost_behind(error)):
-            raise died from error  # a call between two workers met the loss first
+        if not isinstance(error, WorkerDied):
+            went_on = [self.gens[i].worker for i in self.book.lost]  # losses the run survived
+            if died := await self.cluster.lost_behind(error, went_on):
+                raise died from error  # a call between two workers met the loss first
         raise error from None
 
     async def _watch_workers(self) -> None:
         """A worker lost while no call to it is running (an idle trainer killed while a
-        generator scores a long reward) ends the run as soon as the watchdog sees it."""
-        raise await self.cluster.lost()
+        generator scores a long reward) is seen as soon as the watchdog sees it: a generator
+        is gone on without (:meth:`_lose`), any other loss ends the run."""
+        while True:
+            died = await self.cluster.next_loss()
+            i = self._generator_index(died.worker)
+            if i is None:
+                raise died.again()
+            await self._lose(i, died)
+
+    def _generator_index(self, worker: str) -> int | None:
+        names = [g.worker for g in self.gens]
+        return names.index(worker) if worker in names else None
+
+    async def _lose(
+        self, i: int, died: WorkerDied, running: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """Generator ``i`` is lost (``died``): go on without it, making again elsewhere what
+        it held (``running``: what the failed call was making or scoring), or end the run
+        (``runtime.on_generator_loss = fail``, too few generators left, a weight broadcast
+        group that cannot lose a member)."""
+        first = i not in self.book.lost
+        if first and not self._stopping:
+            rt = self.cfg.runtime
+            left = len(self.book.alive) - 1
+            why = None
+            if rt.on_generator_loss == "fail":
+                why = "runtime.on_generator_loss is fail"
+            elif left < rt.min_generators:
+                why = f"{left} generator(s) left, fewer than runtime.min_generators ({rt.min_generators})"
+            elif rt.weight_sync == "broadcast":
+                why = (
+                    "the weight broadcast group cannot lose a member (runtime.weight_sync=rpc can)"
+                )
+            if why is not None:
+                raise died.again(why)
+        remakes = self.book.lose_generator(i, running)
+        orphans = self._drop_orphans()
+        if first:
+            alive = len(self.book.alive)
+            text = (
+                f"{died} The run goes on with {alive} generator(s); "
+                f"{len(remakes)} micro-batch(es) it held are made again"
+            )
+            if orphans:
+                text += f", {len(orphans)} stale one(s) no generator can remake are dropped"
+            logging.getLogger("digen").warning(text + ".")
+            if self.on_pool_change is not None:
+                event = {
+                    "event": "generator_lost",
+                    "worker": died.worker,
+                    "cause": str(died),
+                    "remade": len(remakes),
+                    "dropped": len(orphans),
+                    "generators": alive,
+                }
+                done = self.on_pool_change(event)
+                if inspect.isawaitable(done):
+                    await done
+        await self._notify()
 
     async def _generator_loop(self, i: int) -> None:
         """Score what trainers made first; else generate the next admitted micro-batch (and
         score it where its pixels are). Scoring overlapped: generate, and leave the scoring
         to :meth:`_scorer_loop`."""
-        while True:
-            if not self.overlap and (took := self.book.next_to_score()) is not None:
-                await self._score(i, RolloutRef(*took))  # SQ: what trainers made, first
-            elif (mb := self._hand_out(self.book.gen_version[i])) is not None:
-                made = await self._generate(self.gens[i], mb, TaskKind.GENERATE)
-                if self.overlap:
-                    await self._notify()  # on its scoring lane's queue (the book's to_score)
+        running: list[tuple[int, int]] = []  # what the call in flight makes or scores
+        try:
+            while i not in self.book.lost:
+                running.clear()
+                if not self.overlap and (took := self.book.next_to_score()) is not None:
+                    running.append((took[0].step, took[0].mb))
+                    await self._score(i, RolloutRef(*took))  # SQ: what trainers made, first
+                elif (remake := self._take_remake(i)) is not None:
+                    running.append((remake.step, remake.mb))
+                    await self._make_again(i, remake)
+                elif (mb := self._hand_out(self.book.gen_version[i])) is not None:
+                    running.append((mb.step, mb.mb))
+                    made = await self._generate(self.gens[i], mb, TaskKind.GENERATE)
+                    if self.overlap:
+                        await self._notify()  # on its scoring lane's queue (the book's to_score)
+                    else:
+                        await self._score(i, made)  # where its pixels are
                 else:
-                    await self._score(i, made)  # where its pixels are
-            else:
-                async with self.changed:
-                    await self.changed.wait_for(lambda: self._generator_has_work(i))
+                    async with self.changed:
+                        await self.changed.wait_for(lambda: self._generator_has_work(i))
+        except WorkerDied as died:
+            if died.worker != self.gens[i].worker:
+                raise
+            await self._lose(i, died, running)
 
     async def _scorer_loop(self, i: int) -> None:
         """Scoring lane ``i``: score what trainers made (SQ) first, else what generator ``i``
         made, in the order made; the generator does not wait for it."""
-        while True:
-            took = None if self._stopping else self.book.next_to_score(i)
-            if took is None:
-                async with self.changed:
-                    await self.changed.wait_for(
-                        lambda: not self._stopping and self.book.has_to_score(i)
-                    )
-                continue
-            await self._score(i, RolloutRef(*took))
+        took = None
+        try:
+            while i not in self.book.lost:
+                took = None if self._stopping else self.book.next_to_score(i)
+                if took is None:
+                    async with self.changed:
+                        await self.changed.wait_for(
+                            lambda: (
+                                i in self.book.lost
+                                or (not self._stopping and self.book.has_to_score(i))
+                            )
+                        )
+                    continue
+                await self._score(i, RolloutRef(*took))
+        except WorkerDied as died:
+            if died.worker != self.scorers[i].worker:
+                raise
+            await self._lose(i, died, [(took[0].step, took[0].mb)] if took else [])
 
     async def _trainer_loop(self, j: int, steps: range) -> None:
         """Update what UQ holds, mini-batch by mini-batch; at a bubble, maybe generate (TAG);
@@ -330,6 +416,8 @@ class Driver:
                     task = await uq.get()
                     if task is None:  # every micro-batch of mini-batch m is trained
                         break
+                    if self._tasks.get((s, task.rollout.mb.mb)) is not task:
+                        continue  # its holder was lost: the micro-batch comes again, remade
                     await self._update(j, task)
                 await self._stepped[s, m].wait()
 
@@ -378,6 +466,8 @@ class Driver:
             self._trained.pop(key, None)
         for key in [k for k in self._stepped if k[0] < s - 1]:
             self._stepped.pop(key)
+        for key in [k for k in self._tasks if k[0] <= s]:
+            self._tasks.pop(key)
         t1 = self.clock()
         await self._sync(version)
         return self.accounts.step_result(
@@ -389,6 +479,7 @@ class Driver:
             optimizer_s=sum(seconds for _, _, seconds in stepped),
             sync_s=self.clock() - t1,
             driver_mb=(self.cluster.payload - mark).megabytes,
+            generators_alive=len(self.book.alive),
         )
 
     async def evaluate(
@@ -404,23 +495,41 @@ class Driver:
         batches = [keys[i : i + size] for i in range(0, len(keys), size)]
 
         async def one(c: int, batch: list[tuple[int, int]]) -> tuple[int, EvalScores]:
-            i = c % len(self.gens)
             texts = [prompts[p] for p, _ in batch]
-            made = await self.gens[i].call("evaluate", c, batch, texts)
-            scored = await self.scorers[i].call(
-                "score_eval", c, texts, [metadata[p] for p, _ in batch]
-            )
-            return made.value, scored.value
+            while True:  # a generator lost meanwhile: the batch goes to another
+                alive = self.book.alive
+                i = alive[c % len(alive)]
+                try:
+                    made = await self.gens[i].call("evaluate", c, batch, texts)
+                    scored = await self.scorers[i].call(
+                        "score_eval", c, texts, [metadata[p] for p, _ in batch]
+                    )
+                    return made.value, scored.value
+                except WorkerDied as died:
+                    if died.worker != self.gens[i].worker:
+                        raise
+                    await self._lose(i, died)
+
+        async def lend(state: Any) -> None:
+            async def to(i: int) -> None:
+                try:
+                    await self.gens[i].call("set_eval_weights", state)
+                except WorkerDied as died:
+                    if died.worker != self.gens[i].worker:
+                        raise
+                    await self._lose(i, died)
+
+            await asyncio.gather(*(to(i) for i in self.book.alive))
 
         ema = None
         if self.cfg.eval.ema > 0:  # the trainers' moving average, lent to the generators
             ema = await self.trainers[0].call("ema_state")  # sharded: all gather, 0 returns
-            await asyncio.gather(*(g.call("set_eval_weights", ema) for g in self.gens))
+            await lend(ema)
         try:
             done = await asyncio.gather(*(one(c, b) for c, b in enumerate(batches)))
         finally:
             if ema is not None:
-                await asyncio.gather(*(g.call("set_eval_weights", None) for g in self.gens))
+                await lend(None)
         versions = {v for v, _ in done}
         if len(versions) != 1:
             raise RuntimeError(f"an evaluation met several versions: {sorted(versions)}")
@@ -434,6 +543,64 @@ class Driver:
         version = await self._call(actor, kind, mb.step, mb.mb, None, call)
         self.book.generated(mb, actor.worker, version)
         return RolloutRef(mb, actor.worker, version)
+
+    def _take_remake(self, i: int) -> Remake | None:
+        if self._stopping:
+            return None
+        return self.book.take_remake(self.book.gen_version[i], i)
+
+    async def _make_again(self, i: int, remake: Remake) -> None:
+        """Generator ``i`` makes ``remake`` again from its keys: a scored one only for the
+        trainers (no pixels kept), with the version that made it, so its samples are the
+        ones its rewards and advantages are of; an unscored one goes on to be scored."""
+        gen, s = self.gens[i], remake.step
+        mb = self.book.record(s).mbs[remake.mb]
+        keys = [SampleKey(s, mb.prompt, j) for j in mb.samples]
+        prompt = self.prompts(s)[0][mb.prompt]
+        call = gen.call("generate", s, mb.mb, keys, prompt, keep_pixels=not remake.scored)
+        t0 = self.clock()
+        version = await self._call(gen, TaskKind.GENERATE, s, mb.mb, None, call)
+        if remake.scored and version != remake.version:
+            raise AssertionError(
+                f"{mb} was made again with version {version}, not {remake.version}"
+            )
+        self.book.remade(remake, gen.worker, version, self.clock() - t0)
+        if remake.scored:
+            self._rehome(s, mb.mb, gen.worker, version)
+        elif not self.overlap:
+            await self._score(i, RolloutRef(mb, gen.worker, version))
+        await self._notify()
+
+    def _rehome(self, s: int, mb: int, holder: str, version: int) -> None:
+        """A scored micro-batch made again by ``holder``: its update (if its group has one
+        yet) goes where it was going, now reading from ``holder``."""
+        task = self._tasks.get((s, mb))
+        if task is None:
+            return  # its group is not scored yet: its update will read the new holder
+        new = UpdateTask(RolloutRef(task.rollout.mb, holder, version), task.rows, task.advantages)
+        self._tasks[s, mb] = new
+        if self.plan.whole_step and not self.book.record(s).all_scored:
+            self._held_back[s].append(new)  # goes on UQ with its step's others
+        else:
+            self.book.queued(s, mb)
+            self._uq(s, task.rollout.mb.prompt // self.mini_size).put_nowait(new)
+
+    def _drop_orphans(self) -> list[Remake]:
+        """TCSS: scored stale work of a lost generator that no generator can make again (its
+        version is gone) is left out of its step's gradient, and said so."""
+        orphans = self.book.orphaned()
+        for r in orphans:
+            self._tasks.pop((r.step, r.mb), None)
+            logging.getLogger("digen").warning(
+                f"micro-batch {r.mb} of step {r.step} (made with version {r.version} by a lost "
+                "generator) is left out of the step: no generator holds that version any more."
+            )
+            self._maybe_trained(r.step)
+        return orphans
+
+    def _holder_lost(self, holder: str) -> bool:
+        i = self._generator_index(holder)
+        return i is not None and i in self.book.lost
 
     async def _score(self, i: int, made: RolloutRef) -> None:
         g, mb, k = self.scorers[i], made.mb, len(made.mb.samples)
@@ -468,6 +635,8 @@ class Driver:
         adv, keep = score_groups(rewards, self.cfg.algo, parts)
         for row, p in enumerate(prompts):
             for mb in rec.group(p):
+                if mb.mb in rec.dropped:
+                    continue  # a lost generator's stale work, left out (Book.orphaned)
                 holder, version = rec.made[mb.mb]
                 rows = tuple(r for r, sample in enumerate(mb.samples) if keep[row, sample])
                 if not rows:  # best-of-N kept none of it
@@ -475,7 +644,11 @@ class Driver:
                     await self.cluster.release(holder, [(s, mb.mb)])
                     continue
                 advs = tuple(float(adv[row, mb.samples[r]]) for r in rows)
-                self._held_back[s].append(UpdateTask(RolloutRef(mb, holder, version), rows, advs))
+                task = UpdateTask(RolloutRef(mb, holder, version), rows, advs)
+                self._tasks[s, mb.mb] = task
+                if self._holder_lost(holder):
+                    continue  # it is being made again: it goes on once it is (_rehome)
+                self._held_back[s].append(task)
         if not self.plan.whole_step or rec.all_scored:  # e.g. naive: train once all is scored
             for task in self._held_back.pop(s, []):
                 mb = task.rollout.mb
@@ -489,10 +662,27 @@ class Driver:
         keys = [SampleKey(s, mb.prompt, mb.samples[r]) for r in task.rows]
         text = self.prompts(s)[0][mb.prompt]
         scale = 1.0 / step_terms(self.cfg, s, prompts=self.mini_size)  # its optimizer step's
-        args = (s, mb.mb, task.rollout.holder, keys, list(task.rows), text, list(task.advantages))
+        holder = task.rollout.holder
+        args = (s, mb.mb, holder, keys, list(task.rows), text, list(task.advantages))
         made_by = task.rollout.version  # the version that sampled it (TCSS: maybe behind)
         call = t.call("update", *args, scale, made_by)
-        stats = await self._call(t, TaskKind.UPDATE, s, mb.mb, s, call)
+        try:
+            stats = await self._call(t, TaskKind.UPDATE, s, mb.mb, s, call)
+        except Exception as exc:
+            i = self._generator_index(holder)
+            if i is None or (isinstance(exc, WorkerDied) and exc.worker != holder):
+                raise  # the trainer's own failure, or its loss
+            died = await self.cluster.death_of(holder)
+            if died is None:
+                raise
+            if len(getattr(t, "members", ())) > 1:  # sharded: the members went apart
+                raise died.again("sharded trainers cannot go on from an update it broke") from exc
+            await self._lose(i, died)  # its rollout never reached this trainer: make it again
+            self.book.remake_scored(s, mb.mb)
+            self._drop_orphans()
+            await self._notify()
+            return
+        self._tasks.pop((s, mb.mb), None)
         self.book.trained(s, mb.mb, stats)
         await self._notify()
         self._maybe_trained(s)
@@ -521,15 +711,21 @@ class Driver:
         async def load(i: int) -> None:
             self.book.gen_version[i] = version  # the generator's next call runs with it
             send = self.cluster.send_weights(i, version)
-            await self._call(self.gens[i], TaskKind.SYNC, step, -1, version, send)
+            try:
+                await self._call(self.gens[i], TaskKind.SYNC, step, -1, version, send)
+            except WorkerDied as died:
+                if died.worker != self.gens[i].worker:
+                    raise
+                await self._lose(i, died)
 
-        calls = [load(i) for i in range(len(self.gens))]
+        calls = [load(i) for i in self.book.alive]
         served = self.cluster.serve_weights(version)  # trainer 0's part of a broadcast
         if served is not None:
             calls.append(self._call(self.trainers[0], TaskKind.SYNC, step, -1, version, served))
         t0 = self.clock()
         await asyncio.gather(*calls)
         self.accounts.trace.record(TaskKind.SYNC.value, DRIVER, step, -1, version, t0, self.clock())
+        self._drop_orphans()
         await self._notify()
 
     # --- decisions -----------------------------------------------------------------------------
@@ -550,10 +746,14 @@ class Driver:
         return mb
 
     def _generator_has_work(self, i: int) -> bool:
+        if i in self.book.lost:
+            return True  # its loop ends
         if self._stopping:
             return False
+        version = self.book.gen_version[i]
         scores_sq = not self.overlap and self.book.has_to_score()
-        return scores_sq or self.book.next_for(self.book.gen_version[i]) is not None
+        remakes = self.book.remakes and self.book.take_remake(version, i, take=False)
+        return scores_sq or bool(remakes) or self.book.next_for(version) is not None
 
     def _bubble(self, j: int, s: int) -> MicroBatch | None:
         """Trainer ``j`` found UQ empty: generate the next micro-batch now (TAG), or wait."""
@@ -576,8 +776,8 @@ class Driver:
             return False
         if not profiler.seen("gen_tag"):
             return True  # one TAG measures the trainer's generation speed, as the paper does
-        if not profiler.ready():
-            return False
+        if not profiler.ready() or self.book.remakes or self.book.remaking:
+            return False  # remakes pending: the state the search plans on cannot show them
         costs = profiler.costs(generator_pool=Pool.GENERATOR, trainer_pool=Pool.TRAINER)
         return self.tag_policy.decide(self.book.sched_state(j, self.clock(), costs), costs)
 
@@ -624,7 +824,7 @@ class Driver:
 
     def _uq(self, step: int, m: int) -> asyncio.Queue[UpdateTask | None]:
         if (step, m) not in self.uq:
-            self.uq[step, m] = asyncio.Queue(len(self.mini_ids[m]) + len(self.trainers))
+            self.uq[step, m] = asyncio.Queue()  # remade micro-batches may come twice
         return self.uq[step, m]
 
 

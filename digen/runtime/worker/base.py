@@ -149,15 +149,23 @@ class PolicyActor(WorkerActor):
         with pinned_to_loopback(host):
             self.sync_group = make_group(store, rank, size, members or [self.device], timeout_s)
 
-    def generate(self, step: int, mb: int, keys: Sequence[SampleKey], prompt: str) -> TimedResult:
-        """Sample and decode one trajectory per key with the current weights; keep them here.
+    def generate(
+        self,
+        step: int,
+        mb: int,
+        keys: Sequence[SampleKey],
+        prompt: str,
+        keep_pixels: bool = True,
+    ) -> TimedResult:
+        """Sample and decode one trajectory per key with the current weights; keep them here
+        (``keep_pixels`` False: the rollout only, for a micro-batch already scored).
 
         Returns the policy version that made them.
         """
         self.jitter()
         t0 = time.time()
         out = self.policy.generate(keys, [prompt] * len(keys))
-        pixels = out.pixels if self._scored_here else None
+        pixels = out.pixels if self._scored_here and keep_pixels else None
         kept = out.rollout.for_training(final=self.policy.algorithm.trains_on == "final")
         self.store.put((step, mb), kept, pixels, self.policy.cached_conditioning(prompt))
         return self.timed(out.version, t0)

@@ -18,7 +18,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,21 +98,28 @@ class WorkerDied(RuntimeError):
     """A worker process exited or was killed; the RPC world cannot take it back."""
 
     def __init__(
-        self, worker: str, pid: int | None, exitcode: int | None, silent_s: float | None = None
+        self,
+        worker: str,
+        pid: int | None,
+        exitcode: int | None,
+        silent_s: float | None = None,
+        why: str | None = None,
     ) -> None:
         self.worker, self.pid, self.exitcode, self.silent_s = worker, pid, exitcode, silent_s
+        self.why = why
         where = "pid unknown: started by an external launcher" if pid is None else f"pid {pid}"
         how = _describe_exit(exitcode)
         if exitcode is None and silent_s is not None:
             how = f"stopped answering (no heartbeat for {silent_s:g} s: hung, or unreachable)"
-        super().__init__(f"worker {worker!r} ({where}) {how}.")
+        super().__init__(f"worker {worker!r} ({where}) {how}" + (f"; {why}." if why else "."))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerDied, (self.worker, self.pid, self.exitcode, self.silent_s))
+        return (WorkerDied, (self.worker, self.pid, self.exitcode, self.silent_s, self.why))
 
-    def again(self) -> WorkerDied:
-        """A fresh copy to raise (re-raising one instance keeps growing its traceback)."""
-        return WorkerDied(self.worker, self.pid, self.exitcode, self.silent_s)
+    def again(self, why: str | None = None) -> WorkerDied:
+        """A fresh copy to raise (re-raising one instance keeps growing its traceback);
+        ``why``: what the loss means for the run, said after its cause."""
+        return WorkerDied(self.worker, self.pid, self.exitcode, self.silent_s, why or self.why)
 
 
 class ActorSystemClosed(RuntimeError):
@@ -332,6 +339,7 @@ class ActorSystem:
         self._stopping: asyncio.Task | None = None
         self._probes: dict[str, asyncio.Task] = {}
         self._lost: asyncio.Future[WorkerDied] | None = None
+        self._losses: asyncio.Queue[WorkerDied] | None = None
         self.startup_s: float | None = None
         self._payload = Payload()
 
@@ -362,8 +370,11 @@ class ActorSystem:
         self.startup_s = time.perf_counter() - t0
         self._state = "running"
         self._lost = asyncio.get_running_loop().create_future()
+        self._losses = asyncio.Queue()
         if self._dead:  # lost between forming the world and now
             self._lost.set_result(next(iter(self._dead.values())))
+            for died in self._dead.values():
+                self._losses.put_nowait(died)
         self._watchdog = asyncio.create_task(self._watch(), name="digen-actor-watchdog")
 
     async def lost(self) -> WorkerDied:
@@ -373,6 +384,19 @@ class ActorSystem:
         if self._lost is None:
             raise RuntimeError(f"the actor system is {self._state}; it has no workers to watch.")
         return await asyncio.shield(self._lost)
+
+    async def next_loss(self) -> WorkerDied:
+        """Wait for the next worker lost while running, in the order they were found: a
+        run that goes on without a lost worker learns of each one, once."""
+        if self._losses is None:
+            raise RuntimeError(f"the actor system is {self._state}; it has no workers to watch.")
+        return await self._losses.get()
+
+    async def death_of(self, worker: str) -> WorkerDied | None:
+        """Whether ``worker`` is lost, checked now (its exit status, or with external launch
+        a probe): its error, or None while it lives. For a caller whose call through
+        another worker failed in transit."""
+        return await self._death_of(worker)
 
     async def _start(self) -> None:
         try:
@@ -558,6 +582,8 @@ class ActorSystem:
         self._dead[worker] = died
         if self._state == "running" and self._lost is not None and not self._lost.done():
             self._lost.set_result(died)
+        if self._state == "running" and self._losses is not None:
+            self._losses.put_nowait(died)
 
     async def _watch(self) -> None:
         next_beat = time.monotonic()
@@ -593,8 +619,11 @@ class ActorSystem:
             if not fut.done():
                 fut.set_exception(died.again())
 
-    async def lost_behind(self, error: BaseException) -> WorkerDied | None:
-        """The lost worker that explains ``error``, if there is one, else None.
+    async def lost_behind(
+        self, error: BaseException, skip: Collection[str] = ()
+    ) -> WorkerDied | None:
+        """The lost worker that explains ``error``, if there is one, else None; workers in
+        ``skip`` (losses a run already went on without) explain nothing.
 
         A worker killed while another worker is calling it (a trainer fetching from a
         generator's store, a generator pulling weights) first shows up as that other worker's
@@ -603,9 +632,12 @@ class ActorSystem:
         checks one (exit status, or with external launch a probe), and the first worker
         found lost is the answer. Other errors are only explained by a loss already seen.
         """
-        if not self._dead and self._state == "running" and _is_transport_error(error):
-            await asyncio.gather(*(self._death_of(w.name) for w in self.workers))
-        return next(iter(self._dead.values()), None)
+        news = [died for name, died in self._dead.items() if name not in skip]
+        if not news and self._state == "running" and _is_transport_error(error):
+            live = [w.name for w in self.workers if w.name not in self._dead]
+            await asyncio.gather(*(self._death_of(name) for name in live))
+            news = [died for name, died in self._dead.items() if name not in skip]
+        return news[0] if news else None
 
     async def _death_of(self, worker: str) -> WorkerDied | None:
         """A transport error just arrived: wait briefly for the exit status that explains it,

@@ -1,0 +1,144 @@
+"""Elastic generators: a run that loses a generator goes on without it, makes again what it
+held from the same keys, and ends with the parameters and metrics of a run that never lost
+it; losing every generator ends the run as a lost trainer does.
+
+A reward hook holds the run at a known point: generator 1's scoring process holds in its
+second scoring call, so generator 1 is killed holding work (the micro-batch being scored,
+maybe more made behind it), and the run cannot end without remaking it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import read_jsonl, run_config
+from safetensors.torch import load_file
+
+# whole runs of worker processes, one of them killed: minutes in all
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+_HOLD_HOOK = '''
+import os, time
+from pathlib import Path
+from digen.rewards.builtin import jpeg_incompressibility
+
+class HoldIn:
+    """JPEG incompressibility; in the process named HOLD_IN (its role), call number HOLD_AT
+    (from 0) writes HOLD_MARK and waits there, so a test acts on a run paused at a known
+    point of one worker."""
+
+    calls = 0
+
+    def __call__(self, samples, prompts, metadata):
+        here = Path("/proc/self/comm").read_text().strip() == os.environ.get("HOLD_IN")
+        if here and HoldIn.calls == int(os.environ.get("HOLD_AT", "-1")):
+            Path(os.environ["HOLD_MARK"]).write_text(str(os.getpid()))
+            time.sleep(600)
+        HoldIn.calls += 1
+        return jpeg_incompressibility(samples, prompts, metadata)
+'''
+
+COMPARED = ("reward_mean", "reward_std", "reward_min", "reward_max", "loss", "grad_norm")
+
+
+def _args(hook: Path, *extra: str) -> list[str]:
+    args = ["--model", "sd3", "--mode", "disaggregated", "--steps", str(STEPS), "--quiet"]
+    args += ["rollout.num_inference_steps=4", "runtime.generators=2", "runtime.tag=bts"]
+    return [*args, "train.lr=1e-3", f"rewards=[{{name: '{hook}:HoldIn'}}]", *extra]
+
+
+def _final(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "checkpoints" / f"step-{STEPS:06d}" / "weights.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def hook(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hook") / "hold_in_hook.py"
+    path.write_text(_HOLD_HOOK)
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(hook: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list]:
+    """The same run with no generator lost, through the API: final weights, metrics rows."""
+    from digen import load_config
+
+    overrides = [a for a in _args(hook) if "=" in a]
+    cfg = load_config(None, overrides, {"steps": STEPS}, model="sd3", mode="disaggregated")
+    out = tmp_path_factory.mktemp("whole") / "run"
+    run_config(cfg, out)
+    return _final(out), read_jsonl(out / "metrics.jsonl")
+
+
+def _start_held(hook: Path, out: Path, *extra: str, hold_in: str) -> tuple[subprocess.Popen, dict]:
+    """Start a run and wait until ``hold_in``'s scoring process holds in its second call."""
+    mark = out.parent / "held"
+    env = {**os.environ, "HOLD_IN": hold_in, "HOLD_AT": "1", "HOLD_MARK": str(mark)}
+    cmd = [sys.executable, "-m", "cli.main", "run", "--out", str(out), *_args(hook, *extra)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while not ((out / "workers.json").is_file() and mark.is_file()):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run did not reach the hold"
+        time.sleep(0.05)
+    return proc, json.loads((out / "workers.json").read_text())
+
+
+def test_a_run_that_loses_a_generator_ends_as_if_it_had_not(
+    tmp_path: Path, hook: Path, uninterrupted: tuple[dict, list]
+) -> None:
+    out = tmp_path / "run"
+    proc, workers = _start_held(hook, out, hold_in="generator-1")
+    assert set(workers) == {"driver", "generator-0", "generator-1", "trainer-0"}
+    os.kill(workers["generator-1"]["pid"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    pid = workers["generator-1"]["pid"]
+    assert f"worker 'generator-1' (pid {pid}) was killed by signal SIGKILL." in err
+    assert "The run goes on with 1 generator(s)" in err
+    # the parameters of the run that lost nothing, bit for bit
+    want, rows_want = uninterrupted
+    got = _final(out)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    for row, other in zip(rows, rows_want, strict=True):
+        assert {k: row[k] for k in COMPARED} == {k: other[k] for k in COMPARED}
+    # the loss as the metrics and the log tell it
+    assert [r["generators_alive"] for r in rows_want] == [2] * STEPS
+    alive = [r["generators_alive"] for r in rows]
+    assert alive[-1] == 1 and alive == sorted(alive, reverse=True)
+    assert sum(r["remade_microbatches"] for r in rows) >= 1  # at least the one held
+    assert sum(r["remade_microbatches"] for r in rows_want) == 0
+    events = [json.loads(line) for line in (out / "trainer.log").read_text().splitlines()]
+    lost = [e for e in events if e.get("event") == "generator_lost"]
+    assert len(lost) == 1 and lost[0]["worker"] == "generator-1"
+    assert lost[0]["remade"] >= 1 and lost[0]["generators"] == 1
+
+
+def test_losing_the_last_generator_ends_the_run_with_a_checkpoint(
+    tmp_path: Path, hook: Path
+) -> None:
+    """One generator and no TAG: nothing is left to generate and score."""
+    out = tmp_path / "run"
+    extra = ("runtime.generators=1", "runtime.tag=none", "save_every=1")
+    proc, workers = _start_held(hook, out, *extra, hold_in="generator-0")
+    os.kill(workers["generator-0"]["pid"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err[-3000:]
+    pid = workers["generator-0"]["pid"]
+    assert f"worker 'generator-0' (pid {pid}) was killed by signal SIGKILL" in lines[0]
+    assert "0 generator(s) left, fewer than runtime.min_generators (1)" in lines[0]
+    assert lines[0].endswith(f"continue with: digen run --resume {out}")
