@@ -680,6 +680,12 @@ class RuntimeConfig:
     """A generator lost mid-run (its process killed, its machine gone): continue (the run goes on with the generators left, and what the lost one held is made again elsewhere from the same keys) or fail (the run stops, with a checkpoint and the command to resume). A lost trainer always stops the run."""
     min_generators: int = 1
     """With on_generator_loss=continue: the run stops when fewer generators than this are left (scoring runs beside the generators, so at least 1)."""
+    respawn_generators: bool = False
+    """With on_generator_loss=continue: start a lost local generator again (it joins at the next step boundary, with that step's weights). The workers then form a dynamic RPC world; not with an external launcher (torchrun)."""
+    respawn_after_s: float = 2.0
+    """Wait before a generator's restart; it doubles with each restart of the same generator."""
+    max_respawns: int = 3
+    """Restarts of one generator, at most; after that its place stays empty."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "runtime")
@@ -731,6 +737,11 @@ class RuntimeConfig:
         _positive(p, "heartbeat_s", self.heartbeat_s)
         _choice(_key(p, "on_generator_loss"), self.on_generator_loss, GENERATOR_LOSS)
         _at_least(p, "min_generators", self.min_generators, 1, " (scoring runs beside a generator)")
+        _at_least(p, "respawn_after_s", self.respawn_after_s, 0)
+        _at_least(p, "max_respawns", self.max_respawns, 0)
+        if self.respawn_generators and self.on_generator_loss == "fail":
+            why = "a lost generator ends the run with runtime.on_generator_loss=fail"
+            raise _bad(_key(p, "respawn_generators"), self.respawn_generators, why)
         if self.min_generators > self.generators:
             why = f"it cannot exceed runtime.generators ({self.generators})"
             raise _bad(_key(p, "min_generators"), self.min_generators, why)

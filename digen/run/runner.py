@@ -249,10 +249,11 @@ class DigenRunner:
                 if hasattr(backend, "on_pool_change"):
 
                     async def pool_changed(event: dict, backend: Any = backend) -> None:
-                        log.warning(**event)  # "generator_lost": who, why, what is remade
+                        log.warning(**event)  # generator_lost / generator_joined, and why
+                        name, left = event["worker"], event["generators"]
+                        what = event.get("cause") or f"{name} is back."
                         print(
-                            f"note: {event['cause']} The run goes on with "
-                            f"{event['generators']} generator(s).",
+                            f"note: {what} The run goes on with {left} generator(s).",
                             file=sys.stderr,
                         )
                         if outputs:

@@ -343,6 +343,11 @@ class Book:
         self.sq[:0] = back_to_sq
         return out
 
+    def rejoin(self, i: int, version: int) -> None:
+        """Lost generator ``i`` is back (a new process), holding ``version``, with nothing else."""
+        self.lost.discard(i)
+        self.gen_version[i] = version
+
     def remake_scored(self, step: int, mb: int) -> Remake | None:
         """An update of ``(step, mb)`` failed because its holder was lost: make it again
         (None when it already is, or needs nothing)."""

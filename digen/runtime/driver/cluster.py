@@ -80,6 +80,7 @@ class Cluster:
             rpc_timeout_s=rt.rpc_timeout_s,
             heartbeat_s=rt.heartbeat_s,
             preload=PRELOAD,  # torch, diffusers, the backbones: imported once
+            elastic=rt.respawn_generators,  # a dynamic world: a lost generator can come back
         )
         self.gens: list[ActorHandle] = []
         self.scorers: list[ActorHandle] = []
@@ -106,6 +107,7 @@ class Cluster:
         from digen.runtime.worker.trainer import TrainerActor
 
         where = {"devices": self.devices, "direct": self.direct}
+        self._built = (cfg_dict, where)
         self.gens = [
             self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
             for name in self.gen_names
@@ -145,6 +147,29 @@ class Cluster:
 
     async def stop(self) -> None:
         await self.system.stop()
+
+    async def respawn_generator(self, i: int) -> None:
+        """Start lost generator ``i`` again (``runtime.respawn_generators``): a new process
+        under its name, with its actors built; it holds no weights until it pulls some."""
+        from digen.runtime.worker.generator import GeneratorActor
+        from digen.runtime.worker.scorer import ScorerActor
+
+        name = self.gen_names[i]
+        await self.system.respawn(name)
+        cfg_dict, where = self._built
+        gen = self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
+        actors = [gen]
+        if self.cfg.runtime.score_overlap:
+            scorer = self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
+            actors.append(scorer)
+        await asyncio.gather(*(a.call("ping") for a in actors))
+        self.gens[i] = gen
+        if self.cfg.runtime.score_overlap:
+            self.scorers[i] = actors[1]
+
+    def pid_of(self, worker: str) -> int | None:
+        """The process id of ``worker`` (its latest process), when this machine started it."""
+        return self.system.pids().get(worker)
 
     async def lost(self) -> Exception:
         """The error of the first worker lost (exited, killed, hung past its heartbeat),

@@ -151,9 +151,16 @@ class Driver:
         """Set once stopping and no call is running: every worker is at a micro-batch boundary."""
         self._tasks: dict[tuple[int, int], UpdateTask] = {}
         """Each ``(step, mb)``'s update, once its group is scored, until it is trained."""
+        self._tg: asyncio.TaskGroup | None = None
+        self._loops: list[asyncio.Task] = []
+        self._respawns: dict[int, int] = defaultdict(int)
+        """Restarts of each generator so far (``runtime.respawn_generators``)."""
+        self._joining: set[int] = set()
+        """Generators started again, joining at the next weight sync."""
         self.on_pool_change: Callable[[dict[str, Any]], Any] | None = None
         """Told (sync or async) of each generator lost: ``{"event", "worker", "cause",
-        "remade", "generators"}`` (the runner logs it and rewrites ``workers.json``)."""
+        "remade", "generators"}``, and of each one back (``"event": "generator_joined"``);
+        the runner logs them and rewrites ``workers.json``."""
 
     @property
     def gens(self) -> list[Any]:
@@ -246,7 +253,8 @@ class Driver:
         results: list[StepResult] = []
         try:
             async with asyncio.TaskGroup() as tg:
-                loops = [
+                self._tg = tg
+                loops = self._loops = [
                     tg.create_task(self._generator_loop(i), name=f"loop-{g.worker}")
                     for i, g in enumerate(self.gens)
                 ]
@@ -277,7 +285,7 @@ class Driver:
                             go = await go
                         if go is False:
                             break
-                for task in loops:
+                for task in self._loops:
                     task.cancel()
         except BaseExceptionGroup as group:
             error = _main_error(group)
@@ -337,19 +345,61 @@ class Driver:
             if orphans:
                 text += f", {len(orphans)} stale one(s) no generator can remake are dropped"
             logging.getLogger("digen").warning(text + ".")
-            if self.on_pool_change is not None:
-                event = {
-                    "event": "generator_lost",
-                    "worker": died.worker,
-                    "cause": str(died),
-                    "remade": len(remakes),
-                    "dropped": len(orphans),
-                    "generators": alive,
-                }
-                done = self.on_pool_change(event)
-                if inspect.isawaitable(done):
-                    await done
+            event = {
+                "event": "generator_lost",
+                "worker": died.worker,
+                "cause": str(died),
+                "remade": len(remakes),
+                "dropped": len(orphans),
+                "generators": alive,
+            }
+            await self._pool_changed(event)
+            rt = self.cfg.runtime
+            if rt.respawn_generators and self._respawns[i] < rt.max_respawns and self._tg:
+                self._loops.append(
+                    self._tg.create_task(self._respawn(i), name=f"respawn-{died.worker}")
+                )
         await self._notify()
+
+    async def _lose_again(self, i: int, died: WorkerDied) -> None:
+        """A restarted generator lost before it joined: it held nothing; restart it again."""
+        logging.getLogger("digen").warning(f"{died} It had not joined the run yet.")
+        rt = self.cfg.runtime
+        if self._respawns[i] < rt.max_respawns and self._tg is not None:
+            self._loops.append(
+                self._tg.create_task(self._respawn(i), name=f"respawn-{died.worker}")
+            )
+
+    async def _pool_changed(self, event: dict[str, Any]) -> None:
+        if self.on_pool_change is not None:
+            done = self.on_pool_change(event)
+            if inspect.isawaitable(done):
+                await done
+
+    async def _respawn(self, i: int) -> None:
+        """Start lost generator ``i`` again after the back-off; it joins the pool at the next
+        weight sync (:meth:`_sync`), with that step's weights. A restart that fails is said
+        in the log and tried again, up to ``runtime.max_respawns``."""
+        rt, name = self.cfg.runtime, self.gens[i].worker
+        while self._respawns[i] < rt.max_respawns and not self._stopping:
+            self._respawns[i] += 1
+            await asyncio.sleep(rt.respawn_after_s * 2 ** (self._respawns[i] - 1))
+            if self._stopping:
+                return
+            try:
+                await self.cluster.respawn_generator(i)
+            except Exception as exc:  # noqa: BLE001 (said, and tried again)
+                logging.getLogger("digen").warning(
+                    f"{name} could not be started again ({type(exc).__name__}: {exc}); "
+                    f"restart {self._respawns[i]} of {rt.max_respawns}."
+                )
+                continue
+            self._joining.add(i)
+            logging.getLogger("digen").warning(
+                f"{name} (pid {self.cluster.pid_of(name)}) started again (restart "
+                f"{self._respawns[i]} of {rt.max_respawns}); it joins at the next step boundary."
+            )
+            return
 
     async def _generator_loop(self, i: int) -> None:
         """Score what trainers made first; else generate the next admitted micro-batch (and
@@ -718,7 +768,43 @@ class Driver:
                     raise
                 await self._lose(i, died)
 
-        calls = [load(i) for i in self.book.alive]
+        joining, self._joining = sorted(self._joining), set()
+
+        async def join(i: int) -> None:  # a generator back: this version before any work
+            send = self.cluster.send_weights(i, version)
+            try:
+                await self._call(self.gens[i], TaskKind.SYNC, step, -1, version, send)
+            except WorkerDied as died:
+                if died.worker != self.gens[i].worker:
+                    raise
+                await self._lose_again(i, died)
+                return
+            self.book.rejoin(i, version)
+            assert self._tg is not None
+            self._loops.append(
+                self._tg.create_task(self._generator_loop(i), name=f"loop-{self.gens[i].worker}")
+            )
+            if self.overlap:
+                self._loops.append(
+                    self._tg.create_task(self._scorer_loop(i), name=f"loop-scorer-{i}")
+                )
+            name = self.gens[i].worker
+            alive = len(self.book.alive)
+            logging.getLogger("digen").warning(
+                f"{name} (pid {self.cluster.pid_of(name)}) is back (restart "
+                f"{self._respawns[i]} of {self.cfg.runtime.max_respawns}) with version "
+                f"{version}; the run goes on with {alive} generator(s)."
+            )
+            await self._pool_changed(
+                {
+                    "event": "generator_joined",
+                    "worker": name,
+                    "generators": alive,
+                    "version": version,
+                }
+            )
+
+        calls = [load(i) for i in self.book.alive] + [join(i) for i in joining]
         served = self.cluster.serve_weights(version)  # trainer 0's part of a broadcast
         if served is not None:
             calls.append(self._call(self.trainers[0], TaskKind.SYNC, step, -1, version, served))

@@ -47,7 +47,9 @@ from digen.runtime.transport.actors._transport import (
     _loopback_ifname,
     _quiet_rpc_init_warning,
     _rendezvous_url,
+    _set_dynamic,
     payload_bytes,
+    wire,
 )
 from digen.runtime.transport.actors._worker import _worker_main
 from digen.runtime.transport.forkserver import patched_env
@@ -195,7 +197,7 @@ def run_sync(worker: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) 
     ``trainer-0``); it blocks the calling thread, so the driver uses
     :meth:`ActorSystem.run` instead.
     """
-    return _unwrap(rpc.rpc_sync(worker, _run_function, args=(fn, args, kwargs)))
+    return _unwrap(rpc.rpc_sync(wire(worker), _run_function, args=(fn, args, kwargs)))
 
 
 # --------------------------------------------------------------------------------------
@@ -231,7 +233,7 @@ class ActorHandle:
         if self._system is not None:
             return await self._system._call(self, method, args, kwargs)
         payload = (self.actor_id, None, method, args, kwargs)
-        return _unwrap(await _bridge(rpc.rpc_async(self.worker, _invoke, args=payload)))
+        return _unwrap(await _bridge(rpc.rpc_async(wire(self.worker), _invoke, args=payload)))
 
     def call_sync(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Blocking call, for actor methods that call an actor in another worker.
@@ -239,12 +241,42 @@ class ActorHandle:
         Serialised with the actor's other calls, but not ordered against the driver's.
         """
         payload = (self.actor_id, None, method, args, kwargs)
-        return _unwrap(rpc.rpc_sync(self.worker, _invoke, args=payload))
+        return _unwrap(rpc.rpc_sync(wire(self.worker), _invoke, args=payload))
 
 
 def _rebuild_handle(worker: str, actor_id: int, cls_name: str) -> ActorHandle:
     # A handle coming back to the driver (e.g. returned by an actor) regains the watchdog.
     return ActorHandle(worker, actor_id, cls_name, ActorSystem._active)
+
+
+def _evict(worker: str) -> None:
+    """Take lost ``worker`` out of this process's dynamic RPC world, as its own graceful leave
+    would have: its entry in the world's list of names goes, and every live member (this
+    one included) forgets it, so that a process can join under its name again. Torch's
+    dynamic groups have no call for a member that died without leaving; this is what
+    ``rpc.shutdown`` does on a member's behalf (checked on the pinned torch by the tests)."""
+    from torch.distributed.rpc._utils import _group_membership_management, _update_group_membership
+
+    agent = rpc.api._get_current_rpc_agent()
+    gone = agent.get_worker_info(wire(worker))
+    names = torch.distributed.PrefixStore("names", agent.store)  # the agent's list of members
+    token = f"{DRIVER}-evicts-{worker}-{gone.id}"
+    with _group_membership_management(agent.store, token, True):
+        members = names.get("_ALL_WORKER_INFOS").decode()
+        names.set("_ALL_WORKER_INFOS", members.replace(f"{gone.name}-{gone.id},", ""))
+        for peer in agent.get_worker_infos():
+            if peer.name == gone.name:
+                continue
+            if peer.id == agent.get_worker_info().id:
+                agent._update_group_membership(gone, [], {}, False)
+                continue
+            with contextlib.suppress(Exception):  # another lost one: evicted in its turn
+                rpc.rpc_sync(
+                    peer.name,
+                    _update_group_membership,
+                    args=(gone, [], {}, False),
+                    timeout=_PROBE_TIMEOUT_S,
+                )
 
 
 def _kill(procs: Any) -> None:
@@ -306,6 +338,7 @@ class ActorSystem:
         launch: ExternalLaunch | None = None,
         heartbeat_s: float = 60.0,
         preload: Sequence[str] = (),
+        elastic: bool = False,
     ) -> None:
         names = [w.name for w in workers]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -326,6 +359,18 @@ class ActorSystem:
         self.stop_timeout_s = stop_timeout_s
         self.heartbeat_s = heartbeat_s
         self.preload = tuple(preload)
+        if elastic and self.launch is not None:
+            raise ValueError(
+                "an elastic world (workers restarted or joining mid-run) is started by the "
+                "driver itself, not by an external launcher."
+            )
+        self.elastic = elastic
+        """A dynamic RPC world (``init_rpc`` without a world size): a lost worker can be
+        evicted and a new process join under its name (:meth:`respawn`)."""
+        self._specs = {w.name: w for w in workers}
+        self._ranks = itertools.count(len(workers) + 1)
+        self._url: str | None = None
+        self._env: dict[str, str] = {}
         self._heartbeats: dict[str, asyncio.Task] = {}
         self._procs: dict[str, multiprocessing.process.BaseProcess] = {}
         self._pids: dict[str, int] = {}
@@ -413,7 +458,9 @@ class ActorSystem:
         self.port = sock.getsockname()[1]
         _LISTEN_FDS[self.port] = sock.detach()
         url = _rendezvous_url(self.address, self.port, self.start_timeout_s)
-        world = len(self.workers) + 1
+        world = None if self.elastic else len(self.workers) + 1
+        self._url = url
+        _set_dynamic(self.elastic)
 
         env: dict[str, str] = {}
         if _is_loopback(self.address):
@@ -421,6 +468,7 @@ class ActorSystem:
                 key: _loopback_ifname()
                 for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
             }
+        self._env = env
         if self.launch is None:
             self._spawn(env, url, world)
 
@@ -436,7 +484,7 @@ class ActorSystem:
                     rpc.init_rpc(
                         DRIVER,
                         rank=0,
-                        world_size=world,
+                        world_size=world,  # None: a dynamic world
                         rpc_backend_options=_backend_options(url, self.rpc_timeout_s, 16),
                     )
             except BaseException as exc:
@@ -461,6 +509,8 @@ class ActorSystem:
             await asyncio.sleep(0.05)
         if failure:
             raise failure[0]
+        if self.elastic:  # the driver's join returns at once: wait for every worker's
+            await self._joined_all([w.name for w in self.workers], deadline, url)
         if self.launch is not None:
             # The world is complete once init_rpc returns; check that it is the one we want.
             missing = [w.name for w in self.workers if not _joined(w.name)]
@@ -471,25 +521,68 @@ class ActorSystem:
                     "run the same config, so that the ranks map to the same worker names."
                 )
 
-    def _spawn(self, env: dict[str, str], url: str, world: int) -> None:
+    async def _joined_all(self, names: Sequence[str], deadline: float, url: str) -> None:
+        """A dynamic world: wait until every one of ``names`` joined."""
+        while not all(_joined(name) for name in names):
+            self._reap()
+            lost = [self._dead[n] for n in names if n in self._dead]
+            if lost:
+                raise lost[0].again()
+            if time.monotonic() > deadline:
+                missing = [n for n in names if not _joined(n)]
+                raise TimeoutError(
+                    f"workers {missing} did not join the RPC world at {url} within "
+                    f"{self.start_timeout_s:g} s."
+                )
+            await asyncio.sleep(0.05)
+
+    async def respawn(self, worker: str) -> None:
+        """Start lost ``worker`` again (elastic world only): the dead process's rank is
+        evicted from the world, and a new process joins under the same name with a fresh
+        rank. Returns once it has joined; its actors are gone with the old process."""
+        if not self.elastic:
+            raise RuntimeError("only an elastic ActorSystem can start a worker again.")
+        if worker not in self._dead:
+            raise RuntimeError(f"worker {worker!r} is not lost; only a lost worker restarts.")
+        await self._in_thread(lambda: _evict(worker), self.start_timeout_s, f"evict-{worker}")
+        if _joined(worker):
+            raise RuntimeError(f"worker {worker!r} could not be evicted from the RPC world.")
+        beat = self._heartbeats.pop(worker, None)
+        if beat is not None:
+            beat.cancel()
+        old = self._procs.pop(worker, None)
+        if old is not None:
+            with contextlib.suppress(ValueError):
+                old.close()
+        del self._dead[worker]
+        self._pending[worker] = set()
+        assert self._url is not None
+        self._spawn_one(self._specs[worker], next(self._ranks), None, self._url)
+        await self._joined_all([worker], time.monotonic() + self.start_timeout_s, self._url)
+
+    def _spawn(self, env: dict[str, str], url: str, world: int | None) -> None:
+        for rank, spec in enumerate(self.workers, start=1):
+            self._spawn_one(spec, rank, world, url)
+
+    def _spawn_one(self, spec: WorkerSpec, rank: int, world: int | None, url: str) -> None:
         from digen.runtime.transport import forkserver
 
-        for rank, spec in enumerate(self.workers, start=1):
-            child_env = {**os.environ, **env, "OMP_NUM_THREADS": str(spec.threads), **spec.env}
-            proc = forkserver.process(
-                _worker_main,
-                (spec, rank, world, url, self.rpc_timeout_s),
-                env=child_env,
-                name=f"digen-{spec.name}",
-                # Not daemonic: daemonic processes may not start children (DataLoader
-                # workers, compile pools). Exit paths are covered by stop(), the atexit
-                # hook below, and each worker's watch on its parent.
-                daemon=False,
-                preload=self.preload,
-            )
-            forkserver.start(proc)  # returns once the child exists; its start runs in parallel
-            self._procs[spec.name] = proc
-            self._pids[spec.name] = proc.pid
+        env = self._env
+        child_env = {**os.environ, **env, "OMP_NUM_THREADS": str(spec.threads), **spec.env}
+        proc = forkserver.process(
+            _worker_main,
+            (spec, rank, world, url, self.rpc_timeout_s),
+            env=child_env,
+            name=f"digen-{spec.name}",
+            # Not daemonic: daemonic processes may not start children (DataLoader
+            # workers, compile pools). Exit paths are covered by stop(), the atexit
+            # hook below, and each worker's watch on its parent.
+            daemon=False,
+            preload=self.preload,
+        )
+        forkserver.start(proc)  # returns once the child exists; its start runs in parallel
+        self._procs[spec.name] = proc
+        self._pids[spec.name] = proc.pid
 
     async def stop(self) -> None:
         """Ask live workers to exit, shut RPC down locally, then kill whatever is left.
@@ -520,7 +613,8 @@ class ActorSystem:
         if handshake and was_running:
             live = [w.name for w in self.workers if w.name not in self._dead]
             asks = [
-                _bridge(rpc.rpc_async(n, _request_exit, timeout=_EXIT_RPC_TIMEOUT_S)) for n in live
+                _bridge(rpc.rpc_async(wire(n), _request_exit, timeout=_EXIT_RPC_TIMEOUT_S))
+                for n in live
             ]
             # Answers only tell us the message was delivered; a stuck worker is killed below.
             await asyncio.gather(*asks, return_exceptions=True)
@@ -548,6 +642,7 @@ class ActorSystem:
             if fd is not None:
                 os.close(fd)
         self._state = "stopped"
+        _set_dynamic(False)
         if ActorSystem._active is self:
             ActorSystem._active = None
 
@@ -579,10 +674,11 @@ class ActorSystem:
         return newly
 
     def _record(self, worker: str, died: WorkerDied) -> None:
+        first = self._dead.get(worker) is not died  # _reap records it, _mark_dead again
         self._dead[worker] = died
         if self._state == "running" and self._lost is not None and not self._lost.done():
             self._lost.set_result(died)
-        if self._state == "running" and self._losses is not None:
+        if first and self._state == "running" and self._losses is not None:
             self._losses.put_nowait(died)
 
     async def _watch(self) -> None:
@@ -604,7 +700,7 @@ class ActorSystem:
         """One ping; no answer within ``heartbeat_s`` marks the worker dead (hung, or gone
         with no exit status to read)."""
         try:
-            await _bridge(rpc.rpc_async(worker, _ping, timeout=self.heartbeat_s))
+            await _bridge(rpc.rpc_async(wire(worker), _ping, timeout=self.heartbeat_s))
         except Exception:
             await asyncio.sleep(2 * _WATCHDOG_PERIOD_S)  # an exit status explains it better
             self._reap()
@@ -662,7 +758,7 @@ class ActorSystem:
     async def _probe(self, worker: str) -> None:
         """External launch: a worker that cannot answer a ping after a transport error is dead."""
         try:
-            await _bridge(rpc.rpc_async(worker, _ping, timeout=_PROBE_TIMEOUT_S))
+            await _bridge(rpc.rpc_async(wire(worker), _ping, timeout=_PROBE_TIMEOUT_S))
         except Exception:
             if self._state == "running" and worker not in self._dead:
                 self._mark_dead(worker, WorkerDied(worker, None, None))
@@ -682,7 +778,7 @@ class ActorSystem:
     def _post(self, worker: str, fn: Callable[..., Any], payload: tuple) -> torch.futures.Future:
         self._check(worker)
         self._calls += 1
-        fut = rpc.rpc_async(worker, fn, args=payload)
+        fut = rpc.rpc_async(wire(worker), fn, args=payload)
         self._count_sent(payload)  # once on its way, so that accounting never delays it
         return fut
 
@@ -699,7 +795,7 @@ class ActorSystem:
             # Failed in transit (e.g. an argument the worker cannot unpickle), so it may
             # never take its turn: let the calls behind it go. Ignored if it did start.
             with contextlib.suppress(Exception):
-                rpc.rpc_async(worker, _skip, args=(actor_id, seq))
+                rpc.rpc_async(wire(worker), _skip, args=(actor_id, seq))
             raise
         return _unwrap(value)
 

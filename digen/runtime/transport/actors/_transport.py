@@ -147,9 +147,25 @@ def _forget_earlier_worlds() -> None:
         sequence.clear()
 
 
+_DYNAMIC = False
+"""This process is in a dynamic RPC world (ranks join and leave: an elastic system)."""
+
+
+def wire(name: str) -> str:
+    """Worker ``name`` as the RPC world knows it. A dynamic world keeps its members as one
+    string of ``name-rank,`` entries split at the dashes, so there the dashes of digen's
+    names (``generator-1``) travel as underscores."""
+    return name.replace("-", "_") if _DYNAMIC else name
+
+
+def _set_dynamic(on: bool) -> None:
+    global _DYNAMIC
+    _DYNAMIC = on
+
+
 def _joined(name: str) -> bool:
     try:
-        rpc.get_worker_info(name)
+        rpc.get_worker_info(wire(name))
     except RuntimeError:
         return False
     return True

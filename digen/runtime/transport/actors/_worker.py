@@ -32,6 +32,8 @@ from digen.runtime.transport.actors._transport import (
     _loopback_ifname,
     _quiet_rpc_init_warning,
     _rendezvous_url,
+    _set_dynamic,
+    wire,
 )
 
 if TYPE_CHECKING:
@@ -46,7 +48,9 @@ _DRIVER_MISSES = 3
 """External launch: a worker exits after this many failed pings of the driver in a row."""
 
 
-def _worker_main(spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float) -> None:
+def _worker_main(
+    spec: WorkerSpec, rank: int, world: int | None, url: str, rpc_timeout_s: float
+) -> None:
     """A started worker: serve until the driver says stop, or exit with the driver."""
     exit_with_parent()  # an orphaned worker must not outlive a killed driver
     _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=False)
@@ -94,7 +98,13 @@ def serve_worker(
 
 
 def _serve(
-    spec: WorkerSpec, rank: int, world: int, url: str, rpc_timeout_s: float, *, watch_driver: bool
+    spec: WorkerSpec,
+    rank: int,
+    world: int | None,
+    url: str,
+    rpc_timeout_s: float,
+    *,
+    watch_driver: bool,
 ) -> None:
     """Join the world as ``spec.name``, serve until asked to exit, shut RPC down locally."""
     _remote._WORKER_NAME = spec.name  # the name errors raised here carry
@@ -108,8 +118,9 @@ def _serve(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
     _quiet_rpc_init_warning()
+    _set_dynamic(world is None)
     rpc.init_rpc(
-        spec.name,
+        wire(spec.name),
         rank=rank,
         world_size=world,
         rpc_backend_options=_backend_options(
