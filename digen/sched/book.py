@@ -106,6 +106,9 @@ class Remake:
     mb: int
     scored: bool
     version: int | None = None
+    left_with: str | None = None
+    """A live worker that still holds part of it (a trainer's TAG rollout whose pixels the
+    lost scoring lane took): to release once it is made again."""
 
 
 @dataclass(slots=True)
@@ -301,8 +304,9 @@ class Book:
         again for such a call after the loss was recorded, only those are looked at.
 
         Left out: a micro-batch a trainer is updating from it now (the update may have taken
-        its rollout before the loss; :meth:`remake_scored` is for when it did not), and what
-        trainers made that its lane was scoring, which goes back to the head of SQ.
+        its rollout before the loss; :meth:`remake_scored` is for when it did not). What a
+        trainer made (TAG) that its lane was scoring is made again too: the lane may have
+        taken its pixels with it.
         """
         gen, lane = worker_name(Pool.GENERATOR, i), worker_name(Pool.SCORER, i)
         held = list(running)
@@ -326,21 +330,21 @@ class Book:
             for t in queue
             if t.kind == TaskKind.UPDATE
         }
-        out, back_to_sq = [], []
+        out = []
         for s, mb in dict.fromkeys(held):  # once each, in the order found
             rec = self.steps.get(s)
             if rec is None or mb in rec.trained or mb in rec.dropped or (s, mb) in updating:
                 continue
             holder, version = rec.made.get(mb, (gen, None))
+            left_with = None
             if holder != gen:  # made (again) elsewhere
-                tag = pool_of(holder) == Pool.TRAINER  # scored by another lane, then
-                if tag and mb not in rec.scored and (s, mb) not in self.sq:
-                    back_to_sq.append((s, mb))
-                continue
-            remake = self._remake(s, mb, version)
+                tag = pool_of(holder) == Pool.TRAINER
+                if not tag or mb in rec.scored or (s, mb) in self.sq:
+                    continue  # safe where it is, or still waiting for a lane
+                left_with = holder  # the lost lane was scoring it: its pixels may be gone
+            remake = self._remake(s, mb, version, left_with)
             if remake is not None:
                 out.append(remake)
-        self.sq[:0] = back_to_sq
         return out
 
     def rejoin(self, i: int, version: int) -> None:
@@ -356,12 +360,14 @@ class Book:
             return None
         return self._remake(step, mb, rec.made[mb][1])
 
-    def _remake(self, step: int, mb: int, version: int | None) -> Remake | None:
+    def _remake(
+        self, step: int, mb: int, version: int | None, left_with: str | None = None
+    ) -> Remake | None:
         rec = self.record(step)
         if (step, mb) in self.remaking or any((r.step, r.mb) == (step, mb) for r in self.remakes):
             return None
         scored = mb in rec.scored
-        remake = Remake(step, mb, scored, version if scored else None)
+        remake = Remake(step, mb, scored, version if scored else None, left_with)
         if not scored:  # a scored one keeps its entry: its group's advantages read it
             rec.made.pop(mb, None)
         self.remakes.append(remake)

@@ -83,6 +83,8 @@ class World:
     holders: dict[tuple[int, int], str] = field(default_factory=dict)
     """Who holds each micro-batch's rollout now."""
     trained: set[tuple[int, int]] = field(default_factory=set)
+    forgotten: set[tuple[int, int]] = field(default_factory=set)
+    """Micro-batches a live holder dropped to have them made again (a lost lane scored them)."""
     remade: int = 0
     """Generations of a micro-batch a lost generator had made (or was making)."""
     cost: Callable[[random.Random, str, str], float] = _real_cost
@@ -149,7 +151,9 @@ class FakeActor:
         if method == "generate":
             step, mb = args[0], args[1]
             if (step, mb) in w.made:  # made again: only what a lost generator held
-                assert w.holders[step, mb] in w.dead, f"micro-batch {(step, mb)} generated twice"
+                again = w.holders[step, mb] in w.dead or (step, mb) in w.forgotten
+                assert again, f"micro-batch {(step, mb)} generated twice"
+                w.forgotten.discard((step, mb))
                 w.remade += 1
             else:
                 w.untrained += 1
@@ -218,6 +222,10 @@ class FakeCluster:
             self.world.log.append((gen.worker, "load_weights", version))
             gen.version = version
         return TimedResult(version, t0, t1)
+
+    async def forget(self, holder: str, keys: list) -> None:
+        self.world.log.append((holder, "forget", *keys[0]))
+        self.world.forgotten.update(keys)
 
     async def release(self, holder: str, keys: list) -> None:
         self.world.log.append((holder, "release", *keys[0]))

@@ -32,17 +32,26 @@ from pathlib import Path
 from digen.rewards.builtin import jpeg_incompressibility
 
 class HoldIn:
-    """JPEG incompressibility; in the process named HOLD_IN (its role), call number HOLD_AT
-    (from 0) writes HOLD_MARK and waits there, so a test acts on a run paused at a known
-    point of one worker."""
+    """JPEG incompressibility. In the process named HOLD_IN (its role), call number HOLD_AT
+    (from 0) writes HOLD_MARK and waits there, once per run (a process started again under
+    that name does not), so a test acts on a run paused at a known point of one worker. In
+    the process named PAUSE_IN, a call made while the file PAUSE exists writes PAUSED and
+    waits until PAUSE is gone."""
 
     calls = 0
 
     def __call__(self, samples, prompts, metadata):
-        here = Path("/proc/self/comm").read_text().strip() == os.environ.get("HOLD_IN")
-        if here and HoldIn.calls == int(os.environ.get("HOLD_AT", "-1")):
-            Path(os.environ["HOLD_MARK"]).write_text(str(os.getpid()))
+        me = Path("/proc/self/comm").read_text().strip()
+        mark = Path(os.environ.get("HOLD_MARK", "/nonexistent"))
+        at = int(os.environ.get("HOLD_AT", "-1"))
+        if me == os.environ.get("HOLD_IN") and HoldIn.calls == at and not mark.exists():
+            mark.write_text(str(os.getpid()))
             time.sleep(600)
+        pause = Path(os.environ.get("PAUSE", "/nonexistent"))
+        if me == os.environ.get("PAUSE_IN") and pause.exists():
+            Path(os.environ["PAUSED"]).write_text(str(os.getpid()))
+            while pause.exists():
+                time.sleep(0.05)
         HoldIn.calls += 1
         return jpeg_incompressibility(samples, prompts, metadata)
 '''
@@ -79,10 +88,14 @@ def uninterrupted(hook: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
     return _final(out), read_jsonl(out / "metrics.jsonl")
 
 
-def _start_held(hook: Path, out: Path, *extra: str, hold_in: str) -> tuple[subprocess.Popen, dict]:
-    """Start a run and wait until ``hold_in``'s scoring process holds in its second call."""
+def _start_held(
+    hook: Path, out: Path, *extra: str, hold_in: str, hold_at: int = 1, env: dict | None = None
+) -> tuple[subprocess.Popen, dict]:
+    """Start a run and wait until ``hold_in``'s scoring process holds in its call number
+    ``hold_at`` (from 0)."""
     mark = out.parent / "held"
-    env = {**os.environ, "HOLD_IN": hold_in, "HOLD_AT": "1", "HOLD_MARK": str(mark)}
+    env = {**os.environ, **(env or {}), "HOLD_IN": hold_in, "HOLD_MARK": str(mark)}
+    env["HOLD_AT"] = str(hold_at)
     cmd = [sys.executable, "-m", "cli.main", "run", "--out", str(out), *_args(hook, *extra)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
@@ -129,10 +142,18 @@ def test_a_run_that_loses_a_generator_ends_as_if_it_had_not(
 def test_losing_the_last_generator_ends_the_run_with_a_checkpoint(
     tmp_path: Path, hook: Path
 ) -> None:
-    """One generator and no TAG: nothing is left to generate and score."""
+    """One generator and no TAG: nothing is left to generate and score. Held in step 2's
+    first scoring call, with the checkpoint of the first two steps written."""
+    from digen import load_config
+    from digen.config import schedule_plan
+
     out = tmp_path / "run"
     extra = ("runtime.generators=1", "runtime.tag=none", "save_every=1")
-    proc, workers = _start_held(hook, out, *extra, hold_in="generator-0")
+    overrides = [a for a in _args(hook, *extra) if "=" in a]
+    cfg = load_config(None, overrides, {"steps": STEPS}, model="sd3", mode="disaggregated")
+    hold_at = 2 * schedule_plan(cfg).microbatches
+    proc, workers = _start_held(hook, out, *extra, hold_in="generator-0", hold_at=hold_at)
+    _wait_for("step 2's checkpoint", (out / "checkpoints" / "step-000002").is_dir, proc)
     os.kill(workers["generator-0"]["pid"], signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
@@ -141,4 +162,57 @@ def test_losing_the_last_generator_ends_the_run_with_a_checkpoint(
     pid = workers["generator-0"]["pid"]
     assert f"worker 'generator-0' (pid {pid}) was killed by signal SIGKILL" in lines[0]
     assert "0 generator(s) left, fewer than runtime.min_generators (1)" in lines[0]
+    assert "The last checkpoint is step-000002 (2 steps)" in lines[0]
     assert lines[0].endswith(f"continue with: digen run --resume {out}")
+
+
+def _wait_for(what: str, ready, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while not ready():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"waited 300 s for {what}"
+        time.sleep(0.05)
+
+
+def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_happened(
+    tmp_path: Path, hook: Path, uninterrupted: tuple[dict, list]
+) -> None:
+    """``runtime.respawn_generators``: generator 1, killed holding work in its first scoring
+    call, is started again and joins at a step boundary. Generator 0's scoring pauses from
+    the kill (it must score what generator 1 held) until the new generator 1 is up, so the
+    step cannot end, nor the run, before it joins, however loaded the machine is."""
+    out, pause, paused = tmp_path / "run", tmp_path / "pause", tmp_path / "paused"
+    env = {"PAUSE_IN": "generator-0", "PAUSE": str(pause), "PAUSED": str(paused)}
+    extra = ("runtime.respawn_generators=true", "runtime.respawn_after_s=0.1")
+    proc, workers = _start_held(hook, out, *extra, hold_in="generator-1", hold_at=0, env=env)
+    pause.write_text("")
+    os.kill(workers["generator-1"]["pid"], signal.SIGKILL)
+    _wait_for("generator 0 to pause", paused.is_file, proc)
+    log = out / "trainer.log"
+    _wait_for("generator 1 to start again", lambda: "started again" in log.read_text(), proc)
+    pause.unlink()
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "generator-1 is back. The run goes on with 2 generator(s)." in err
+    want, rows_want = uninterrupted
+    got = _final(out)
+    assert all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys()
+    rows = read_jsonl(out / "metrics.jsonl")
+    for row, other in zip(rows, rows_want, strict=True):
+        assert {k: row[k] for k in COMPARED} == {k: other[k] for k in COMPARED}
+    assert rows[-1]["generators_alive"] == 2
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    lost = [e for e in events if e.get("event") == "generator_lost"]
+    joined = [e for e in events if e.get("event") == "generator_joined"]
+    assert [e["worker"] for e in lost] == ["generator-1"] and lost[0]["generators"] == 1
+    assert [e["worker"] for e in joined] == ["generator-1"] and joined[0]["generators"] == 2
+    # the new process made micro-batches with the weights it joined with, or later ones
+    trace = read_jsonl(out / "trace.jsonl")
+    after = [
+        e
+        for e in trace
+        if e["worker"] == "generator-1"
+        and e["kind"] == "generate"
+        and e["version"] >= joined[0]["version"]
+    ]
+    assert after or joined[0]["version"] == STEPS, "the generator that joined made nothing"

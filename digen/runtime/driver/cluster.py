@@ -239,6 +239,10 @@ class Cluster:
             *(self.system.run(h, release, keys) for h in holders or [holder] if h not in dead)
         )
 
+    async def forget(self, holder: str, keys: list[tuple[int, int]]) -> None:
+        """Drop what ``holder`` keeps of micro-batches made again elsewhere (as :meth:`release`)."""
+        await self.release(holder, keys)
+
     @property
     def payload(self) -> Any:
         """Bytes the driver's calls moved so far (:attr:`ActorSystem.payload`)."""

@@ -335,6 +335,9 @@ class Driver:
             if why is not None:
                 raise died.again(why)
         remakes = self.book.lose_generator(i, running)
+        for r in remakes:
+            if r.left_with is not None:  # what a trainer still holds of it goes
+                await self.cluster.forget(r.left_with, [(r.step, r.mb)])
         orphans = self._drop_orphans()
         if first:
             alive = len(self.book.alive)
