@@ -333,6 +333,7 @@ class ColocatedTrainer:
             usage=usage,
             memory_gb=dict.fromkeys(("generator", "trainer"), peak_memory_gb(cfg.model.device)),
             reward_latency_s={c: [t] for c, t in scored.latency_s.items()},
+            generators_alive=self.world,  # every worker generates
         )
         captions = [texts[k.prompt] for k in keys]
         return StepResult(metrics=metrics, pixels=pixels, captions=captions)

@@ -28,10 +28,11 @@ Columns:
 - ``memory/peak_gb/generator`` and ``/trainer``: the largest peak memory a worker of the pool
   reported (GPU: ``max_memory_allocated``; CPU: peak resident size); colocated workers do
   both jobs and report the same number twice;
-- disaggregated only: ``generators_alive`` at the step's end, ``remade_microbatches`` (made
-  again because the generator holding them was lost), ``time/remade_s``, the seconds
-  those remakes took, and ``lost_microbatches``: left out of the step's gradient (TCSS
-  only: stale work of a lost generator, scored with a version no generator holds any more).
+- ``generators_alive``: the workers generating at the step's end (colocated: all of them);
+  ``remade_microbatches`` (made again because the generator holding them was lost),
+  ``time/remade_s``, the seconds those remakes took, and ``lost_microbatches``: left out of
+  the step's gradient (TCSS only: stale work of a lost generator, scored with a version no
+  generator holds any more). Losses happen in disaggregated runs only.
 
 An evaluation (``eval.every``) of the weights a step ends with adds to that step's row
 (:func:`eval_metrics`): ``eval/reward_mean`` and ``eval/reward/<name>`` over the evaluation's
@@ -98,7 +99,9 @@ def step_metrics(
     tags: int = 0,
     memory_gb: Mapping[str, float] | None = None,
     reward_latency_s: Mapping[str, Sequence[float]] | None = None,
-    elastic: Mapping[str, float] | None = None,
+    generators_alive: int = 1,
+    remade: tuple[int, float] = (0, 0.0),
+    lost_microbatches: int = 0,
 ) -> dict[str, Any]:
     """The metrics row of one step (module docstring). ``rewards``: ``[B, n]``."""
     # one reduction order whatever the caller's layout (a strided view sums differently)
@@ -146,7 +149,9 @@ def step_metrics(
             },
         }
     )
-    row.update(elastic or {})  # disaggregated: generators_alive, remade_microbatches, ...
+    row["generators_alive"] = generators_alive
+    row["remade_microbatches"], row["time/remade_s"] = remade
+    row["lost_microbatches"] = lost_microbatches
     return row
 
 

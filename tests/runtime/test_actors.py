@@ -349,6 +349,45 @@ class TestSharedSystem:
         assert (moved.sent_tensor_bytes, moved.received_tensor_bytes) == (80, 80)
 
 
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_an_elastic_system_starts_a_lost_worker_again_under_its_name() -> None:
+    """A dynamic RPC world: a killed worker is evicted and a new process joins under its
+    name, twice; the new one answers calls, the others keep their state, each loss is
+    reported once, and stop leaves no process."""
+    names = ["generator-0", "generator-1", "trainer-0"]
+    system = ActorSystem([WorkerSpec(n) for n in names], stop_timeout_s=1.0, elastic=True)
+    await system.start()
+    pids = [system.pids()]
+    try:
+        keeper = system.actor("generator-0", Accumulator, 2)
+        assert (await keeper.call("add", torch.ones(2))).tolist() == [1.0, 1.0]
+        for again in (1, 2):
+            victim = system.actor("generator-1", Accumulator, 2, 10.0 * again)
+            assert await victim.call("pid") == pids[-1]["generator-1"]
+            os.kill(pids[-1]["generator-1"], signal.SIGKILL)
+            died = await asyncio.wait_for(system.next_loss(), 60)
+            assert (died.worker, died.pid) == ("generator-1", pids[-1]["generator-1"])
+            with pytest.raises(WorkerDied):
+                await victim.call("ping")
+            with pytest.raises(RuntimeError, match="not lost"):
+                await system.respawn("generator-0")
+            await asyncio.wait_for(system.respawn("generator-1"), 120)
+            pids.append(system.pids())
+            assert pids[-1]["generator-1"] != pids[-2]["generator-1"]
+            assert pids[-1]["generator-0"] == pids[0]["generator-0"]
+            reborn = system.actor("generator-1", Accumulator, 2, 100.0 * again)
+            assert await reborn.call("pid") == pids[-1]["generator-1"]
+            assert (await reborn.call("add", torch.ones(2))).tolist() == [100.0 * again + 1] * 2
+            total = await keeper.call("add", torch.ones(2))  # untouched all along
+            assert total.tolist() == [1.0 + again] * 2
+        assert system.dead() == {}
+        assert system._losses is not None and system._losses.empty()  # each loss once
+    finally:
+        await system.stop()
+    assert all(_gone(pid) for p in pids for pid in p.values())
+
+
 def test_worker_spec_checks_its_fields() -> None:
     with pytest.raises(ValueError, match="'driver'"):
         WorkerSpec("driver")

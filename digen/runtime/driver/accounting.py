@@ -87,7 +87,7 @@ class CostLedger:
         optimizer_s: float,
         sync_s: float,
         driver_mb: float,
-        generators_alive: int | None = None,
+        generators_alive: int = 1,
     ) -> StepResult:
         """The metrics row and sample grid of a finished step."""
         cfg, s = self.cfg, rec.step
@@ -122,14 +122,9 @@ class CostLedger:
             tags=rec.tags,
             memory_gb=dict(acc.memory_gb),
             reward_latency_s=acc.reward_latency_s,
-            elastic=None
-            if generators_alive is None
-            else {
-                "generators_alive": generators_alive,
-                "remade_microbatches": rec.remade,
-                "time/remade_s": rec.remade_s,
-                "lost_microbatches": rec.orphaned,
-            },
+            generators_alive=generators_alive,
+            remade=(rec.remade, rec.remade_s),
+            lost_microbatches=rec.orphaned,
         )
         pixels: Any = None
         captions: list[str] = []
