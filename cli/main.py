@@ -549,6 +549,29 @@ def models() -> None:
     show_default=True,
     help="Score beside generation on a lane per generator, as runs do by default.",
 )
+@click.option(
+    "--loss-rate",
+    type=float,
+    help="Losses of each generator per hour (preemptions): price generators that come and go.",
+)
+@click.option(
+    "--rejoin-s",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="With --loss-rate: seconds until a lost generator is back, on average.",
+)
+@click.option(
+    "--generator-price", type=float, default=0.0, show_default=True, help="Per device-hour."
+)
+@click.option(
+    "--preemptible-price",
+    type=float,
+    help="Per device-hour of a generator that comes and goes [default: --generator-price].",
+)
+@click.option(
+    "--trainer-price", type=float, default=0.0, show_default=True, help="Per device-hour."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr (--recommend).")
 def simulate(
@@ -571,6 +594,11 @@ def simulate(
     devices: int | None,
     plot_path: Path | None,
     score_overlap: bool,
+    loss_rate: float | None,
+    rejoin_s: float,
+    generator_price: float,
+    preemptible_price: float | None,
+    trainer_price: float,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -614,6 +642,26 @@ def simulate(
             staleness_ratio=staleness_ratio,
             score_overlap=score_overlap,
         )
+        if loss_rate is not None:
+            got = sc.with_losses(
+                costs,
+                microbatches,
+                generators,
+                trainers,
+                loss_rate_per_h=loss_rate,
+                rejoin_s=rejoin_s,
+                generator_price=generator_price,
+                trainer_price=trainer_price,
+                preemptible_price=preemptible_price,
+                steps=steps,
+                mbs_per_group=mbs_per_group,
+                score_overlap=score_overlap,
+            )
+            if as_json:
+                click.echo(json.dumps(got))
+                return
+            click.echo(sc.format_losses(got, generators, trainers, loss_rate, rejoin_s))
+            return
         if recommend:
             if devices is None:
                 raise ValueError("--recommend needs --devices N, the number of devices to split")

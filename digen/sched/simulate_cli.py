@@ -6,6 +6,8 @@ here is unit-tested without a process:
 - :func:`load_costs` reads costs given as numbers or from a run's ``profile.json``;
 - :func:`compare_policies` simulates NoTAG, StaticTAG(k) and BTS, each with and without TCSS;
 - :func:`recommend` tries every generator/trainer split of N devices and ranks the options;
+- :func:`with_losses` prices generators that come and go (preemptible, spot) against
+  generators that stay;
 - :func:`format_table` and :func:`plot_simulation` present the results.
 
 Costs are per micro-batch and are taken as independent of the split (a profile measured on
@@ -15,6 +17,7 @@ one split predicts another only as far as that holds).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections.abc import Callable, Mapping
@@ -22,10 +25,21 @@ from pathlib import Path
 from typing import Any
 
 from digen.sched.costs import Costs, OnlineProfiler
+from digen.sched.names import TaskKind
 from digen.sched.simulator import SimResult, ideal_bound, simulate
 from digen.sched.tag import BTS, NoTAG, StaticTAG, TagPolicy
+from digen.sched.trace import TraceEvent
 
-__all__ = ["compare_policies", "format_table", "load_costs", "plot_simulation", "recommend"]
+__all__ = [
+    "compare_policies",
+    "format_losses",
+    "format_table",
+    "held_work_s",
+    "load_costs",
+    "plot_simulation",
+    "recommend",
+    "with_losses",
+]
 
 _POLICY_RANK = {"none": 0, "static": 1, "bts": 2}
 
@@ -194,6 +208,137 @@ def recommend(
         )
     )
     return cands
+
+
+def held_work_s(res: SimResult, gen_cost: float) -> float:
+    """Seconds of generation a generator holds at a random moment, on average: what a loss
+    then throws away and the others make again. A micro-batch counts from its generation's
+    start (the part made so far) until a trainer starts its update (it fetches the rollout
+    then); everything is averaged over the run and the generators."""
+    made: dict[tuple[int, int], TraceEvent] = {}
+    fetched: dict[tuple[int, int], float] = {}
+    for e in res.events:
+        if e.kind == TaskKind.GENERATE:
+            made[e.step, e.mb] = e
+        elif e.kind == TaskKind.UPDATE:
+            fetched.setdefault((e.step, e.mb), e.t0)
+    gens = {e.worker for e in made.values()}
+    if not gens or res.makespan <= 0:
+        return 0.0
+    area = 0.0  # integral over time of the work held, summed over generators
+    for key, e in made.items():
+        span = e.t1 - e.t0
+        area += span * span / 2  # in flight: the part made so far, growing to gen_cost
+        area += (fetched.get(key, e.t1) - e.t1) * gen_cost  # made: all of it at stake
+    return area / (res.makespan * len(gens))
+
+
+def with_losses(
+    costs: Costs,
+    microbatches: int,
+    generators: int,
+    trainers: int,
+    *,
+    loss_rate_per_h: float,
+    rejoin_s: float,
+    generator_price: float = 0.0,
+    trainer_price: float = 0.0,
+    preemptible_price: float | None = None,
+    steps: int = 4,
+    mbs_per_group: int = 1,
+    node_limit: int = 32,
+    score_overlap: bool = True,
+) -> dict[str, Any]:
+    """The expected step time and cost of generators that are lost ``loss_rate_per_h``
+    times an hour each (preemptions) and back ``rejoin_s`` seconds later on average.
+
+    Each generator is up a fraction ``a = 1 / (1 + rate * rejoin_s)`` of the time, lost
+    and back independently of the others, so ``k`` of them are up with the binomial
+    probability ``C(G, k) a^k (1 - a)^(G - k)``; the run with ``k`` up takes the simulated
+    BTS step time ``T(k)``. A loss throws away the work its generator holds
+    (:func:`held_work_s`), which the others make again: ``losses per step x held / k``
+    more seconds. With no generator up the run stops (``runtime.min_generators = 1``): that
+    probability is reported, and the step time is the expectation given at least one is
+    up. Cost per step: up generators and every trainer at their price per device-hour
+    (a preempted machine is not billed); the generators that come and go at
+    ``preemptible_price`` when given (else ``generator_price``), the steady ones at
+    ``generator_price``.
+    """
+    if loss_rate_per_h < 0 or rejoin_s < 0:
+        raise ValueError("the loss rate and the rejoin time must not be negative")
+    if generators < 1 or trainers < 1:
+        raise ValueError("at least one generator and one trainer")
+    rate = loss_rate_per_h / 3600.0
+    up = 1.0 / (1.0 + rate * rejoin_s)
+    pool: list[dict[str, Any]] = []
+    for k in range(1, generators + 1):
+        res = simulate(
+            costs,
+            microbatches,
+            k,
+            trainers,
+            BTS(node_limit=node_limit),
+            steps=steps,
+            mbs_per_group=mbs_per_group,
+            score_overlap=score_overlap,
+        )
+        held = held_work_s(res, costs.gen)
+        step = res.makespan / steps
+        losses = rate * k * step  # per step, with k up
+        p = math.comb(generators, k) * up**k * (1.0 - up) ** (generators - k)
+        pool.append(
+            {
+                "generators_up": k,
+                "probability": p,
+                "step_time": step,
+                "held_s": held,
+                "losses_per_step": losses,
+                "step_time_with_remakes": step + losses * held / k,
+            }
+        )
+    stopped = (1.0 - up) ** generators
+    live = 1.0 - stopped
+    expected = sum(r["probability"] * r["step_time_with_remakes"] for r in pool) / live
+    up_mean = sum(r["probability"] * r["generators_up"] for r in pool) / live
+    steady = pool[-1]["step_time"]  # every generator always up: no losses
+    spot = generator_price if preemptible_price is None else preemptible_price
+    price_h = up_mean * spot + trainers * trainer_price
+    steady_price_h = generators * generator_price + trainers * trainer_price
+    return {
+        "availability": up,
+        "no_generator_probability": stopped,
+        "step_time": expected,
+        "steady_step_time": steady,
+        "slowdown": expected / steady if steady > 0 else 1.0,
+        "generators_up_mean": up_mean,
+        "cost_per_step": price_h * expected / 3600.0,
+        "steady_cost_per_step": steady_price_h * steady / 3600.0,
+        "pools": pool,
+    }
+
+
+def format_losses(
+    got: Mapping[str, Any], generators: int, trainers: int, rate: float, rejoin_s: float
+) -> str:
+    """What :func:`with_losses` found, as a few lines and a table per pool size."""
+    lines = [
+        f"{generators} generators lost {rate:g} times an hour each, back after {rejoin_s:g} s "
+        f"(up {got['availability']:.1%} of the time), {trainers} trainer(s), BTS:",
+        f"- step time {got['step_time']:.3f} s against {got['steady_step_time']:.3f} s with "
+        f"generators that stay ({got['slowdown']:.3f}x), "
+        f"{got['generators_up_mean']:.2f} generators up on average;",
+        f"- cost per step {got['cost_per_step']:.6f} against {got['steady_cost_per_step']:.6f};",
+        f"- no generator up (the run stops) {got['no_generator_probability']:.2e} of the time.",
+        "",
+        "| generators up | probability | step time (s) | held at a loss (s) | with remakes (s) |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in got["pools"]:
+        lines.append(
+            f"| {r['generators_up']} | {r['probability']:.4f} | {r['step_time']:.3f} "
+            f"| {r['held_s']:.3f} | {r['step_time_with_remakes']:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:

@@ -11,9 +11,11 @@ from digen.sched import BTS, Costs, NoTAG, OnlineProfiler, StaticTAG, simulate
 from digen.sched.simulate_cli import (
     compare_policies,
     format_table,
+    held_work_s,
     load_costs,
     plot_simulation,
     recommend,
+    with_losses,
 )
 from digen.sched.trace import TraceEvent
 
@@ -89,3 +91,64 @@ def test_plot_simulation(tmp_path) -> None:
     out = plot_simulation(res, tmp_path / "sim.png", title="simulated")
     with Image.open(out) as im:
         assert im.size == (1600, 600)
+
+
+def test_held_work_is_the_time_average_of_what_generators_hold() -> None:
+    """By hand: two generators over 10 s. Micro-batch (0, 0): made 0-2 s on generator 0,
+    fetched at 5 s: 2 * 2 / 2 (in flight) + 3 s * gen 2 s held; (0, 1): made 1-3 s on
+    generator 1, fetched at 3 s: 2 * 2 / 2. Area 2 + 6 + 2 = 10 over 10 s x 2 generators."""
+    from digen.sched.simulator import SimResult
+
+    events = [
+        TraceEvent("generate", "generator-0", 0, 0, 0, 0.0, 2.0),
+        TraceEvent("generate", "generator-1", 0, 1, 0, 1.0, 3.0),
+        TraceEvent("update", "trainer-0", 0, 1, 0, 3.0, 4.0),
+        TraceEvent("update", "trainer-0", 0, 0, 0, 5.0, 6.0),
+    ]
+    res = SimResult(10.0, events, [10.0], 0, 0, [], {0: 0})
+    assert held_work_s(res, 2.0) == pytest.approx(10 / 20)
+
+
+def test_with_losses_weights_each_pool_by_its_binomial_probability() -> None:
+    got = with_losses(
+        C,
+        6,
+        3,
+        1,
+        loss_rate_per_h=4,
+        rejoin_s=450,
+        generator_price=2.0,
+        trainer_price=3.0,
+        preemptible_price=0.5,
+        steps=2,
+    )
+    up = 1 / (1 + 4 / 3600 * 450)  # 2/3
+    assert got["availability"] == pytest.approx(2 / 3) == pytest.approx(up)
+    probs = [r["probability"] for r in got["pools"]]
+    assert probs == pytest.approx([3 * up * (1 - up) ** 2, 3 * up**2 * (1 - up), up**3])
+    assert got["no_generator_probability"] == pytest.approx((1 - up) ** 3)
+    for r in got["pools"]:
+        k = r["generators_up"]
+        alone = simulate(C, 6, k, 1, BTS(), steps=2, score_overlap=True)
+        assert r["step_time"] == pytest.approx(alone.makespan / 2)
+        assert r["losses_per_step"] == pytest.approx(4 / 3600 * k * r["step_time"])
+        extra = r["losses_per_step"] * r["held_s"] / k
+        assert r["step_time_with_remakes"] == pytest.approx(r["step_time"] + extra)
+    live = 1 - (1 - up) ** 3
+    want = sum(p * r["step_time_with_remakes"] for p, r in zip(probs, got["pools"])) / live
+    assert got["step_time"] == pytest.approx(want)
+    assert got["steady_step_time"] == got["pools"][-1]["step_time"]
+    assert got["step_time"] > got["steady_step_time"]  # fewer generators are never faster here
+    up_mean = sum(p * r["generators_up"] for p, r in zip(probs, got["pools"])) / live
+    assert got["cost_per_step"] == pytest.approx((up_mean * 0.5 + 3.0) * got["step_time"] / 3600)
+    assert got["steady_cost_per_step"] == pytest.approx(
+        (3 * 2.0 + 3.0) * got["steady_step_time"] / 3600
+    )
+
+
+def test_with_no_losses_nothing_changes_and_bad_rates_are_refused() -> None:
+    got = with_losses(C, 6, 2, 1, loss_rate_per_h=0, rejoin_s=300, steps=2)
+    assert got["availability"] == 1 and got["no_generator_probability"] == 0
+    assert got["step_time"] == pytest.approx(got["steady_step_time"])
+    with pytest.raises(ValueError, match="must not be negative"):
+        with_losses(C, 6, 2, 1, loss_rate_per_h=-1, rejoin_s=300)

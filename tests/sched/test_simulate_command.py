@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from cli.main import main
@@ -69,3 +70,16 @@ def test_bad_input_is_one_sentence() -> None:
         assert res.exit_code == 2, (args, res.output)
         lines = [line for line in res.output.splitlines() if line.strip()]
         assert len(lines) == 1 and msg in lines[0], (args, res.output)
+
+
+def test_loss_rate_prices_generators_that_come_and_go() -> None:
+    args = ["--microbatches", "6", "--generators", "3", "--trainers", "1", "--steps", "2"]
+    args += ["--loss-rate", "4", "--rejoin-s", "450", "--generator-price", "2"]
+    args += ["--preemptible-price", "0.5", "--trainer-price", "3"]
+    res = _run(*args)
+    assert res.exit_code == 0, res.output
+    assert "up 66.7% of the time" in res.output
+    assert "| 3 | 0.2963 |" in res.output  # (2/3)^3 of the time all three are up
+    got = json.loads(_run(*args, "--json").output)
+    assert got["availability"] == pytest.approx(2 / 3)
+    assert f"step time {got['step_time']:.3f} s" in res.output
