@@ -166,6 +166,14 @@ def test_losing_the_last_generator_ends_the_run_with_a_checkpoint(
     assert lines[0].endswith(f"continue with: digen run --resume {out}")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
 def _wait_for(what: str, ready, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 300
     while not ready():
@@ -174,19 +182,29 @@ def _wait_for(what: str, ready, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize(
+    ("sig", "extra"),
+    [
+        (signal.SIGKILL, ()),
+        # a hung generator, lost to its heartbeat: its process is ended before the new one
+        (signal.SIGSTOP, ("runtime.heartbeat_s=4",)),
+    ],
+)
 def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_happened(
-    tmp_path: Path, hook: Path, uninterrupted: tuple[dict, list]
+    tmp_path: Path, hook: Path, uninterrupted: tuple[dict, list], sig, extra
 ) -> None:
-    """``runtime.respawn_generators``: generator 1, killed holding work in its first scoring
-    call, is started again and joins at a step boundary. Generator 0's scoring pauses from
-    the kill (it must score what generator 1 held) until the new generator 1 is up, so the
-    step cannot end, nor the run, before it joins, however loaded the machine is."""
+    """``runtime.respawn_generators``: generator 1, killed (or hung) holding work in its
+    first scoring call, is started again and joins at a step boundary. Generator 0's
+    scoring pauses from the loss (it must score what generator 1 held) until the new
+    generator 1 is up, so the step cannot end, nor the run, before it joins, however loaded
+    the machine is."""
     out, pause, paused = tmp_path / "run", tmp_path / "pause", tmp_path / "paused"
     env = {"PAUSE_IN": "generator-0", "PAUSE": str(pause), "PAUSED": str(paused)}
-    extra = ("runtime.respawn_generators=true", "runtime.respawn_after_s=0.1")
+    extra = ("runtime.respawn_generators=true", "runtime.respawn_after_s=0.1", *extra)
     proc, workers = _start_held(hook, out, *extra, hold_in="generator-1", hold_at=0, env=env)
     pause.write_text("")
-    os.kill(workers["generator-1"]["pid"], signal.SIGKILL)
+    old = workers["generator-1"]["pid"]
+    os.kill(old, sig)
     _wait_for("generator 0 to pause", paused.is_file, proc)
     log = out / "trainer.log"
     _wait_for("generator 1 to start again", lambda: "started again" in log.read_text(), proc)
@@ -216,3 +234,4 @@ def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_hap
         and e["version"] >= joined[0]["version"]
     ]
     assert after or joined[0]["version"] == STEPS, "the generator that joined made nothing"
+    assert not _alive(old)  # the lost process is gone, hung or not

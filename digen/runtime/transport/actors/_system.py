@@ -551,7 +551,10 @@ class ActorSystem:
         if beat is not None:
             beat.cancel()
         old = self._procs.pop(worker, None)
-        if old is not None:
+        if old is not None:  # a hung one (lost to its heartbeat) still runs: end it first
+            if old.exitcode is None:
+                old.kill()
+                await asyncio.to_thread(old.join, 10.0)
             with contextlib.suppress(ValueError):
                 old.close()
         del self._dead[worker]
