@@ -208,6 +208,8 @@ def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_hap
     _wait_for("generator 0 to pause", paused.is_file, proc)
     log = out / "trainer.log"
     _wait_for("generator 1 to start again", lambda: "started again" in log.read_text(), proc)
+    listed = json.loads((out / "workers.json").read_text())  # rewritten at the loss
+    assert set(listed) == {"driver", "generator-0", "trainer-0"}, listed
     pause.unlink()
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
