@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_jsonl, run_config
+from helpers import process_alive, read_jsonl, run_config
 from safetensors.torch import load_file
 
 # whole runs of worker processes, one of them killed: minutes in all
@@ -166,14 +166,6 @@ def test_losing_the_last_generator_ends_the_run_with_a_checkpoint(
     assert lines[0].endswith(f"continue with: digen run --resume {out}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
 def _wait_for(what: str, ready, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 300
     while not ready():
@@ -236,4 +228,4 @@ def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_hap
         and e["version"] >= joined[0]["version"]
     ]
     assert after or joined[0]["version"] == STEPS, "the generator that joined made nothing"
-    assert not _alive(old)  # the lost process is gone, hung or not
+    assert not process_alive(old)  # the lost process is gone, hung or not

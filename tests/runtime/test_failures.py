@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_jsonl, run_config
+from helpers import process_alive, read_jsonl, run_config
 from safetensors.torch import load_file
 
 # each test stops, kills or hangs whole runs of worker processes: minutes in all
@@ -47,14 +47,6 @@ class HoldAt:
         HoldAt.calls += 1
         return jpeg_incompressibility(samples, prompts, metadata)
 '''
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def _args(hook: Path) -> list[str]:
@@ -159,9 +151,9 @@ def test_a_lost_worker_stops_the_run_naming_it_and_resume_finishes_it_exactly(
         assert "no heartbeat for 4 s" in lines[0]
     assert not (out / "workers.json").exists()  # it lists live runs only
     deadline = time.monotonic() + 10
-    while any(_alive(w["pid"]) for w in workers.values()) and time.monotonic() < deadline:
+    while any(process_alive(w["pid"]) for w in workers.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [r for r, w in workers.items() if _alive(w["pid"])]  # no orphan
+    assert not [r for r, w in workers.items() if process_alive(w["pid"])]  # no orphan
     log = (out / "trainer.log").read_text()
     assert '"event": "run_failed"' in log and victim in log
     if sig == signal.SIGSTOP:
@@ -207,7 +199,7 @@ def test_a_second_ctrl_c_exits_at_once_leaving_no_process(
     while run_mark.left() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert run_mark.left() == []  # workers and fork server: no orphan
-    assert not [r for r, w in workers.items() if _alive(w["pid"])]
+    assert not [r for r, w in workers.items() if process_alive(w["pid"])]
     from digen.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(out)  # checksums verified

@@ -761,25 +761,26 @@ class Driver:
                 self._quota_waiter = None
         step = version - 1
 
-        async def load(i: int) -> None:
-            self.book.gen_version[i] = version  # the generator's next call runs with it
-            send = self.cluster.send_weights(i, version)
+        async def send(i: int) -> WorkerDied | None:
+            """Version ``version`` to generator ``i``; its loss instead, if it was lost."""
+            call = self.cluster.send_weights(i, version)
             try:
-                await self._call(self.gens[i], TaskKind.SYNC, step, -1, version, send)
+                await self._call(self.gens[i], TaskKind.SYNC, step, -1, version, call)
             except WorkerDied as died:
                 if died.worker != self.gens[i].worker:
                     raise
+                return died
+            return None
+
+        async def load(i: int) -> None:
+            self.book.gen_version[i] = version  # the generator's next call runs with it
+            if died := await send(i):
                 await self._lose(i, died)
 
         joining, self._joining = sorted(self._joining), set()
 
         async def join(i: int) -> None:  # a generator back: this version before any work
-            send = self.cluster.send_weights(i, version)
-            try:
-                await self._call(self.gens[i], TaskKind.SYNC, step, -1, version, send)
-            except WorkerDied as died:
-                if died.worker != self.gens[i].worker:
-                    raise
+            if died := await send(i):
                 await self._lose_again(i, died)
                 return
             self.book.rejoin(i, version)
