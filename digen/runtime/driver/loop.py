@@ -21,6 +21,11 @@ naming the worker:
   trainers ``step()``, then the generators load version ``s + 1``, each behind the
   generation it is running (trajectory consistency).
 
+A lost generator is the exception to "a failure ends the run" (``runtime.on_generator_loss``):
+:meth:`Driver._lose` takes it out of the pool, and what it held is made again by the others
+from the same keys (:meth:`Driver._make_again`), before any new micro-batch; with
+``runtime.respawn_generators`` a new process takes its place at the next weight sync.
+
 What was handed out, made, scored and trained lives in :class:`~digen.sched.book.Book`
 (pure book-keeping, the model the TAG search plans on); what calls cost is observed by
 :class:`~digen.runtime.driver.accounting.CostLedger`. The loops below are the schedule and nothing else.
