@@ -51,7 +51,7 @@ from digen.runtime.transport.actors._transport import (
     payload_bytes,
     wire,
 )
-from digen.runtime.transport.actors._worker import _worker_main
+from digen.runtime.transport.actors._worker import _has_joined, _worker_main
 from digen.runtime.transport.forkserver import patched_env
 from digen.runtime.transport.sockets import listening_socket
 
@@ -522,8 +522,9 @@ class ActorSystem:
                 )
 
     async def _joined_all(self, names: Sequence[str], deadline: float, url: str) -> None:
-        """A dynamic world: wait until every one of ``names`` joined."""
-        while not all(_joined(name) for name in names):
+        """A dynamic world: wait until every one of ``names`` joined, its join complete (every
+        member knows it: :func:`_has_joined`)."""
+        while not all([_joined(name) and await self._join_complete(name) for name in names]):
             self._reap()
             lost = [self._dead[n] for n in names if n in self._dead]
             if lost:
@@ -535,6 +536,13 @@ class ActorSystem:
                     f"{self.start_timeout_s:g} s."
                 )
             await asyncio.sleep(0.05)
+
+    @staticmethod
+    async def _join_complete(name: str) -> bool:
+        try:
+            return bool(await _bridge(rpc.rpc_async(wire(name), _has_joined, timeout=10)))
+        except Exception:  # noqa: BLE001 (not reachable yet: asked again)
+            return False
 
     async def respawn(self, worker: str) -> None:
         """Start lost ``worker`` again (elastic world only): the dead process's rank is

@@ -127,6 +127,7 @@ def _serve(
             url, rpc_timeout_s, spec.rpc_threads, spec.device_maps
         ),
     )
+    _JOINED.set()  # in a dynamic world: every member has learnt of this one by now
     if watch_driver:  # no parent process to watch: the driver may be on another machine
         threading.Thread(target=_watch_driver, name="digen-driver-watch", daemon=True).start()
     _EXIT.wait()
@@ -136,6 +137,16 @@ def _serve(
 
 
 _DRIVER_LOST = threading.Event()
+
+_JOINED = threading.Event()
+"""This worker's ``init_rpc`` returned. In a dynamic world a joining member tells every
+member of itself during its ``init_rpc``, one after the other, so the driver, told first,
+may call it while another member cannot reach it yet."""
+
+
+def _has_joined() -> bool:
+    """Run in a worker (sent by the driver): whether its join of the world is complete."""
+    return _JOINED.is_set()
 
 
 def _name_process(name: str) -> None:
