@@ -108,7 +108,7 @@ def test_a_worker_killed_on_another_node_stops_both_nodes_leaving_no_process(
     import signal
     import time
 
-    from test_failures import _alive
+    from helpers import process_alive
 
     out, port = tmp_path / "out", free_port()
     run = ["-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "200"]
@@ -152,6 +152,6 @@ def test_a_worker_killed_on_another_node_stops_both_nodes_leaving_no_process(
     assert len(lines) == 1, results[0][1][-3000:]
     assert "worker 'trainer-0'" in lines[0] and f"--resume {out}" in lines[0]
     deadline = time.monotonic() + 15
-    while any(_alive(w["pid"]) for w in workers.values()) and time.monotonic() < deadline:
+    while any(process_alive(w["pid"]) for w in workers.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [r for r, w in workers.items() if _alive(w["pid"])]  # no orphan, either node
+    assert not [r for r, w in workers.items() if process_alive(w["pid"])]  # no orphan, either node
