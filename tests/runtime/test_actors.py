@@ -388,6 +388,91 @@ async def test_an_elastic_system_starts_a_lost_worker_again_under_its_name() -> 
     assert all(_gone(pid) for p in pids for pid in p.values())
 
 
+_JOINER_SCRIPT = """
+import os, sys
+from digen.runtime.transport.actors import join_world
+wait = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
+name = join_world(
+    "127.0.0.1", int(sys.argv[1]), wait_s=wait, on_joined=lambda n: print(n, flush=True)
+)
+print("served", name, flush=True)
+os._exit(0)
+"""
+
+
+def _start_joiner(port: int, wait_s: float = 60.0) -> subprocess.Popen:
+    """A process that joins the running world at ``port`` by itself (as one started by
+    hand on another machine would), with the test's classes importable."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    cmd = [sys.executable, "-c", _JOINER_SCRIPT, str(port), str(wait_s)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_an_elastic_system_takes_workers_that_join_it_while_it_runs() -> None:
+    """Processes started by someone else join the running world under the next free name
+    of the offered pool, with its environment; they take actors and calls like any worker.
+    A joiner's loss is reported like any other, and a later joiner still gets in (the lost
+    member left the world); stop ends the one left."""
+    joiner = WorkerSpec("generator", env={"DIGEN_TEST_OFFER": "joined"})
+    specs = [WorkerSpec("generator-0"), WorkerSpec("trainer-0")]
+    system = ActorSystem(specs, stop_timeout_s=1.0, elastic=True, joiners=joiner)
+    await system.start()
+    procs: list[subprocess.Popen] = []
+    try:
+        keeper = system.actor("generator-0", Accumulator, 2)
+        assert (await keeper.call("add", torch.ones(2))).tolist() == [1.0, 1.0]
+        assert system.port is not None
+        for n in (1, 2):
+            procs.append(_start_joiner(system.port))
+            arrival = await asyncio.wait_for(system.next_arrival(), 300)
+            assert (arrival.name, arrival.pid) == (f"generator-{n}", procs[-1].pid)
+            assert system.pids()[arrival.name] == procs[-1].pid
+            acc = system.actor(arrival.name, Accumulator, 2, 10.0 * n)
+            assert await acc.call("pid") == procs[-1].pid
+            assert (await acc.call("add", torch.ones(2))).tolist() == [10.0 * n + 1] * 2
+            assert await system.run(arrival.name, os.getenv, "DIGEN_TEST_OFFER") == "joined"
+            if n == 1:
+                os.kill(procs[0].pid, signal.SIGKILL)
+                died = await asyncio.wait_for(system.next_loss(), 300)
+                assert (died.worker, died.pid) == ("generator-1", procs[0].pid)
+                with pytest.raises(WorkerDied):
+                    await acc.call("ping")
+                with pytest.raises(RuntimeError, match="not started here"):
+                    await system.respawn("generator-1")
+        total = await keeper.call("add", torch.ones(2))  # untouched all along
+        assert total.tolist() == [2.0, 2.0]
+        assert sorted(system.dead()) == ["generator-1"]
+    finally:
+        await system.stop()
+    out, err = procs[1].communicate(timeout=120)
+    assert procs[1].returncode == 0, err[-3000:]
+    assert out.split() == ["generator-2", "served", "generator-2"]
+
+
+def test_a_join_where_no_run_takes_joiners_is_refused_in_one_sentence() -> None:
+    from digen.runtime.transport.actors import JoinRefused, join_world
+
+    with pytest.raises(JoinRefused, match=r"no run is listening at 127\.0\.0\.1:"):
+        join_world("127.0.0.1", free_port(), wait_s=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_a_running_world_that_takes_no_joiners_refuses_one() -> None:
+    async with ActorSystem([WorkerSpec("generator-0")], stop_timeout_s=1.0) as system:
+        assert system.port is not None
+        proc = _start_joiner(system.port, wait_s=20.0)
+        _, err = await asyncio.to_thread(proc.communicate, timeout=300)
+    assert proc.returncode == 1
+    assert (
+        "takes no joining workers (it must be started with runtime.accept_generators=true)" in err
+    )
+
+
 def test_worker_spec_checks_its_fields() -> None:
     with pytest.raises(ValueError, match="'driver'"):
         WorkerSpec("driver")

@@ -5,7 +5,9 @@ and the errors here; the transport underneath is ``torch.distributed.rpc`` (Tens
 could be swapped without touching callers. The driver process is rank 0 (``"driver"``) and
 runs an asyncio loop; each :class:`WorkerSpec` becomes one spawned process, or, under an
 external launcher such as ``torchrun`` (:class:`ExternalLaunch`), one process that someone
-else started and that calls :func:`serve_worker`.
+else started and that calls :func:`serve_worker`. An elastic system (a dynamic RPC world)
+can also start a lost worker again, and take workers that join it while it runs
+(:func:`join_world`, :meth:`ActorSystem.next_arrival`).
 
 What this layer guarantees, so actor classes need not care:
 
@@ -39,7 +41,7 @@ The layer is four private modules, one layer each, importing only those above th
 - ``_remote``: what runs in every process: the actors' mailboxes and threads, and the
   functions sent by reference over RPC;
 - ``_transport``: rendezvous, backend options, the torch-to-asyncio bridge, payload sizing;
-- ``_worker``: the worker process (:func:`serve_worker`);
+- ``_worker``: the worker process (:func:`serve_worker`, :func:`join_world`);
 - ``_system``: the driver's view (:class:`ActorSystem`, handles, errors, payload counters).
 """
 
@@ -47,6 +49,7 @@ from digen.runtime.transport.actors._system import (
     ActorHandle,
     ActorSystem,
     ActorSystemClosed,
+    Arrival,
     ExternalLaunch,
     WorkerDied,
     WorkerSpec,
@@ -54,18 +57,26 @@ from digen.runtime.transport.actors._system import (
     external_launch,
     run_sync,
 )
-from digen.runtime.transport.actors._worker import exit_with_parent, serve_worker
+from digen.runtime.transport.actors._worker import (
+    JoinRefused,
+    exit_with_parent,
+    join_world,
+    serve_worker,
+)
 
 __all__ = [
     "ActorHandle",
     "ActorSystem",
     "ActorSystemClosed",
+    "Arrival",
     "ExternalLaunch",
+    "JoinRefused",
     "WorkerDied",
     "WorkerSpec",
     "active_launch",
     "exit_with_parent",
     "external_launch",
+    "join_world",
     "run_sync",
     "serve_worker",
 ]

@@ -3,7 +3,7 @@
 Each actor is a :class:`_Mailbox`: its own thread, which builds the object and runs its
 calls one at a time, the driver's in the order it made them. The functions below are what
 the driver and other workers send by reference over RPC (``_construct``, ``_invoke``,
-``_skip``, ``_run_function``, ``_request_exit``, ``_ping``), so they must stay importable at
+``_skip``, ``_run_function``, ``_request_exit``, ``_ping``, ``_arrive``), so they must stay importable at
 this path in every process. An exception travels back as a :class:`_RemoteError` return
 value, never as the torch future's exception, which is kept for transport failures.
 """
@@ -270,6 +270,20 @@ def _wait_closed(timeout_s: float) -> None:
 
 def _ping() -> None:
     """Liveness probe: answered by RPC threads, so a busy actor does not delay it."""
+
+
+_ON_ARRIVAL: Callable[[str, str, int], str | None] | None = None
+"""In the driver of a world that takes workers joining it: what to do with one that just
+joined (set by the driver's system while it runs)."""
+
+
+def _arrive(name: str, host: str, pid: int) -> str | None:
+    """Sent to the driver by a worker that joined a running world (its ``init_rpc`` done):
+    None when the driver takes it, else why not (then the worker leaves)."""
+    on_arrival = _ON_ARRIVAL
+    if on_arrival is None:
+        return "the run is not taking workers (it is starting, stopping, or does not take joins)"
+    return on_arrival(name, host, pid)
 
 
 def _unwrap(value: Any) -> Any:

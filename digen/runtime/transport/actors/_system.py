@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import itertools
+import json
 import multiprocessing
 import multiprocessing.util  # its atexit join must be registered before ours
 import os
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
+from digen.runtime.transport.actors import _remote
 from digen.runtime.transport.actors._remote import (
     _PROBE_TIMEOUT_S,
     DRIVER,
@@ -39,6 +42,9 @@ from digen.runtime.transport.actors._remote import (
 from digen.runtime.transport.actors._spec import ExternalLaunch, WorkerSpec
 from digen.runtime.transport.actors._transport import (
     _LISTEN_FDS,
+    _NUMBERS_KEY,
+    _OFFER_KEY,
+    _RANKS_KEY,
     _backend_options,
     _bridge,
     _forget_earlier_worlds,
@@ -48,6 +54,7 @@ from digen.runtime.transport.actors._transport import (
     _quiet_rpc_init_warning,
     _rendezvous_url,
     _set_dynamic,
+    _world_store,
     payload_bytes,
     wire,
 )
@@ -122,6 +129,15 @@ class WorkerDied(RuntimeError):
         """A fresh copy to raise (re-raising one instance keeps growing its traceback);
         ``why``: what the loss means for the run, said after its cause."""
         return WorkerDied(self.worker, self.pid, self.exitcode, self.silent_s, why or self.why)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A worker that joined the running world by itself (:func:`join_world`)."""
+
+    name: str
+    host: str
+    pid: int
 
 
 class ActorSystemClosed(RuntimeError):
@@ -339,6 +355,7 @@ class ActorSystem:
         heartbeat_s: float = 60.0,
         preload: Sequence[str] = (),
         elastic: bool = False,
+        joiners: WorkerSpec | None = None,
     ) -> None:
         names = [w.name for w in workers]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -364,11 +381,18 @@ class ActorSystem:
                 "an elastic world (workers restarted or joining mid-run) is started by the "
                 "driver itself, not by an external launcher."
             )
+        if joiners is not None and not elastic:
+            raise ValueError("only an elastic world takes workers that join it while it runs.")
         self.elastic = elastic
         """A dynamic RPC world (``init_rpc`` without a world size): a lost worker can be
         evicted and a new process join under its name (:meth:`respawn`)."""
+        self.joiners = joiners
+        """What a process joining the running world becomes (:func:`join_world`): this
+        spec, named after it with the next free number (``generator`` -> ``generator-2``
+        when ``generator-0`` and ``generator-1`` exist). None: no joins."""
         self._specs = {w.name: w for w in workers}
-        self._ranks = itertools.count(len(workers) + 1)
+        self._evictions: dict[str, asyncio.Task] = {}
+        self._arrivals: asyncio.Queue[Arrival] | None = None
         self._url: str | None = None
         self._env: dict[str, str] = {}
         self._heartbeats: dict[str, asyncio.Task] = {}
@@ -416,6 +440,8 @@ class ActorSystem:
         self._state = "running"
         self._lost = asyncio.get_running_loop().create_future()
         self._losses = asyncio.Queue()
+        if self.joiners is not None:
+            self._open_to_joiners(self.joiners)
         if self._dead:  # lost between forming the world and now
             self._lost.set_result(next(iter(self._dead.values())))
             for died in self._dead.values():
@@ -436,6 +462,53 @@ class ActorSystem:
         if self._losses is None:
             raise RuntimeError(f"the actor system is {self._state}; it has no workers to watch.")
         return await self._losses.get()
+
+    def _open_to_joiners(self, template: WorkerSpec) -> None:
+        """Offer joiners ``template`` in the store (:func:`join_world` reads it) and take
+        the ones that arrive (:meth:`next_arrival`)."""
+        self._arrivals = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        prefix = template.name
+        taken = [w.name for w in self.workers if w.name.rsplit("-", 1)[0] == prefix]
+        store = _world_store()
+        store.add(_NUMBERS_KEY, len(taken) - 1)  # the next joiner is prefix-len(taken)
+
+        def arrived(name: str, host: str, pid: int) -> None:
+            if self._state != "running" or name in self._specs:
+                return
+            spec = dataclasses.replace(template, name=name)
+            self.workers += (spec,)
+            self._specs[name] = spec
+            self._pending[name] = set()
+            self._pids[name] = pid
+            assert self._arrivals is not None
+            self._arrivals.put_nowait(Arrival(name, host, pid))
+
+        def on_arrival(name: str, host: str, pid: int) -> str | None:  # on an RPC thread
+            if self._state != "running":
+                return f"the run is {self._state}"
+            if name.rsplit("-", 1)[0] != prefix or name in self._specs:
+                return f"{name!r} is not a name the run offers"
+            loop.call_soon_threadsafe(arrived, name, host, pid)
+            return None
+
+        _remote._ON_ARRIVAL = on_arrival
+        offer = {
+            "pool": prefix,
+            "threads": template.threads,
+            "rpc_threads": template.rpc_threads,
+            "rpc_timeout_s": self.rpc_timeout_s,
+            "env": {**self._env, **template.env},
+            "local_paths": sorted(k for k, v in template.env.items() if os.path.isabs(v)),
+        }
+        store.set(_OFFER_KEY, json.dumps(offer))
+
+    async def next_arrival(self) -> Arrival:
+        """Wait for the next worker that joined the running world by itself, in the order
+        they came; it is a worker of this system from then on (calls, watchdog, stop)."""
+        if self._arrivals is None:
+            raise RuntimeError("this actor system takes no joining workers (joiners=None).")
+        return await self._arrivals.get()
 
     async def death_of(self, worker: str) -> WorkerDied | None:
         """Whether ``worker`` is lost, checked now (its exit status, or with external launch
@@ -511,6 +584,7 @@ class ActorSystem:
             raise failure[0]
         if self.elastic:  # the driver's join returns at once: wait for every worker's
             await self._joined_all([w.name for w in self.workers], deadline, url)
+            _world_store().add(_RANKS_KEY, len(self.workers))  # ranks 1..n are taken
         if self.launch is not None:
             # The world is complete once init_rpc returns; check that it is the one we want.
             missing = [w.name for w in self.workers if not _joined(w.name)]
@@ -552,7 +626,9 @@ class ActorSystem:
             raise RuntimeError("only an elastic ActorSystem can start a worker again.")
         if worker not in self._dead:
             raise RuntimeError(f"worker {worker!r} is not lost; only a lost worker restarts.")
-        await self._in_thread(lambda: _evict(worker), self.start_timeout_s, f"evict-{worker}")
+        if worker not in self._procs:
+            raise RuntimeError(f"worker {worker!r} was not started here; it cannot restart here.")
+        await self._evicted(worker)
         if _joined(worker):
             raise RuntimeError(f"worker {worker!r} could not be evicted from the RPC world.")
         beat = self._heartbeats.pop(worker, None)
@@ -566,10 +642,23 @@ class ActorSystem:
             with contextlib.suppress(ValueError):
                 old.close()
         del self._dead[worker]
+        self._evictions.pop(worker, None)
         self._pending[worker] = set()
         assert self._url is not None
-        self._spawn_one(self._specs[worker], next(self._ranks), None, self._url)
+        rank = _world_store().add(_RANKS_KEY, 1)
+        self._spawn_one(self._specs[worker], rank, None, self._url)
         await self._joined_all([worker], time.monotonic() + self.start_timeout_s, self._url)
+
+    def _evicted(self, worker: str) -> asyncio.Task:
+        """Lost ``worker`` out of the dynamic world (:func:`_evict`), once: a member that
+        died without leaving would fail every later join, which greets every member."""
+        task = self._evictions.get(worker)
+        if task is None:
+            task = asyncio.ensure_future(
+                self._in_thread(lambda: _evict(worker), self.start_timeout_s, f"evict-{worker}")
+            )
+            self._evictions[worker] = task
+        return task
 
     def _spawn(self, env: dict[str, str], url: str, world: int | None) -> None:
         for rank, spec in enumerate(self.workers, start=1):
@@ -610,12 +699,15 @@ class ActorSystem:
     async def _teardown(self, *, handshake: bool) -> None:
         was_running = self._state == "running"
         self._state = "stopping"
+        _remote._ON_ARRIVAL = None
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
         self._reap()
         for task in [*self._probes.values(), *self._heartbeats.values()]:
+            task.cancel()
+        for task in self._evictions.values():
             task.cancel()
         for futs in self._pending.values():
             for fut in futs:
@@ -691,6 +783,8 @@ class ActorSystem:
             self._lost.set_result(died)
         if first and self._state == "running" and self._losses is not None:
             self._losses.put_nowait(died)
+            if self.elastic:
+                self._evicted(worker)
 
     async def _watch(self) -> None:
         next_beat = time.monotonic()
@@ -749,7 +843,7 @@ class ActorSystem:
     async def _death_of(self, worker: str) -> WorkerDied | None:
         """A transport error just arrived: wait briefly for the exit status that explains it,
         or, with external launch (no process to poll), probe the worker."""
-        if self.launch is not None:
+        if self.launch is not None or worker not in self._procs:  # none to poll: ask it
             if worker not in self._dead:
                 probe = self._probes.get(worker)
                 if probe is None:

@@ -78,8 +78,9 @@ def _rendezvous(url: str, **_: Any) -> Iterator:
     host, port = parsed.hostname, parsed.port
     assert host is not None and port is not None
     if rank == 0:
+        global _SERVED_STORE
         fd = _LISTEN_FDS.pop(port)
-        store = dist.TCPStore(
+        store = _SERVED_STORE = dist.TCPStore(
             host, port, world, True, timeout, wait_for_workers=False, master_listen_fd=fd
         )
     else:
@@ -90,6 +91,32 @@ def _rendezvous(url: str, **_: Any) -> Iterator:
 
 with contextlib.suppress(RuntimeError):  # already registered (module reloaded)
     dist.register_rendezvous_handler(_SCHEME, _rendezvous)
+
+
+# Keys of the rendezvous store by which processes join a running dynamic world: the last
+# rank taken (the driver's workers take 1..n, and each restart or joiner the next one), the
+# last number taken for a joining worker's name, and what the driver offers joiners (absent
+# while it takes none).
+_RANKS_KEY = "digen/last_rank"
+_NUMBERS_KEY = "digen/last_joiner"
+_OFFER_KEY = "digen/offer"
+
+
+_SERVED_STORE: dist.Store | None = None
+"""The rendezvous store this process serves (the driver's), as every client sees it (RPC
+itself uses it under a prefix)."""
+
+
+def _world_store() -> dist.Store:
+    """The rendezvous store the driver serves (only the driver calls this)."""
+    if _SERVED_STORE is None:
+        raise RuntimeError("this process serves no rendezvous store (only the driver does).")
+    return _SERVED_STORE
+
+
+def _client_store(address: str, port: int, timeout_s: float) -> dist.Store:
+    """A client of the rendezvous store the driver serves at ``address:port``."""
+    return dist.TCPStore(address, port, -1, False, timedelta(seconds=timeout_s))
 
 
 def _is_loopback(address: str) -> bool:

@@ -6,13 +6,15 @@ launcher (:func:`serve_worker`) pings the driver and stops when it stops answeri
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.distributed.rpc as rpc
@@ -22,12 +24,18 @@ from digen.runtime.transport.actors._remote import (
     _EXIT,
     _PROBE_TIMEOUT_S,
     DRIVER,
+    _arrive,
     _ping,
     _request_exit,
     _wait_closed,
 )
+from digen.runtime.transport.actors._spec import WorkerSpec
 from digen.runtime.transport.actors._transport import (
+    _NUMBERS_KEY,
+    _OFFER_KEY,
+    _RANKS_KEY,
     _backend_options,
+    _client_store,
     _is_loopback,
     _loopback_ifname,
     _quiet_rpc_init_warning,
@@ -35,9 +43,6 @@ from digen.runtime.transport.actors._transport import (
     _set_dynamic,
     wire,
 )
-
-if TYPE_CHECKING:
-    from digen.runtime.transport.actors._spec import WorkerSpec
 
 _EXIT_FLUSH_S = 0.1
 _CLOSE_TIMEOUT_S = 10.0
@@ -84,14 +89,92 @@ def serve_worker(
     if not 0 < rank < world:
         raise ValueError(f"worker rank {rank} is outside 1..{world - 1} (rank 0 is the driver).")
     os.environ.update(spec.env)
+    _keep_on_loopback(address)
+    url = _rendezvous_url(address, port, start_timeout_s)
+    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=True)
+    _said_driver_lost(spec.name, address, port)
+
+
+class JoinRefused(RuntimeError):
+    """A running world did not take this process (none at the address, or it takes no
+    joins, or it refused this one)."""
+
+
+def join_world(
+    address: str,
+    port: int,
+    *,
+    threads: int | None = None,
+    wait_s: float = 60.0,
+    on_joined: Callable[[str], None] | None = None,
+) -> str:
+    """Make this process a worker of the running dynamic world whose driver serves its
+    rendezvous store at ``address:port``, and serve actor calls until the driver stops it.
+
+    The driver offers joiners a pool to join (``ActorSystem(joiners=...)``): this process
+    takes the next free name of that pool (``generator-2``, ...) and the next free rank,
+    joins the world, and tells the driver, which builds its actors. ``threads`` overrides
+    the offer's CPU threads. Waits up to ``wait_s`` for a run there to offer joins;
+    ``on_joined(name)`` is called once the driver took it. Returns the name it served
+    under, when the driver's stop handshake arrives or the driver stops answering.
+    Raises :class:`JoinRefused` when no run there takes it. Once per process.
+    """
+    try:
+        store = _client_store(address, port, wait_s)
+    except Exception as exc:  # noqa: BLE001 (torch's wording varies: said once, plainly)
+        raise JoinRefused(f"no run is listening at {address}:{port} ({exc}).") from None
+    try:
+        store.wait([_OFFER_KEY])
+    except Exception:  # noqa: BLE001 (a timeout)
+        raise JoinRefused(
+            f"the run at {address}:{port} takes no joining workers (it must be started "
+            f"with runtime.accept_generators=true), or it is still starting: waited {wait_s:g} s."
+        ) from None
+    offer = json.loads(store.get(_OFFER_KEY).decode())
+    number = store.add(_NUMBERS_KEY, 1)
+    rank = store.add(_RANKS_KEY, 1)
+    env = dict(offer["env"])
+    for key in offer.get("local_paths", ()):  # paths of the driver's machine: kept if here
+        if key in env and not os.path.isdir(os.path.dirname(env[key])):
+            del env[key]
+    spec = WorkerSpec(
+        f"{offer['pool']}-{number}",
+        threads=threads or offer["threads"],
+        env=env,
+        rpc_threads=offer["rpc_threads"],
+    )
+    os.environ.update(spec.env)
+    _keep_on_loopback(address)
+    url = _rendezvous_url(address, port, wait_s)
+
+    def announce() -> None:
+        refused = rpc.rpc_sync(DRIVER, _arrive, args=(spec.name, socket.gethostname(), os.getpid()))
+        if refused is not None:
+            _REFUSED.append(refused)
+            _request_exit()
+        elif on_joined is not None:
+            on_joined(spec.name)
+
+    _serve(spec, rank, None, url, offer["rpc_timeout_s"], watch_driver=True, joined=announce)
+    if _REFUSED:
+        raise JoinRefused(f"the run at {address}:{port} did not take {spec.name}: {_REFUSED[0]}.")
+    _said_driver_lost(spec.name, address, port)
+    return spec.name
+
+
+_REFUSED: list[str] = []
+
+
+def _keep_on_loopback(address: str) -> None:
     if _is_loopback(address):
         for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(key, _loopback_ifname())
-    url = _rendezvous_url(address, port, start_timeout_s)
-    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=True)
+
+
+def _said_driver_lost(name: str, address: str, port: int) -> None:
     if _DRIVER_LOST.is_set():
         print(
-            f"worker {spec.name!r}: the driver stopped answering at {address}:{port}; exiting.",
+            f"worker {name!r}: the driver stopped answering at {address}:{port}; exiting.",
             file=sys.stderr,
             flush=True,
         )
@@ -105,8 +188,10 @@ def _serve(
     rpc_timeout_s: float,
     *,
     watch_driver: bool,
+    joined: Callable[[], None] | None = None,
 ) -> None:
-    """Join the world as ``spec.name``, serve until asked to exit, shut RPC down locally."""
+    """Join the world as ``spec.name``, serve until asked to exit, shut RPC down locally;
+    ``joined``: run once the join is complete, before serving."""
     _remote._WORKER_NAME = spec.name  # the name errors raised here carry
     _name_process(spec.name)
     if threading.current_thread() is threading.main_thread():
@@ -128,6 +213,8 @@ def _serve(
         ),
     )
     _JOINED.set()  # in a dynamic world: every member has learnt of this one by now
+    if joined is not None:
+        joined()
     if watch_driver:  # no parent process to watch: the driver may be on another machine
         threading.Thread(target=_watch_driver, name="digen-driver-watch", daemon=True).start()
     _EXIT.wait()
