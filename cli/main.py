@@ -713,6 +713,57 @@ def simulate(
         click.echo(sc.format_table(table))
 
 
+@main.command()
+@click.argument("rendezvous", metavar="ADDRESS:PORT")
+@click.option(
+    "--threads",
+    type=int,
+    default=None,
+    help="CPU threads of this generator  [default: the run's runtime.threads_per_worker]",
+)
+@click.option(
+    "--wait",
+    "wait_s",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for the run to be there and take joins.",
+)
+def join(rendezvous: str, threads: int | None, wait_s: float) -> None:
+    """Join a running run as one more generator, until it ends.
+
+    The run must have been started with runtime.accept_generators=true; ADDRESS:PORT is
+    its rendezvous, printed when it starts and kept in its workers.json (set
+    runtime.address to an address this machine reaches, and runtime.port to fix the port).
+    This process joins at the run's next step boundary with that step's weights. Ctrl-C
+    or SIGTERM ends it, and the run goes on without it, making its work again elsewhere.
+    """
+    from digen.runtime.transport.actors import JoinRefused, join_world
+
+    host, _, port_text = rendezvous.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        click.echo(
+            f"error: {rendezvous!r} is not ADDRESS:PORT (e.g. 10.0.0.5:29400): the run's "
+            "rendezvous, in its workers.json.",
+            err=True,
+        )
+        sys.exit(2)
+    if threads is not None and threads < 1:
+        click.echo(f"error: --threads must be at least 1, not {threads}.", err=True)
+        sys.exit(2)
+
+    def joined(name: str) -> None:
+        click.echo(f"joined the run at {rendezvous} as {name}; serving until it ends", err=True)
+
+    try:
+        name = join_world(host, int(port_text), threads=threads, wait_s=wait_s, on_joined=joined)
+    except JoinRefused as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"{name}: the run ended", err=True)
+
+
 @main.command("reward-server")
 @click.option(
     "--reward", required=True, help="A built-in, module:function or path/to/file.py:function."

@@ -672,6 +672,8 @@ class RuntimeConfig:
     """Largest piece of the weights one sync message or broadcast carries, in MB."""
     address: str = "127.0.0.1"
     """Address the RPC and process groups listen on; loopback keeps everything on this machine."""
+    port: int | None = None
+    """Port of the RPC rendezvous on runtime.address (where workers, and generators joining with digen join, find the run); None picks a free one, written to workers.json."""
     rpc_timeout_s: float = 600.0
     """Longest a single remote call may take before the run stops with an error."""
     heartbeat_s: float = 60.0
@@ -686,6 +688,8 @@ class RuntimeConfig:
     """Wait before a generator's restart; it doubles with each restart of the same generator."""
     max_respawns: int = 3
     """Restarts of one generator, at most; after that its place stays empty."""
+    accept_generators: bool = False
+    """Take generators that join the running run (digen join ADDRESS:PORT, on this machine or another): each joins at the next step boundary with that step's weights. The workers then form a dynamic RPC world; not with an external launcher (torchrun) nor weight_sync=broadcast."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "runtime")
@@ -742,6 +746,16 @@ class RuntimeConfig:
         if self.respawn_generators and self.on_generator_loss == "fail":
             why = "a lost generator ends the run with runtime.on_generator_loss=fail"
             raise _bad(_key(p, "respawn_generators"), self.respawn_generators, why)
+        if self.port is not None and not 0 < self.port < 65536:
+            raise _bad(
+                _key(p, "port"), self.port, "give a port in 1..65535, or null for a free one"
+            )
+        if self.accept_generators and self.mode != "disaggregated":
+            why = "generators join a run in runtime.mode=disaggregated"
+            raise _bad(_key(p, "accept_generators"), self.accept_generators, why)
+        if self.accept_generators and self.weight_sync == "broadcast":
+            why = "the weight broadcast group has a fixed size (runtime.weight_sync=rpc can grow)"
+            raise _bad(_key(p, "accept_generators"), self.accept_generators, why)
         if self.min_generators > self.generators:
             why = f"it cannot exceed runtime.generators ({self.generators})"
             raise _bad(_key(p, "min_generators"), self.min_generators, why)

@@ -246,12 +246,20 @@ class DigenRunner:
                 log.info("workers_ready", seconds=round(time.perf_counter() - t0, 3))
                 if outputs:
                     await self._write_workers(backend)
+                if cfg.runtime.accept_generators and lead:
+                    log.info("accepting_generators", rendezvous=backend.rendezvous)
+                    print(
+                        f"note: generators may join this run: digen join {backend.rendezvous}",
+                        file=sys.stderr,
+                    )
                 if hasattr(backend, "on_pool_change"):
 
                     async def pool_changed(event: dict, backend: Any = backend) -> None:
                         log.warning(**event)  # generator_lost / generator_joined, and why
                         name, left = event["worker"], event["generators"]
-                        what = event.get("cause") or f"{name} is back."
+                        what = event.get("cause") or (
+                            f"{name} is back." if event.get("restart") else f"{name} joined."
+                        )
                         print(
                             f"note: {what} The run goes on with {left} generator(s).",
                             file=sys.stderr,
@@ -392,7 +400,9 @@ class DigenRunner:
     async def _write_workers(self, backend: Any) -> None:
         """``workers.json``: role -> host and pid of every process of the run, while it
         lives (an operator, or a test, can find and stop exactly one worker)."""
-        here = {"host": socket.gethostname(), "pid": os.getpid()}
+        here: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+        if getattr(backend, "rendezvous", None) is not None:
+            here["rendezvous"] = backend.rendezvous  # where workers (and joiners) find it
         where = {"driver": here}
         if hasattr(backend, "whereabouts"):
             where.update(await backend.whereabouts())

@@ -150,7 +150,8 @@ class Book:
         self.waiting: set[int] = set()
         """Trainers idle at a bubble already decided (or with nothing to generate)."""
         self.lost: set[int] = set()
-        """Generators lost mid-run (``runtime.on_generator_loss = continue``)."""
+        """Generators out of the pool: lost mid-run (``runtime.on_generator_loss =
+        continue``), or new to it and not yet joined (:meth:`add_generator`)."""
         self.remakes: deque[Remake] = deque()
         """What lost generators held, to make again, oldest first (before any hand-out)."""
         self.remaking: dict[tuple[int, int], int] = {}
@@ -347,8 +348,20 @@ class Book:
                 out.append(remake)
         return out
 
+    def add_generator(self) -> int:
+        """A generator new to the run (it joined the world while the run ran): its index,
+        out of the pool until it joins with a version (:meth:`rejoin`)."""
+        i = self.generators
+        self.generators += 1
+        self.gen_version.append(-1)
+        self.lost.add(i)
+        if self.plan.score_overlap:
+            self.to_score.append(deque())
+        return i
+
     def rejoin(self, i: int, version: int) -> None:
-        """Lost generator ``i`` is back (a new process), holding ``version``, with nothing else."""
+        """Generator ``i`` joins the pool (a lost one's new process, or one new to the run),
+        holding ``version``, with nothing else."""
         self.lost.discard(i)
         self.gen_version[i] = version
 
@@ -468,7 +481,10 @@ class Book:
                 if 0 < (c := r.group_scored(p)) < len(r.group(p))
             )
         alive = self.alive  # a lost generator is no longer part of the pool planned with
-        plan = self.plan if not self.lost else dataclasses.replace(self.plan, generators=len(alive))
+        if len(alive) != self.plan.generators:
+            plan = dataclasses.replace(self.plan, generators=len(alive))
+        else:
+            plan = self.plan
         lanes = [i for i in alive if i < len(self.to_score)]
         return SchedState(
             now=now,

@@ -94,15 +94,20 @@ def _start_held(
     """Start a run and wait until ``hold_in``'s scoring process holds in its call number
     ``hold_at`` (from 0)."""
     mark = out.parent / "held"
-    env = {**os.environ, **(env or {}), "HOLD_IN": hold_in, "HOLD_MARK": str(mark)}
-    env["HOLD_AT"] = str(hold_at)
+    env = {**(env or {}), "HOLD_IN": hold_in, "HOLD_MARK": str(mark), "HOLD_AT": str(hold_at)}
+    return _start(hook, out, *extra, env=env, until=mark)
+
+
+def _start(
+    hook: Path, out: Path, *extra: str, env: dict, until: Path
+) -> tuple[subprocess.Popen, dict]:
+    """Start a run (``env`` on top of this one's) and wait until it wrote its workers.json
+    and the file ``until`` exists (a hold or a pause reached)."""
     cmd = [sys.executable, "-m", "cli.main", "run", "--out", str(out), *_args(hook, *extra)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 300
-    while not ((out / "workers.json").is_file() and mark.is_file()):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the run did not reach the hold"
-        time.sleep(0.05)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
+    _wait_for("the hold", lambda: (out / "workers.json").is_file() and until.is_file(), proc)
     return proc, json.loads((out / "workers.json").read_text())
 
 
@@ -229,3 +234,57 @@ def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_hap
     ]
     assert after or joined[0]["version"] == STEPS, "the generator that joined made nothing"
     assert not process_alive(old)  # the lost process is gone, hung or not
+
+
+def test_a_generator_that_joins_a_running_run_ends_it_as_if_it_had_been_there_all_along(
+    tmp_path: Path, hook: Path, uninterrupted: tuple[dict, list]
+) -> None:
+    """``runtime.accept_generators``: a run started with one generator (micro-batches of the
+    two-generator run's size) pauses in generator 0's first scoring call; a second process
+    joins it by hand (``digen join`` with the rendezvous from workers.json) and joins the
+    pool at the next step boundary. The run ends with the parameters and metrics of the run
+    that had two generators all along, and the joiner ends with it."""
+    out, pause, paused = tmp_path / "run", tmp_path / "pause", tmp_path / "paused"
+    pause.write_text("")
+    env = {"PAUSE_IN": "generator-0", "PAUSE": str(pause), "PAUSED": str(paused)}
+    extra = (
+        "runtime.generators=1",
+        "runtime.samples_per_microbatch=4",  # the two-generator plan's micro-batches
+        "runtime.accept_generators=true",
+    )
+    proc, workers = _start(hook, out, *extra, env=env, until=paused)
+    rendezvous = workers["driver"]["rendezvous"]
+    joiner = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "join", rendezvous],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        log = out / "trainer.log"
+        _wait_for("the joiner", lambda: "generator-1 (host " in log.read_text(), proc)
+        pause.unlink()
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        _, joined_err = joiner.communicate(timeout=120)
+    finally:
+        joiner.kill()
+    assert joiner.returncode == 0, joined_err[-3000:]
+    assert f"joined the run at {rendezvous} as generator-1" in joined_err
+    assert f"generators may join this run: digen join {rendezvous}" in err
+    assert "generator-1 joined. The run goes on with 2 generator(s)." in err
+    want, rows_want = uninterrupted
+    got = _final(out)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    rows = read_jsonl(out / "metrics.jsonl")
+    for row, other in zip(rows, rows_want, strict=True):
+        assert {k: row[k] for k in COMPARED} == {k: other[k] for k in COMPARED}
+    # counted after each step's weight sync, where the joiner came in at the first
+    assert [r["generators_alive"] for r in rows] == [2] * STEPS
+    events = read_jsonl(log)
+    joined = [e for e in events if e.get("event") == "generator_joined"]
+    assert [(e["worker"], e["version"], e["restart"]) for e in joined] == [("generator-1", 1, 0)]
+    trace = read_jsonl(out / "trace.jsonl")
+    made = [e for e in trace if e["worker"] == "generator-1" and e["kind"] == "generate"]
+    assert all(e["version"] >= 1 for e in made)

@@ -28,6 +28,7 @@ from digen.runtime.placement import all_devices, check_groups, device_maps, run_
 from digen.runtime.transport.actors import (
     ActorHandle,
     ActorSystem,
+    Arrival,
     WorkerDied,
     WorkerSpec,
     active_launch,
@@ -57,8 +58,8 @@ class Cluster:
         self.resume = resume
         self.rewards = None if rewards is None else list(rewards)
         rt = cfg.runtime
-        self.gen_names = worker_names(Pool.GENERATOR, rt.generators)
-        self.trainer_names = worker_names(Pool.TRAINER, rt.trainers)
+        self.gen_names = list(worker_names(Pool.GENERATOR, rt.generators))
+        self.trainer_names = list(worker_names(Pool.TRAINER, rt.trainers))
         self.devices = all_devices(cfg)
         for note in check_groups(cfg, run_groups(cfg, self.devices)):  # refuses a bad one
             logging.getLogger("digen").info(note)
@@ -66,22 +67,30 @@ class Cluster:
         # each rank picks its GPU itself, so tensors are staged through the CPU there
         self.direct = active_launch() is None
         maps = device_maps(self.devices) if self.direct else {}
+        env = WORKER_ENV | ({NOTES_ENV: str(notes)} if notes else {})
         self.system = ActorSystem(
             [
                 WorkerSpec(
-                    name,
-                    threads=rt.threads_per_worker,
-                    env=WORKER_ENV | ({NOTES_ENV: str(notes)} if notes else {}),
-                    device_maps=maps.get(name, {}),
+                    name, threads=rt.threads_per_worker, env=env, device_maps=maps.get(name, {})
                 )
                 for name in self.gen_names + self.trainer_names
             ],
             address=rt.address,
+            port=rt.port,
             rpc_timeout_s=rt.rpc_timeout_s,
             heartbeat_s=rt.heartbeat_s,
             preload=PRELOAD,  # torch, diffusers, the backbones: imported once
-            elastic=rt.respawn_generators,  # a dynamic world: a lost generator can come back
+            # a dynamic world: a lost generator can come back, a new one join
+            elastic=rt.respawn_generators or rt.accept_generators,
+            joiners=(
+                WorkerSpec(Pool.GENERATOR.value, threads=rt.threads_per_worker, env=env)
+                if rt.accept_generators
+                else None
+            ),
         )
+        self.started_here = set(self.gen_names)
+        """Generators this driver started (a lost one may be started again); the others
+        joined by themselves (``digen join``)."""
         self.gens: list[ActorHandle] = []
         self.scorers: list[ActorHandle] = []
         """With ``runtime.score_overlap``: one per generator, in its process, holding the
@@ -166,6 +175,43 @@ class Cluster:
         self.gens[i] = gen
         if self.cfg.runtime.score_overlap:
             self.scorers[i] = actors[1]
+
+    async def next_arrival(self) -> Arrival:
+        """The next generator that joined the world by itself (``runtime.accept_generators``),
+        once there is one."""
+        return await self.system.next_arrival()
+
+    async def add_generator(self, name: str) -> int:
+        """Build the actors of ``name``, a generator that joined the world by itself; its
+        index, the next one. It holds no weights until it pulls some. Its tensors travel
+        through the CPU (no device map was set up for it)."""
+        from digen.runtime.worker.generator import GeneratorActor
+        from digen.runtime.worker.scorer import ScorerActor
+
+        cfg_dict, where = self._built
+        where = {**where, "direct": False}
+        actors = [self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)]
+        if self.cfg.runtime.score_overlap:
+            actors.append(
+                self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
+            )
+        await asyncio.gather(*(a.call("ping") for a in actors))
+        self.gen_names.append(name)
+        self.gens.append(actors[0])
+        self.scorers += actors[1:]
+        return len(self.gens) - 1
+
+    def can_respawn(self, i: int) -> bool:
+        """Whether lost generator ``i`` can be started again here (this driver started it)."""
+        return self.gen_names[i] in self.started_here
+
+    @property
+    def rendezvous(self) -> str:
+        """``address:port`` of the run's RPC rendezvous (where ``digen join`` finds it)."""
+        address = self.system.address
+        return (
+            f"[{address}]:{self.system.port}" if ":" in address else f"{address}:{self.system.port}"
+        )
 
     def pid_of(self, worker: str) -> int | None:
         """The process id of ``worker`` (its latest process), when this machine started it."""

@@ -57,7 +57,7 @@ from digen.runtime.transport.actors import WorkerDied
 from digen.sched.book import Book, Remake
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
-from digen.sched.names import DRIVER, Pool, TaskKind, worker_name, worker_names
+from digen.sched.names import DRIVER, Pool, TaskKind, pool_of, worker_name, worker_names
 from digen.sched.tag import make_tag_policy
 from digen.sched.trace import Trace
 
@@ -209,6 +209,11 @@ class Driver:
     async def final_state(self) -> dict[str, torch.Tensor]:
         return await self.cluster.final_state()
 
+    @property
+    def rendezvous(self) -> str | None:
+        """``address:port`` where the run's workers (and generators joining it) find it."""
+        return getattr(self.cluster, "rendezvous", None)
+
     async def whereabouts(self) -> dict[str, dict[str, Any]]:
         """Host and pid of every worker, by name."""
         return await self.cluster.whereabouts()
@@ -272,6 +277,8 @@ class Driver:
                     for j, t in enumerate(self.trainers)
                 ]
                 loops.append(tg.create_task(self._watch_workers(), name="loop-watch"))
+                if self.cfg.runtime.accept_generators:
+                    loops.append(tg.create_task(self._watch_arrivals(), name="loop-arrivals"))
                 for s in steps:
                     since = self.clock(), self.cluster.payload  # the previous step's end
                     stepped = []  # (version, grad norm, seconds) per mini-batch
@@ -309,9 +316,33 @@ class Driver:
         while True:
             died = await self.cluster.next_loss()
             i = self._generator_index(died.worker)
-            if i is None:
+            if i is not None:
+                await self._lose(i, died)
+            elif pool_of(died.worker) == Pool.GENERATOR:  # joined the world, not yet the run
+                logging.getLogger("digen").warning(f"{died} It had not joined the run yet.")
+            else:
                 raise died.again()
-            await self._lose(i, died)
+
+    async def _watch_arrivals(self) -> None:
+        """Generators that join the world by themselves (``runtime.accept_generators``): each
+        gets its actors, and joins the pool at the next weight sync (:meth:`_sync`)."""
+        while True:
+            arrival = await self.cluster.next_arrival()
+            if self._stopping:
+                continue  # the stop handshake ends it with the others
+            try:
+                i = await self.cluster.add_generator(arrival.name)
+            except WorkerDied as died:
+                logging.getLogger("digen").warning(f"{died} It had not joined the run yet.")
+                continue
+            if self.book.add_generator() != i:
+                raise RuntimeError(f"{arrival.name}: the pool's generators are out of step")
+            self.accounts.workers.append(arrival.name)
+            self._joining.add(i)
+            logging.getLogger("digen").warning(
+                f"{arrival.name} (host {arrival.host}, pid {arrival.pid}) joined the world; "
+                "it joins the run at the next step boundary."
+            )
 
     def _generator_index(self, worker: str) -> int | None:
         names = [g.worker for g in self.gens]
@@ -363,7 +394,8 @@ class Driver:
             }
             await self._pool_changed(event)
             rt = self.cfg.runtime
-            if rt.respawn_generators and self._respawns[i] < rt.max_respawns and self._tg:
+            again = rt.respawn_generators and self.cluster.can_respawn(i)
+            if again and self._respawns[i] < rt.max_respawns and self._tg:
                 self._loops.append(
                     self._tg.create_task(self._respawn(i), name=f"respawn-{died.worker}")
                 )
@@ -373,7 +405,8 @@ class Driver:
         """A restarted generator lost before it joined: it held nothing; restart it again."""
         logging.getLogger("digen").warning(f"{died} It had not joined the run yet.")
         rt = self.cfg.runtime
-        if self._respawns[i] < rt.max_respawns and self._tg is not None:
+        again = rt.respawn_generators and self.cluster.can_respawn(i)
+        if again and self._respawns[i] < rt.max_respawns and self._tg is not None:
             self._loops.append(
                 self._tg.create_task(self._respawn(i), name=f"respawn-{died.worker}")
             )
@@ -799,10 +832,12 @@ class Driver:
                 )
             name = self.gens[i].worker
             alive = len(self.book.alive)
+            how = "joined the run"
+            if self._respawns[i]:
+                how = f"is back (restart {self._respawns[i]} of {self.cfg.runtime.max_respawns})"
             logging.getLogger("digen").warning(
-                f"{name} (pid {self.cluster.pid_of(name)}) is back (restart "
-                f"{self._respawns[i]} of {self.cfg.runtime.max_respawns}) with version "
-                f"{version}; the run goes on with {alive} generator(s)."
+                f"{name} (pid {self.cluster.pid_of(name)}) {how} with version {version}; "
+                f"the run goes on with {alive} generator(s)."
             )
             await self._pool_changed(
                 {
@@ -810,6 +845,7 @@ class Driver:
                     "worker": name,
                     "generators": alive,
                     "version": version,
+                    "restart": self._respawns[i],
                 }
             )
 

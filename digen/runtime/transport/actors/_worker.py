@@ -116,7 +116,8 @@ def join_world(
     joins the world, and tells the driver, which builds its actors. ``threads`` overrides
     the offer's CPU threads. Waits up to ``wait_s`` for a run there to offer joins;
     ``on_joined(name)`` is called once the driver took it. Returns the name it served
-    under, when the driver's stop handshake arrives or the driver stops answering.
+    under, when the driver's stop handshake arrives or the driver stops answering. Ctrl-C
+    and SIGTERM end it at once (the run makes again what it held).
     Raises :class:`JoinRefused` when no run there takes it. Once per process.
     """
     try:
@@ -155,7 +156,8 @@ def join_world(
         elif on_joined is not None:
             on_joined(spec.name)
 
-    _serve(spec, rank, None, url, offer["rpc_timeout_s"], watch_driver=True, joined=announce)
+    timeout_s = offer["rpc_timeout_s"]
+    _serve(spec, rank, None, url, timeout_s, watch_driver=True, joined=announce, own_signals=True)
     if _REFUSED:
         raise JoinRefused(f"the run at {address}:{port} did not take {spec.name}: {_REFUSED[0]}.")
     _said_driver_lost(spec.name, address, port)
@@ -189,12 +191,15 @@ def _serve(
     *,
     watch_driver: bool,
     joined: Callable[[], None] | None = None,
+    own_signals: bool = False,
 ) -> None:
     """Join the world as ``spec.name``, serve until asked to exit, shut RPC down locally;
-    ``joined``: run once the join is complete, before serving."""
+    ``joined``: run once the join is complete, before serving. ``own_signals``: Ctrl-C and
+    SIGTERM end this process (a worker that joined by itself: its leaving is a loss the
+    run goes on from), rather than being left to the driver."""
     _remote._WORKER_NAME = spec.name  # the name errors raised here carry
     _name_process(spec.name)
-    if threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread() and not own_signals:
         # Ctrl-C reaches the whole process group, and schedulers (Slurm, torchrun's agent)
         # send SIGTERM to every process: the driver decides how workers stop, after its
         # checkpoint. A worker still exits with its driver (parent or pings), and SIGKILL
