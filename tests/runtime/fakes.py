@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from digen.runtime.messages import LossStats, Scores, TimedResult
-from digen.runtime.transport.actors import WorkerDied
+from digen.runtime.transport.actors import Arrival, WorkerDied
 from digen.sched.names import Pool, pool_of, worker_name
 
 
@@ -77,7 +77,13 @@ class World:
     """The index (from 0, over every call of every actor) of the one call that fails."""
     kill_at: frozenset[int] = frozenset()
     """Indices of calls whose generator is lost as they run (while another generator lives)."""
+    join_at: frozenset[int] = frozenset()
+    """Indices of calls as which a new generator joins the world (``next_arrival``)."""
     generators: int = 0
+    """Generators the run started with."""
+    arrivals: asyncio.Queue = field(default_factory=asyncio.Queue)
+    newcomers: list[str] = field(default_factory=list)
+    """Generators that joined the world while the run ran, in order."""
     dead: dict[str, WorkerDied] = field(default_factory=dict)
     losses: asyncio.Queue = field(default_factory=asyncio.Queue)
     holders: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -105,6 +111,11 @@ class World:
         index, self.calls = self.calls, self.calls + 1
         self.starts.append((self.now(), method))
         self.running += 1
+        if index in self.join_at:
+            self.newcomers.append(
+                worker_name(Pool.GENERATOR, self.generators + len(self.newcomers))
+            )
+            self.arrivals.put_nowait(Arrival(self.newcomers[-1], "fake", 0))
         try:
             if worker in self.dead:
                 raise self.dead[worker].again()
@@ -126,8 +137,12 @@ class World:
             self.running -= 1
 
     def _may_lose(self, worker: str) -> bool:
-        alive = self.generators - sum(pool_of(w) == Pool.GENERATOR for w in self.dead)
-        return pool_of(worker) == Pool.GENERATOR and worker not in self.dead and alive > 1
+        """A newcomer, or a generator the run started with while another of those lives
+        (so one is always left, whatever the newcomers do)."""
+        if pool_of(worker) != Pool.GENERATOR or worker in self.dead:
+            return False
+        first = self.generators - sum(w not in self.newcomers for w in self.dead)
+        return worker in self.newcomers or first > 1
 
 
 class FakeActor:
@@ -203,6 +218,21 @@ class FakeCluster:
     async def next_loss(self) -> WorkerDied:
         """Generators lost at the calls ``World.kill_at`` names, in turn."""
         return await self.world.losses.get()
+
+    async def next_arrival(self) -> Arrival:
+        """Generators that join at the calls ``World.join_at`` names, in turn."""
+        return await self.world.arrivals.get()
+
+    async def add_generator(self, name: str) -> int:
+        self.gens.append(FakeActor(self.world, name))
+        self.scorers.append(FakeActor(self.world, name))
+        return len(self.gens) - 1
+
+    def can_respawn(self, i: int) -> bool:
+        return False
+
+    def pid_of(self, worker: str) -> int | None:
+        return None
 
     async def death_of(self, worker: str) -> WorkerDied | None:
         return self.world.dead.get(worker)

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 from fakes import FakeCluster, InjectedFailure, VirtualClock, World
 
-from digen.config import load_config, schedule_plan
+from digen.config import DigenConfig, load_config, schedule_plan
 from digen.errors import DigenError
 from digen.prompts import PromptSet
 from digen.runtime.driver.loop import Driver
@@ -36,8 +36,9 @@ LIMIT = 2_000_000
 _BASE = {"generate": 40, "score": 8, "update": 25, "step": 4, "load_weights": 3}
 
 
-def _settings(rng: random.Random) -> list[str]:
-    """A random, valid combination of the settings that shape the schedule."""
+def _settings(rng: random.Random, extra: tuple[str, ...] = ()) -> DigenConfig:
+    """A random, valid combination of the settings that shape the schedule (``extra``:
+    overrides on top)."""
     while True:
         over = [
             "runtime.mode=disaggregated",
@@ -63,6 +64,7 @@ def _settings(rng: random.Random) -> list[str]:
         if rng.random() < 0.25:
             over += ["algo.name=dancegrpo", "algo.best_of_n=2"]
         over.append(f"runtime.score_overlap={rng.choice(['true', 'false'])}")
+        over += extra
         try:
             cfg = load_config(overrides=over)
         except DigenError:
@@ -71,7 +73,11 @@ def _settings(rng: random.Random) -> list[str]:
 
 
 def _world(
-    seed: int, clock: VirtualClock, fail_at: int | None = None, kill_at: frozenset = frozenset()
+    seed: int,
+    clock: VirtualClock,
+    fail_at: int | None = None,
+    kill_at: frozenset = frozenset(),
+    join_at: frozenset = frozenset(),
 ) -> World:
     rng = random.Random(seed)
     speed = {}  # each worker its own speed, each call its own jitter, now and then a straggler
@@ -82,7 +88,13 @@ def _world(
         return _BASE[method] * factor * rng.uniform(0.6, 1.4) * tail
 
     return World(
-        rng, fail_at=fail_at, kill_at=kill_at, cost=cost, sleep=clock.sleep, now=clock.seconds
+        rng,
+        fail_at=fail_at,
+        kill_at=kill_at,
+        join_at=join_at,
+        cost=cost,
+        sleep=clock.sleep,
+        now=clock.seconds,
     )
 
 
@@ -225,23 +237,29 @@ async def test_soak_a_stop_at_any_moment_ends_at_a_micro_batch_boundary() -> Non
 
 
 @pytest.mark.asyncio
-async def test_soak_generators_lost_at_random_calls_nothing_lost_nothing_twice() -> None:
-    """Generators lost at random calls (one always left): every run ends, every micro-batch
-    is trained exactly once on the version of its step, a scored one made again with the
-    version that made it (the fakes check both), and the metrics count the losses."""
-    remade = losses = for_update = 0
+async def test_soak_generators_lost_and_joining_at_random_calls_nothing_lost_nothing_twice() -> (
+    None
+):
+    """Generators lost at random calls (one the run started with always left), and new ones
+    joining at others (lost too, now and then, before or after they join the pool): every
+    run ends, every micro-batch is trained exactly once on the version of its step, a scored
+    one made again with the version that made it (the fakes check both), and the metrics
+    count the pool as it was."""
+    remade = losses = joins = newcomer_work = for_update = 0
     for seed in range(RUNS):
         over = random.Random(4000 + seed)
-        cfg = _settings(over)
+        joining = ("runtime.accept_generators=true", "runtime.weight_sync=rpc")
+        cfg = _settings(over, joining)
         while cfg.runtime.generators < 2:
-            cfg = _settings(over)
+            cfg = _settings(over, joining)
         clock = VirtualClock(LIMIT)
         world = _world(seed, clock)
         await _drive(cfg, world, clock)
         pick = random.Random(seed)
         kill_at = frozenset(pick.randrange(world.calls) for _ in range(pick.randint(1, 3)))
+        join_at = frozenset(pick.randrange(world.calls) for _ in range(pick.randint(0, 2)))
         clock = VirtualClock(LIMIT)
-        world = _world(seed, clock, kill_at=kill_at)
+        world = _world(seed, clock, kill_at=kill_at, join_at=join_at)
         try:
             results, _ = await _drive(cfg, world, clock)
             steps = range(cfg.steps)
@@ -258,16 +276,25 @@ async def test_soak_generators_lost_at_random_calls_nothing_lost_nothing_twice()
             assert world.trained == set(updated)
             assert world.untrained == len(lost)  # the fakes count a drop at its release
             assert [r.metrics["policy_version"] for r in results] == [s + 1 for s in steps]
-            alive = [r.metrics["generators_alive"] for r in results]
-            assert alive == sorted(alive, reverse=True)
-            assert alive[-1] == cfg.runtime.generators - len(world.dead)
+            # the pool after the last step's weight sync: those that started or joined it
+            # (a joiner loads weights only to join), less the lost
+            joined = {a[0] for a in world.log if a[1] == "load_weights" and a[0] in world.newcomers}
+            first = {a[0] for a in world.log if a[0] not in world.newcomers}
+            pool = {g for g in first | joined if g.startswith("generator")} - set(world.dead)
+            assert results[-1].metrics["generators_alive"] == len(pool)
+            if not world.newcomers:
+                alive = [r.metrics["generators_alive"] for r in results]
+                assert alive == sorted(alive, reverse=True)
             assert sum(r.metrics["remade_microbatches"] for r in results) >= world.remade
         except AssertionError as exc:
             raise AssertionError(
-                f"seed {seed}, kills {sorted(kill_at)}, {cfg.runtime}: {exc}"
+                f"seed {seed}, kills {sorted(kill_at)}, joins {sorted(join_at)}, "
+                f"{cfg.runtime}: {exc}"
             ) from exc
         remade += world.remade
         losses += len(world.dead)
+        joins += len(joined)
+        newcomer_work += sum(a[0] in world.newcomers for a in world.log if a[1] == "generate")
         # made again after being scored (for its update only): the last make follows a score
         at = {(a[1], a[2], a[3]): i for i, a in enumerate(world.log) if len(a) == 4}
         for_update += sum(
@@ -277,7 +304,8 @@ async def test_soak_generators_lost_at_random_calls_nothing_lost_nothing_twice()
         )
     assert losses >= RUNS and remade > RUNS  # the losses did happen, with work in hand
     assert for_update > 0  # and some of that work was already scored
+    assert joins > 0 and newcomer_work > 0  # generators joined the pool, and made some
     print(
-        f"soak: {RUNS} runs, {losses} generators lost, {remade} micro-batches made again, "
-        f"{for_update} of them after their scoring"
+        f"soak: {RUNS} runs, {losses} generators lost, {joins} joined, {remade} micro-batches "
+        f"made again, {for_update} of them after their scoring; {newcomer_work} made by joiners"
     )

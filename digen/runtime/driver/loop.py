@@ -34,6 +34,7 @@ What was handed out, made, scored and trained lives in :class:`~digen.sched.book
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import time
@@ -372,6 +373,10 @@ class Driver:
                 raise died.again(why)
         remakes = self.book.lose_generator(i, running)
         for r in remakes:
+            if (task := self._tasks.get((r.step, r.mb))) is not None:
+                # what UQ holds of it reads the lost store: no longer its update (an equal
+                # copy stands in until it is made again, and rehomed)
+                self._tasks[r.step, r.mb] = dataclasses.replace(task)
             if r.left_with is not None:  # what a trainer still holds of it goes
                 await self.cluster.forget(r.left_with, [(r.step, r.mb)])
         orphans = self._drop_orphans()
@@ -769,7 +774,8 @@ class Driver:
             if len(getattr(t, "members", ())) > 1:  # sharded: the members went apart
                 raise died.again("sharded trainers cannot go on from an update it broke") from exc
             await self._lose(i, died)  # its rollout never reached this trainer: make it again
-            self.book.remake_scored(s, mb.mb)
+            if self._tasks.get((s, mb.mb)) is task:  # else made again already, and rehomed
+                self.book.remake_scored(s, mb.mb)
             self._drop_orphans()
             await self._notify()
             return
