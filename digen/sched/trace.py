@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KINDS",
     "KIND_COLOURS",
+    "MARKS",
     "StepUsage",
     "Trace",
     "TraceEvent",
@@ -75,6 +76,10 @@ KIND_COLOURS = {
     TaskKind.SYNC: "#7f7f7f",
 }
 """One fixed colour per kind, so timelines of different runs read the same."""
+
+MARKS = {"lost": ("X", "#d62728"), "joined": ("^", "#2ca02c")}
+"""What can happen to a worker's lane besides its tasks (a generator lost, or joining the
+pool mid-run), with the marker and colour a timeline draws it in."""
 
 _ROLE_RANK = {DRIVER: 0, Pool.GENERATOR: 1, Pool.SCORER: 1, Pool.TRAINER: 2}
 """Lane order: the driver, each generator followed by its scoring lane, then trainers."""
@@ -214,6 +219,7 @@ class Trace:
         """The newest closed step: an event of an older step that is not open goes to the
         file only (it would come after that step's statistics)."""
         self._workers: set[str] = set()
+        self._marks: list[tuple[float, str, str]] = []
         self._count = 0
         self._start = math.inf
         self._end = -math.inf
@@ -261,6 +267,21 @@ class Trace:
         with self._lock:
             for ev in evs:
                 self._append(ev)
+
+    def mark(self, what: str, worker: str, t: float) -> None:
+        """``worker``'s lane ends or starts at ``t``: ``what`` is ``lost`` or ``joined``
+        (one of :data:`MARKS`). Shown in the Chrome export and the timeline; kept in memory
+        (a few per run), not in the trace's file."""
+        if what not in MARKS:
+            raise ValueError(f"trace mark {what!r} is not one of {', '.join(MARKS)}")
+        with self._lock:
+            self._marks.append((float(t), worker, what))
+
+    @property
+    def marks(self) -> list[tuple[float, str, str]]:
+        """``(t, worker, what)`` of every :meth:`mark`, in time order."""
+        with self._lock:
+            return sorted(self._marks)
 
     def close_step(self, step: int) -> None:
         """Step ``step`` is over (its statistics are taken): its events leave memory.
@@ -408,6 +429,7 @@ class Trace:
         One process per worker, ordered as :meth:`workers`; each task is a complete (``"X"``)
         event with ``ts`` / ``dur`` in microseconds from the trace start. Tasks of one worker
         that overlap go on separate threads of its process, so every thread nests cleanly.
+        A worker lost or joining mid-run (:meth:`mark`) has an instant event there.
         """
         events = self.events
         start = min((e.t0 for e in events), default=0.0)
@@ -441,6 +463,11 @@ class Trace:
                     "args": {"step": e.step, "mb": e.mb, "version": e.version},
                 }
             )
+        for t, worker, what in self.marks:  # instant events on the worker's lane
+            if worker in pid_of:
+                ts = round((t - start) * 1e6, 3)
+                out.append({"ph": "i", "s": "p", "name": what, "cat": "pool", "ts": ts})
+                out[-1] |= {"pid": pid_of[worker], "tid": 0}
         return {
             "traceEvents": out,
             "displayTimeUnit": "ms",
@@ -499,7 +526,8 @@ class Trace:
     def timeline_figure(
         self, *, title: str | None = None, size_px: tuple[int, int] = (1600, 600), dpi: int = 100
     ) -> Figure:
-        """One lane per worker (order of :meth:`workers`), coloured by kind.
+        """One lane per worker (order of :meth:`workers`), coloured by kind; a worker lost
+        or joining mid-run has a marker there (:data:`MARKS`).
 
         Step ends (:meth:`step_boundaries`) are dashed vertical lines; x is seconds from the
         trace start. Tasks too short to see (an optimizer step next to minutes of sampling)
@@ -508,6 +536,7 @@ class Trace:
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
 
         events = self.events
@@ -547,6 +576,14 @@ class Trace:
                         zorder=2,
                     )
 
+        marked = []
+        for what, (marker, colour) in MARKS.items():
+            at = [(t - start, lane[w]) for t, w, m in self.marks if m == what and w in lane]
+            if at:
+                xs, ys = zip(*at, strict=True)
+                ax.scatter(xs, ys, marker=marker, s=90, c=colour, edgecolors="black", zorder=4)
+                marked.append(what)
+
         bounds = self.step_boundaries()
         xaxis = ax.get_xaxis_transform()
         if bounds:
@@ -568,8 +605,12 @@ class Trace:
         if not events:
             ax.text(0.5, 0.5, "no events", transform=ax.transAxes, ha="center", va="center")
         present = [k for k in KINDS if any(kk == k for _, kk in bars)]
-        if present:
-            handles = [Patch(facecolor=KIND_COLOURS[k], label=k) for k in present]
+        if present or marked:
+            handles: list[Any] = [Patch(facecolor=KIND_COLOURS[k], label=k) for k in present]
+            handles += [
+                Line2D([], [], marker=MARKS[m][0], color=MARKS[m][1], ls="", label=m)
+                for m in marked
+            ]
             fig.legend(
                 handles=handles,
                 loc="upper right",

@@ -279,6 +279,14 @@ BAD = [
     (["runtime.max_staleness=-1"], "runtime.max_staleness", "-1"),
     (["runtime.staleness_ratio=1.5"], "runtime.staleness_ratio", "1.5"),
     (["runtime.rpc_timeout_s=0"], "runtime.rpc_timeout_s", "0.0"),
+    (["runtime.port=70000"], "runtime.port", "70000"),
+    (["runtime.accept_generators=true"], "runtime.accept_generators", "True"),  # colocated
+    (
+        ["runtime.mode=disaggregated", "runtime.weight_sync=broadcast"]
+        + ["runtime.accept_generators=true"],
+        "runtime.accept_generators",
+        "True",
+    ),
     # C_gen below what must be generated before anything trains would deadlock the driver:
     # a GAP group (2 of 2 samples each), or the whole step with a batch-wide std
     (

@@ -453,11 +453,21 @@ async def test_an_elastic_system_takes_workers_that_join_it_while_it_runs() -> N
     assert out.split() == ["generator-2", "served", "generator-2"]
 
 
-def test_a_join_where_no_run_takes_joiners_is_refused_in_one_sentence() -> None:
-    from digen.runtime.transport.actors import JoinRefused, join_world
-
-    with pytest.raises(JoinRefused, match=r"no run is listening at 127\.0\.0\.1:"):
-        join_world("127.0.0.1", free_port(), wait_s=1.0)
+@pytest.mark.parametrize(
+    ("args", "code", "said"),
+    [
+        (["nowhere"], 2, "error: 'nowhere' is not ADDRESS:PORT (e.g. 10.0.0.5:29400)"),
+        (["127.0.0.1:99999"], 2, "error: '127.0.0.1:99999' is not ADDRESS:PORT"),
+        (["127.0.0.1:{port}", "--threads", "0"], 2, "error: --threads must be at least 1"),
+        (["127.0.0.1:{port}", "--wait", "1"], 1, "error: no run is listening at 127.0.0.1:"),
+    ],
+)
+def test_digen_join_says_what_is_wrong_in_one_line(args: list[str], code: int, said: str) -> None:
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "cli.main", "join", *(a.replace("{port}", port) for a in args)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr
 
 
 @pytest.mark.slow

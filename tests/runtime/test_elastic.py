@@ -142,6 +142,7 @@ def test_a_run_that_loses_a_generator_ends_as_if_it_had_not(
     lost = [e for e in events if e.get("event") == "generator_lost"]
     assert len(lost) == 1 and lost[0]["worker"] == "generator-1"
     assert lost[0]["remade"] >= 1 and lost[0]["generators"] == 1
+    assert _marks(out) == [("lost", "generator-1")]  # where its timeline lane ends
 
 
 def test_losing_the_last_generator_ends_the_run_with_a_checkpoint(
@@ -288,3 +289,11 @@ def test_a_generator_that_joins_a_running_run_ends_it_as_if_it_had_been_there_al
     trace = read_jsonl(out / "trace.jsonl")
     made = [e for e in trace if e["worker"] == "generator-1" and e["kind"] == "generate"]
     assert all(e["version"] >= 1 for e in made)
+    assert _marks(out) == ([("joined", "generator-1")] if made else [])
+
+
+def _marks(out: Path) -> list[tuple[str, str]]:
+    """The lost / joined marks of the run's Chrome trace: (what, worker lane)."""
+    doc = json.loads((out / "trace.json").read_text())["traceEvents"]
+    lanes = {e["pid"]: e["args"]["name"] for e in doc if e["name"] == "process_name"}
+    return [(e["name"], lanes[e["pid"]]) for e in doc if e["ph"] == "i"]

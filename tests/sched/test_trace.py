@@ -189,6 +189,30 @@ def test_chrome_export(tmp_path: Path) -> None:
     assert not list(path.parent.glob("*.tmp"))
 
 
+def test_a_lost_or_joining_worker_is_marked_on_its_lane() -> None:
+    tr = small_trace()
+    t0 = tr.start
+    tr.mark("joined", "generator-1", t0 + 4.0)
+    tr.mark("lost", "generator-0", t0 + 2.5)
+    tr.mark("lost", "generator-7", t0 + 3.0)  # no lane (it never ran a task): not drawn
+    assert [(t - t0, w, m) for t, w, m in tr.marks] == [
+        (2.5, "generator-0", "lost"),
+        (3.0, "generator-7", "lost"),
+        (4.0, "generator-1", "joined"),
+    ]
+    with pytest.raises(ValueError, match="'gone' is not one of lost, joined"):
+        tr.mark("gone", "generator-0", 1.0)
+    doc = tr.to_chrome()["traceEvents"]
+    pid = {e["args"]["name"]: e["pid"] for e in doc if e["name"] == "process_name"}
+    instants = [(e["name"], e["pid"], e["ts"]) for e in doc if e["ph"] == "i"]
+    assert instants == [("lost", pid["generator-0"], 2.5e6), ("joined", pid["generator-1"], 4e6)]
+    assert _legend(tr) == ["generate", "score", "update", "step", "sync", "lost", "joined"]
+    ax = tr.timeline_figure().axes[0]
+    lanes = {t.get_text(): i for i, t in enumerate(ax.get_yticklabels())}
+    drawn = {tuple(xy) for c in ax.collections for xy in c.get_offsets() if len(xy) == 2}
+    assert {(2.5, lanes["generator-0"]), (4.0, lanes["generator-1"])} <= drawn
+
+
 def test_jsonl_round_trip(tmp_path: Path) -> None:
     tr = small_trace()
     tr.record("tag", "trainer-0", 1, 3, 1, T + 0.1, T + 0.30000000000000004)

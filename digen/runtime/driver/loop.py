@@ -381,6 +381,7 @@ class Driver:
                 await self.cluster.forget(r.left_with, [(r.step, r.mb)])
         orphans = self._drop_orphans()
         if first:
+            self.accounts.trace.mark("lost", died.worker, self.clock())
             alive = len(self.book.alive)
             text = (
                 f"{died} The run goes on with {alive} generator(s); "
@@ -828,6 +829,7 @@ class Driver:
                 await self._lose_again(i, died)
                 return
             self.book.rejoin(i, version)
+            self.accounts.trace.mark("joined", self.gens[i].worker, self.clock())
             assert self._tg is not None
             self._loops.append(
                 self._tg.create_task(self._generator_loop(i), name=f"loop-{self.gens[i].worker}")

@@ -120,17 +120,20 @@ def join_world(
     and SIGTERM end it at once (the run makes again what it held).
     Raises :class:`JoinRefused` when no run there takes it. Once per process.
     """
-    try:
-        store = _client_store(address, port, wait_s)
-    except Exception as exc:  # noqa: BLE001 (torch's wording varies: said once, plainly)
-        raise JoinRefused(f"no run is listening at {address}:{port} ({exc}).") from None
-    try:
-        store.wait([_OFFER_KEY])
-    except Exception:  # noqa: BLE001 (a timeout)
-        raise JoinRefused(
-            f"the run at {address}:{port} takes no joining workers (it must be started "
-            f"with runtime.accept_generators=true), or it is still starting: waited {wait_s:g} s."
-        ) from None
+    deadline = time.monotonic() + wait_s
+    while not _answers(address, port):  # asked here: torch's own failure is pages long
+        if time.monotonic() > deadline:
+            raise JoinRefused(f"no run is listening at {address}:{port} (waited {wait_s:g} s).")
+        time.sleep(0.2)
+    store = _client_store(address, port, max(wait_s, 10.0))
+    while not store.check([_OFFER_KEY]):
+        if time.monotonic() > deadline:
+            raise JoinRefused(
+                f"the run at {address}:{port} takes no joining workers (it must be started "
+                f"with runtime.accept_generators=true), or it is still starting: waited "
+                f"{wait_s:g} s."
+            )
+        time.sleep(0.2)
     offer = json.loads(store.get(_OFFER_KEY).decode())
     number = store.add(_NUMBERS_KEY, 1)
     rank = store.add(_RANKS_KEY, 1)
@@ -165,6 +168,15 @@ def join_world(
 
 
 _REFUSED: list[str] = []
+
+
+def _answers(address: str, port: int) -> bool:
+    """Whether something accepts connections at ``address:port``."""
+    try:
+        socket.create_connection((address, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
 
 
 def _keep_on_loopback(address: str) -> None:
