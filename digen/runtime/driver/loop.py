@@ -24,7 +24,9 @@ naming the worker:
 A lost generator is the exception to "a failure ends the run" (``runtime.on_generator_loss``):
 :meth:`Driver._lose` takes it out of the pool, and what it held is made again by the others
 from the same keys (:meth:`Driver._make_again`), before any new micro-batch; with
-``runtime.respawn_generators`` a new process takes its place at the next weight sync.
+``runtime.respawn_generators`` a new process takes its place at the next weight sync. With
+``runtime.accept_generators`` a generator that joins the world by itself (``digen join``)
+joins the pool the same way (:meth:`Driver._watch_arrivals`).
 
 What was handed out, made, scored and trained lives in :class:`~digen.sched.book.Book`
 (pure book-keeping, the model the TAG search plans on); what calls cost is observed by
