@@ -88,6 +88,20 @@ def uninterrupted(hook: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
     return _final(out), read_jsonl(out / "metrics.jsonl")
 
 
+def _as_uninterrupted(out: Path, uninterrupted: tuple[dict, list]) -> list[dict]:
+    """Check that the run in ``out`` ended with the parameters of the run that lost nothing,
+    and every step's reward and loss statistics, bit for bit; its metrics rows."""
+    want, rows_want = uninterrupted
+    got = _final(out)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    for row, other in zip(rows, rows_want, strict=True):
+        assert {k: row[k] for k in COMPARED} == {k: other[k] for k in COMPARED}
+    return rows
+
+
 def _start_held(
     hook: Path, out: Path, *extra: str, hold_in: str, hold_at: int = 1, env: dict | None = None
 ) -> tuple[subprocess.Popen, dict]:
@@ -123,15 +137,8 @@ def test_a_run_that_loses_a_generator_ends_as_if_it_had_not(
     pid = workers["generator-1"]["pid"]
     assert f"worker 'generator-1' (pid {pid}) was killed by signal SIGKILL." in err
     assert "The run goes on with 1 generator(s)" in err
-    # the parameters of the run that lost nothing, bit for bit
-    want, rows_want = uninterrupted
-    got = _final(out)
-    assert got.keys() == want.keys()
-    assert all(torch.equal(got[k], want[k]) for k in got)
-    rows = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(STEPS))
-    for row, other in zip(rows, rows_want, strict=True):
-        assert {k: row[k] for k in COMPARED} == {k: other[k] for k in COMPARED}
+    rows = _as_uninterrupted(out, uninterrupted)
+    rows_want = uninterrupted[1]
     # the loss as the metrics and the log tell it
     assert [r["generators_alive"] for r in rows_want] == [2] * STEPS
     alive = [r["generators_alive"] for r in rows]
@@ -212,12 +219,7 @@ def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_hap
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert "generator-1 is back. The run goes on with 2 generator(s)." in err
-    want, rows_want = uninterrupted
-    got = _final(out)
-    assert all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys()
-    rows = read_jsonl(out / "metrics.jsonl")
-    for row, other in zip(rows, rows_want, strict=True):
-        assert {k: row[k] for k in COMPARED} == {k: other[k] for k in COMPARED}
+    rows = _as_uninterrupted(out, uninterrupted)
     assert rows[-1]["generators_alive"] == 2
     events = [json.loads(line) for line in log.read_text().splitlines()]
     lost = [e for e in events if e.get("event") == "generator_lost"]
@@ -274,13 +276,7 @@ def test_a_generator_that_joins_a_running_run_ends_it_as_if_it_had_been_there_al
     assert f"joined the run at {rendezvous} as generator-1" in joined_err
     assert f"generators may join this run: digen join {rendezvous}" in err
     assert "generator-1 joined. The run goes on with 2 generator(s)." in err
-    want, rows_want = uninterrupted
-    got = _final(out)
-    assert got.keys() == want.keys()
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    rows = read_jsonl(out / "metrics.jsonl")
-    for row, other in zip(rows, rows_want, strict=True):
-        assert {k: row[k] for k in COMPARED} == {k: other[k] for k in COMPARED}
+    rows = _as_uninterrupted(out, uninterrupted)
     # counted after each step's weight sync, where the joiner came in at the first
     assert [r["generators_alive"] for r in rows] == [2] * STEPS
     events = read_jsonl(log)
