@@ -535,8 +535,74 @@ def models() -> None:
     show_default=True,
     help="TCSS ratio for the +tcss rows.",
 )
-@click.option("--recommend", is_flag=True, help="Rank every generator/trainer split of --devices.")
-@click.option("--devices", type=int, help="Devices to split (with --recommend).")
+@click.option(
+    "--recommend",
+    is_flag=True,
+    help="Rank colocated and every generator/trainer split of --devices, by time and cost.",
+)
+@click.option("--devices", type=int, help="Devices to lay out (with --recommend).")
+@click.option(
+    "--hardware",
+    "hardware_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With --recommend: a YAML/JSON description of the devices (kinds, memory, links, "
+    "prices; see docs/RUNTIME.md), to add the GPU costs of each layout.",
+)
+@click.option(
+    "--device",
+    "device_kind",
+    help="With --recommend: every device of this kind (h100, h200, a100, a100-40gb, l40s, "
+    "l4), with its spec-sheet defaults.",
+)
+@click.option(
+    "--model",
+    "model_name",
+    type=click.Choice(MODEL_NAMES),
+    help="With --hardware/--device: the backbone whose published sizes are moved and stored.",
+)
+@click.option(
+    "--lora-rank",
+    type=int,
+    default=8,
+    show_default=True,
+    help="With --model: the LoRA rank trained (0: full fine-tuning).",
+)
+@click.option(
+    "--reward-params",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="With --model: parameters of a reward model that sits beside the sampler.",
+)
+@click.option(
+    "--sampling-passes",
+    type=int,
+    default=10,
+    show_default=True,
+    help="With --model: denoiser passes to sample one micro-batch (sampling steps).",
+)
+@click.option(
+    "--update-tsp",
+    type=float,
+    help="With --recommend: seconds of an update with TSP, to rank layouts with and without.",
+)
+@click.option(
+    "--tsp-degree", type=int, default=4, show_default=True, help="The TSP degree of --update-tsp."
+)
+@click.option(
+    "--samples-per-microbatch",
+    type=int,
+    default=1,
+    show_default=True,
+    help="With --recommend: samples in one micro-batch (for the cost per 1,000 samples).",
+)
+@click.option(
+    "--by",
+    type=click.Choice(["time", "cost"]),
+    default="time",
+    show_default=True,
+    help="With --recommend: rank by step time or by cost per 1,000 samples.",
+)
 @click.option(
     "--plot",
     "plot_path",
@@ -592,6 +658,16 @@ def simulate(
     staleness_ratio: float,
     recommend: bool,
     devices: int | None,
+    hardware_path: Path | None,
+    device_kind: str | None,
+    model_name: str | None,
+    lora_rank: int,
+    reward_params: float,
+    sampling_passes: int,
+    update_tsp: float | None,
+    tsp_degree: int,
+    samples_per_microbatch: int,
+    by: str,
     plot_path: Path | None,
     score_overlap: bool,
     loss_rate: float | None,
@@ -663,28 +739,24 @@ def simulate(
             click.echo(sc.format_losses(got, generators, trainers, loss_rate, rejoin_s))
             return
         if recommend:
-            if devices is None:
-                raise ValueError("--recommend needs --devices N, the number of devices to split")
-            if not quiet and devices >= 2:
-                click.echo(
-                    f"simulating the {devices - 1} generator/trainer splits of {devices} devices",
-                    err=True,
-                )
-            ranked = sc.recommend(
-                devices, costs, microbatches, **kw, on_split=None if quiet else _split_done()
+            _recommend(
+                costs,
+                microbatches,
+                devices,
+                hardware=hardware_path if device_kind is None else {"device": device_kind},
+                model_name=model_name,
+                lora_rank=lora_rank,
+                reward_params=reward_params,
+                passes=sampling_passes,
+                update_tsp=update_tsp,
+                tsp_degree=tsp_degree,
+                samples=samples_per_microbatch,
+                by=by,
+                prices=(generator_price, trainer_price),
+                as_json=as_json,
+                quiet=quiet,
+                kw=kw,
             )
-            if as_json:
-                click.echo(json.dumps(ranked))
-                return
-            click.echo(f"{devices} devices, {microbatches} micro-batches a step, best first:")
-            click.echo("| generators | trainers | policy | TCSS | step time (s) |")
-            click.echo("| ---: | ---: | --- | --- | ---: |")
-            for c in ranked:
-                tcss = "yes" if c["tcss"] else "no"
-                click.echo(
-                    f"| {c['generators']} | {c['trainers']} | {c['policy']} | {tcss} "
-                    f"| {c['step_time']:.3f} |"
-                )
             return
         table = sc.compare_policies(costs, microbatches, generators, trainers, **kw)
         if plot_path is not None:
@@ -1153,17 +1225,106 @@ def _bench_settings(
     )
 
 
+def _recommend(
+    costs: Any,
+    microbatches: int,
+    devices: int | None,
+    *,
+    hardware: Path | dict[str, str] | None,
+    model_name: str | None,
+    lora_rank: int,
+    reward_params: float,
+    passes: int,
+    update_tsp: float | None,
+    tsp_degree: int,
+    samples: int,
+    by: str,
+    prices: tuple[float, float],
+    as_json: bool,
+    quiet: bool,
+    kw: dict[str, Any],
+) -> None:
+    """``simulate --recommend``: every layout ranked, with its GPU terms when hardware is given."""
+    from digen.sched import planner
+    from digen.sched.hardware import ModelSize, describe, load_hardware
+
+    hw = None
+    if hardware is not None:
+        if isinstance(hardware, Path) and not hardware.is_file():
+            raise ValueError(f"hardware file '{hardware}' does not exist")
+        hw = load_hardware(hardware)
+        if model_name is None:
+            raise ValueError("--hardware and --device need --model, whose sizes they move")
+    elif model_name is not None:
+        raise ValueError("--model needs --hardware or --device, the devices it runs on")
+    if devices is None and (hw is None or hw.generators is None):
+        raise ValueError("--recommend needs --devices N, the number of devices to lay out")
+    for name, value in (("--sampling-passes", passes), ("--tsp-degree", tsp_degree)):
+        if value < 1:
+            raise ValueError(f"{name} = {value} is not allowed: it must be at least 1")
+    if lora_rank < 0:
+        raise ValueError(f"--lora-rank = {lora_rank} is not allowed: it must be at least 0")
+    model = None
+    if model_name is not None:
+        model = ModelSize.of(model_name, lora_rank=lora_rank, reward_params=reward_params)
+    work = planner.Workload(
+        costs=costs,
+        microbatches=microbatches,
+        samples_per_microbatch=samples,
+        mbs_per_group=kw["mbs_per_group"],
+        update_tsp=update_tsp,
+        tsp_degree=tsp_degree,
+        passes=passes,
+        model=model,
+    )
+    n = hw.generators + hw.trainers if hw is not None and hw.generators else devices
+    if not quiet and n and n >= 2:
+        where = f" ({describe(hw)})" if hw is not None else ""
+        click.echo(f"simulating colocated and the splits of {n} devices{where}", err=True)
+    ranked, skipped = planner.plan(
+        work,
+        devices,
+        hw,
+        steps=kw["steps"],
+        static_k=kw["static_k"],
+        max_staleness=kw["max_staleness"],
+        staleness_ratio=kw["staleness_ratio"],
+        score_overlap=kw["score_overlap"],
+        prices=prices,
+        on_split=None if quiet else _split_done(),
+    )
+    if by == "cost":
+        ranked = planner.by_cost(ranked)
+    if as_json:
+        out = {
+            "candidates": [c.to_dict() for c in ranked],
+            "left_out": skipped,
+            "choice": planner.explain(ranked),
+        }
+        click.echo(json.dumps(out))
+        return
+    if not ranked:
+        raise ValueError("no layout fits: " + "; ".join(skipped))
+    where = f" on {describe(hw)}" if hw is not None else ""
+    click.echo(f"{n} devices{where}, {microbatches} micro-batches a step, best {by} first:")
+    click.echo(planner.format_plan(ranked, skipped))
+    click.echo(f"choice: {planner.explain(ranked)}")
+    if ranked[0].terms:
+        terms = ", ".join(f"{k} {v:.3f} s" for k, v in ranked[0].terms.items())
+        click.echo(f"its GPU terms a step: {terms}")
+
+
 def _split_done():
     """Progress of ``simulate --recommend`` on stderr: one line per split as it is done."""
     last = time.perf_counter()
 
-    def report(generators: int, trainers: int, table: dict[str, dict[str, Any]]) -> None:
+    def report(generators: int, trainers: int, done: list[Any]) -> None:
         nonlocal last
         now = time.perf_counter()
-        best = min(table, key=lambda name: table[name]["step_time"])
+        best = min(done, key=lambda c: c.step_time)
         click.echo(
-            f"G={generators} T={trainers}: best {best} at "
-            f"{table[best]['step_time']:.3f} s a step ({now - last:.1f} s to simulate)",
+            f"G={generators} T={trainers}: best {best.label} at "
+            f"{best.step_time:.3f} s a step ({now - last:.1f} s to simulate)",
             err=True,
         )
         last = now

@@ -44,6 +44,13 @@ class Backbone:
     backbone, its pretrained ``shapes`` model, so the bare command shows a model learning
     something a person can judge; ``tiny`` for the others (sd3 ships shapes weights too,
     taken with ``--flavour shapes``)."""
+    params: float = 0.0
+    """Parameters of the published transformer (the denoiser only), from its model card: what
+    the planner (:mod:`digen.sched.hardware`) moves and stores on a GPU."""
+    blocks: int = 0
+    """Transformer blocks of the published model (a sharded model gathers one at a time)."""
+    hidden: int = 0
+    """Hidden width of the published model (a LoRA adapter's size follows it)."""
 
 
 BACKBONES: dict[str, Backbone] = {
@@ -55,6 +62,9 @@ BACKBONES: dict[str, Backbone] = {
             video=True,
             pipeline="HunyuanVideoPipeline",
             recipe={"height": 320, "width": 512, "num_frames": 33, "guidance_scale": 1.0},
+            params=13e9,
+            blocks=60,
+            hidden=3072,
         ),
         Backbone(
             "wan",
@@ -62,6 +72,9 @@ BACKBONES: dict[str, Backbone] = {
             video=True,
             pipeline="WanPipeline",
             recipe={"height": 480, "width": 832, "num_frames": 33, "guidance_scale": 5.0},
+            params=14e9,
+            blocks=40,
+            hidden=5120,
         ),
         Backbone(
             "flux",
@@ -70,6 +83,9 @@ BACKBONES: dict[str, Backbone] = {
             pipeline="FluxPipeline",
             recipe={"height": 512, "width": 512, "guidance_scale": 1.0},
             run_flavour="shapes",
+            params=12e9,
+            blocks=57,
+            hidden=3072,
         ),
         Backbone(
             "qwenimage",
@@ -77,6 +93,9 @@ BACKBONES: dict[str, Backbone] = {
             video=False,
             pipeline="QwenImagePipeline",
             recipe={"height": 512, "width": 512, "guidance_scale": 4.0},
+            params=20e9,
+            blocks=60,
+            hidden=3072,
         ),
         Backbone(
             "sd3",
@@ -84,6 +103,9 @@ BACKBONES: dict[str, Backbone] = {
             video=False,
             pipeline="StableDiffusion3Pipeline",
             recipe={"height": 512, "width": 512, "guidance_scale": 4.5},
+            params=8.1e9,
+            blocks=38,
+            hidden=2432,
         ),
     )
 }

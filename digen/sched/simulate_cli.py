@@ -1,11 +1,11 @@
-"""The logic behind ``digen simulate``: compare TAG / TCSS policies, recommend a pool split.
+"""The logic behind ``digen simulate``: compare TAG / TCSS policies, price generators that come and go.
 
 Plain functions over the simulator, so the command stays a thin click wrapper and everything
 here is unit-tested without a process:
 
 - :func:`load_costs` reads costs given as numbers or from a run's ``profile.json``;
 - :func:`compare_policies` simulates NoTAG, StaticTAG(k) and BTS, each with and without TCSS;
-- :func:`recommend` tries every generator/trainer split of N devices and ranks the options;
+- ranking layouts (colocated and every split) is :mod:`digen.sched.planner`'s;
 - :func:`with_losses` prices generators that come and go (preemptible, spot) against
   generators that stay;
 - :func:`format_table` and :func:`plot_simulation` present the results.
@@ -20,7 +20,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +37,8 @@ __all__ = [
     "held_work_s",
     "load_costs",
     "plot_simulation",
-    "recommend",
     "with_losses",
 ]
-
-_POLICY_RANK = {"none": 0, "static": 1, "bts": 2}
-
 
 def load_costs(source: Costs | Mapping[str, Any] | str | os.PathLike[str]) -> Costs:
     """Costs from a :class:`Costs`, a dict of seconds, or a JSON file.
@@ -141,73 +137,6 @@ def compare_policies(
             )
             out[name + suffix] = _entry(res, policy, bound)
     return out
-
-
-def recommend(
-    devices: int,
-    costs: Costs,
-    microbatches: int,
-    *,
-    steps: int = 4,
-    static_k: int | None = None,
-    mbs_per_group: int = 1,
-    max_staleness: int = 1,
-    staleness_ratio: float = 0.25,
-    node_limit: int = 32,
-    score_overlap: bool = True,
-    on_split: Callable[[int, int, dict[str, dict[str, Any]]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Every generator/trainer split of ``devices`` x every policy, fastest step first.
-
-    Each candidate: ``generators``, ``trainers``, ``policy`` (``none`` / ``static-k`` /
-    ``bts``), ``tcss`` (bool), ``step_time`` and ``makespan``. Equal step times rank the
-    simpler choice first: on-policy before TCSS, then none < static < BTS, then more
-    generators. ``on_split(generators, trainers, table)`` is called as each split is done,
-    with its :func:`compare_policies` table (a command shows progress with it).
-    """
-    if not isinstance(devices, int) or devices < 2:
-        raise ValueError(
-            f"devices must be an integer >= 2 (one generator, one trainer), got {devices!r}"
-        )
-    cands: list[dict[str, Any]] = []
-    for g in range(1, devices):
-        t = devices - g
-        table = compare_policies(
-            costs,
-            microbatches,
-            g,
-            t,
-            steps=steps,
-            static_k=static_k,
-            mbs_per_group=mbs_per_group,
-            max_staleness=max_staleness,
-            staleness_ratio=staleness_ratio,
-            node_limit=node_limit,
-            score_overlap=score_overlap,
-        )
-        if on_split is not None:
-            on_split(g, t, table)
-        for name, row in table.items():
-            policy, _, tcss = name.partition("+")
-            cands.append(
-                {
-                    "generators": g,
-                    "trainers": t,
-                    "policy": policy,
-                    "tcss": bool(tcss),
-                    "step_time": row["step_time"],
-                    "makespan": row["makespan"],
-                }
-            )
-    cands.sort(
-        key=lambda c: (
-            round(c["step_time"], 9),
-            c["tcss"],
-            _POLICY_RANK[c["policy"].split("-")[0]],
-            -c["generators"],
-        )
-    )
-    return cands
 
 
 def held_work_s(res: SimResult, gen_cost: float) -> float:

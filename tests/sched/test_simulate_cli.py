@@ -14,7 +14,6 @@ from digen.sched.simulate_cli import (
     held_work_s,
     load_costs,
     plot_simulation,
-    recommend,
     with_losses,
 )
 from digen.sched.trace import TraceEvent
@@ -67,23 +66,6 @@ def test_compare_policies() -> None:
     table = format_table(out)
     assert table.splitlines()[0].startswith("| policy | step time (s)")
     assert len(table.splitlines()) == 2 + 6 and "| bts+tcss |" in table
-
-
-def test_recommend_ranks_every_split() -> None:
-    cands = recommend(4, C, 8, steps=2, static_k=1)
-    assert len(cands) == 3 * 6
-    assert {(c["generators"], c["trainers"]) for c in cands} == {(1, 3), (2, 2), (3, 1)}
-    times = [c["step_time"] for c in cands]
-    assert times == sorted(times)
-    best = cands[0]
-    pol = {"none": NoTAG(), "static-1": StaticTAG(1), "bts": BTS()}[best["policy"]]
-    kw = {"max_staleness": 1, "staleness_ratio": 0.25} if best["tcss"] else {}
-    res = simulate(
-        C, 8, best["generators"], best["trainers"], pol, steps=2, **kw, score_overlap=True
-    )
-    assert res.makespan == best["makespan"]
-    with pytest.raises(ValueError, match="devices must be an integer >= 2"):
-        recommend(1, C, 8)
 
 
 def test_plot_simulation(tmp_path) -> None:

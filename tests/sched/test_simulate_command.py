@@ -29,25 +29,57 @@ def test_json_has_every_policy_with_makespan_and_search_time() -> None:
     assert table["none"]["tag_count"] == 0 and table["bts"]["tag_count"] > 0
 
 
-def test_recommend_ranks_every_split_best_first(tmp_path: Path) -> None:
-    res = _run("--recommend", "--devices", "4", "-b", "8", "--json")
-    ranked = json.loads(res.stdout)  # progress lines go to stderr
-    assert {(c["generators"], c["trainers"]) for c in ranked} == {(1, 3), (2, 2), (3, 1)}
-    times = [c["step_time"] for c in ranked]
-    rounded = [round(t, 9) for t in times]  # equal times (to 1e-9 s) rank by simplicity
-    assert rounded == sorted(rounded) and len(ranked) == 3 * 6
+def test_recommend_ranks_colocated_and_every_split_best_first(tmp_path: Path) -> None:
+    res = _run("--recommend", "--devices", "4", "-b", "8", "--json", "--update-tsp", "0.3")
+    got = json.loads(res.stdout)  # progress lines go to stderr
+    ranked = got["candidates"]
+    splits = {(c["generators"], c["trainers"]) for c in ranked if c["layout"] == "split"}
+    assert splits == {(1, 3), (2, 2), (3, 1)}
+    colocated = [c for c in ranked if c["layout"] == "colocated"]
+    assert [(c["trainers"], c["tsp"]) for c in colocated] in ([(4, True), (4, False)],)
+    rounded = [round(c["step_time"], 9) for c in ranked]  # equal times rank by simplicity
+    assert rounded == sorted(rounded) and len(ranked) == 2 + 3 * 6
+    assert got["choice"].startswith(ranked[0]["label"] + ": predicted ")
+    assert got["left_out"] == []
 
 
 def test_recommend_shows_progress_on_stderr_unless_quiet() -> None:
     res = _run("--recommend", "--devices", "3", "-b", "2", "--steps", "1")
     assert res.exit_code == 0, res.output
     lines = res.stderr.splitlines()
-    assert lines[0] == "simulating the 2 generator/trainer splits of 3 devices"
-    assert lines[1].startswith("G=1 T=2: best ")
-    assert lines[2].startswith("G=2 T=1: best ")
-    assert len(lines) == 3 and "| generators |" in res.stdout
+    assert lines[0] == "simulating colocated and the splits of 3 devices"
+    assert lines[1].startswith("G=1 T=2: best 1G+2T ")
+    assert lines[2].startswith("G=2 T=1: best 2G+1T ")
+    assert len(lines) == 3 and "| layout |" in res.stdout
+    assert res.stdout.splitlines()[-1].startswith("choice: ")
     quiet = _run("--recommend", "--devices", "3", "-b", "2", "--steps", "1", "--quiet")
     assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout == res.stdout
+
+
+def test_recommend_on_gpus_prices_and_leaves_out_what_does_not_fit(tmp_path: Path) -> None:
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(
+        "generator: {kind: l4, count: 2, price_h: 0.8}\ntrainer: {kind: h100, count: 2, price_h: 3}\n"
+    )
+    args = ["--recommend", "-b", "8", "--steps", "2", "--hardware", str(hw), "--quiet"]
+    # hunyuanvideo's 13B in bf16 (26 GB) does not fit a 24 GB l4: only colocated is left
+    res = _run(*args, "--model", "hunyuanvideo")
+    assert res.exit_code == 0, res.output
+    assert "left out: 2G+2T: a l4 generator cannot hold the model (26 GB" in res.stdout
+    assert "| 1 | colocated on 2 devices |" in res.stdout and "per 1k samples" in res.stdout
+    # on l40s (48 GB) it fits: the split is ranked too, and --by cost puts the cheapest first
+    hw.write_text(
+        "generator: {kind: l40s, count: 2, price_h: 0.8}\ntrainer: {kind: h100, count: 2, price_h: 3}\n"
+    )
+    res = _run(*args, "--model", "hunyuanvideo", "--by", "cost", "--json")
+    got = json.loads(res.stdout)
+    costs = [c["cost_per_1k"] for c in got["candidates"]]
+    assert costs == sorted(costs) and {c["layout"] for c in got["candidates"]} == {
+        "colocated",
+        "split",
+    }
+    split = next(c for c in got["candidates"] if c["layout"] == "split")
+    assert split["price_h"] == 2 * 0.8 + 2 * 3 and split["terms"]["weight sync"] > 0
 
 
 def test_profile_and_plot(tmp_path: Path) -> None:
@@ -63,6 +95,10 @@ def test_bad_input_is_one_sentence() -> None:
     for args, msg in (
         (["--trainers", "0"], "--trainers = 0 is not allowed"),
         (["--recommend"], "needs --devices"),
+        (["--recommend", "--devices", "4", "--device", "h100"], "need --model"),
+        (["--recommend", "--devices", "4", "--model", "sd3"], "needs --hardware or --device"),
+        (["--recommend", "--hardware", "/no/hw.yaml", "--model", "sd3"], "does not exist"),
+        (["--recommend", "--device", "tpu", "--model", "sd3", "--devices", "2"], "not a known"),
         (["--profile", "/no/such.json"], "does not exist"),
         (["--gen", "-1"], "costs.gen"),
     ):

@@ -1,0 +1,558 @@
+"""The planner: colocated or split, which split, on which devices, ranked by time and by cost.
+
+Every candidate layout of a set of devices is simulated with the same task costs:
+
+- **colocated**: every device generates and scores its share of the step's micro-batches,
+  the rewards are gathered, every device trains its share, then the optimizer step: three
+  phases, each as long as its slowest device (:func:`simulate_colocated`); with and without
+  TSP when the update was timed both ways;
+- **split**: ``G`` generators and ``T`` trainers, for every split (one kind of device) or
+  the given pools (two kinds), each under every TAG policy (none, static-k, BTS) without and
+  with TCSS, simulated by the runtime's own scheduler model
+  (:func:`~digen.sched.simulator.simulate`).
+
+On GPUs (a :class:`~digen.sched.hardware.Hardware` description and the model's
+:class:`~digen.sched.hardware.ModelSize`), each candidate also pays the terms of
+:mod:`digen.sched.hardware` its layout incurs, and only layouts that fit in memory are
+ranked:
+
+- colocated: replicated training state when it fits beside everything else (then the
+  gradients are all-reduced at the optimizer step), else FSDP over all devices, and then one
+  of three ways to sample, the fastest that fits: *gathered copy* (a full bf16 copy gathered
+  once a step), *sharded sampling* (every block gathered at every forward pass), *offload*
+  (the training state moved to host memory and back each step, then a gathered copy);
+- split: generators hold a full bf16 copy and the reward model; trainers replicate or shard
+  (FSDP, one lockstep slot that splits each micro-batch over its devices); TAG on sharded
+  trainers samples with sharded weights; new weights reach the generators each step
+  (:func:`~digen.sched.hardware.weight_sync_s` over the link between the pools).
+
+Costs are per micro-batch, measured on one device (a run's ``profile.json``); another kind
+of device runs them ``speed`` times faster (:meth:`Hardware.speed`). The price of a
+candidate is its devices' price per hour; ``cost_per_1k`` is that price times the step time,
+per 1,000 samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from digen.sched.costs import Costs
+from digen.sched.hardware import (
+    FROZEN_BYTES,
+    GRAD_BYTES,
+    Device,
+    Hardware,
+    ModelSize,
+    allgather_s,
+    allreduce_s,
+    fsdp_update_s,
+    offload_reload_s,
+    overlapped,
+    reward_bytes,
+    sampling_copy_bytes,
+    sharded_sampling_s,
+    train_state_bytes,
+    weight_sync_s,
+)
+from digen.sched.names import TaskKind, worker_names
+from digen.sched.simulator import SimResult, simulate
+from digen.sched.tag import BTS, NoTAG, StaticTAG, TagPolicy
+from digen.sched.trace import TraceEvent
+
+__all__ = [
+    "COLOCATED",
+    "SPLIT",
+    "Candidate",
+    "DoesNotFit",
+    "Workload",
+    "by_cost",
+    "colocated_costs",
+    "explain",
+    "format_plan",
+    "plan",
+    "simulate_colocated",
+    "split_costs",
+]
+
+COLOCATED, SPLIT = "colocated", "split"
+_POLICY_RANK = {"none": 0, "static": 1, "bts": 2}
+COLOCATED_WORKER = "worker"
+"""Colocated devices' pool name in traces (``worker-0``, ...), as the colocated runtime's."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """What one train step asks for, and what its tasks cost on the measured device."""
+
+    costs: Costs
+    """Per micro-batch (``update`` one timestep at a time, unless TSP was the only timing)."""
+    microbatches: int
+    """Micro-batches a step."""
+    samples_per_microbatch: int = 1
+    mbs_per_group: int = 1
+    """Micro-batches of one prompt's group (GAP); updates wait for a whole group."""
+    update_tsp: float | None = None
+    """Update of one micro-batch with TSP, when it was timed too."""
+    tsp_degree: int = 1
+    """The TSP degree ``update_tsp`` was timed at."""
+    passes: int = 0
+    """Forward passes of the denoiser to sample one micro-batch (sampling steps, twice with
+    separate guidance passes): what sharded sampling gathers for."""
+    model: ModelSize | None = None
+    """The model's sizes (GPU terms need them)."""
+
+    def __post_init__(self) -> None:
+        for name in ("microbatches", "samples_per_microbatch", "mbs_per_group", "tsp_degree"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.update_tsp is not None and not (
+            math.isfinite(self.update_tsp) and self.update_tsp >= 0
+        ):
+            raise ValueError(f"update_tsp must be seconds >= 0, got {self.update_tsp!r}")
+
+    @property
+    def samples(self) -> int:
+        return self.microbatches * self.samples_per_microbatch
+
+    def update(self, tsp: bool) -> float:
+        if tsp and self.update_tsp is not None:
+            return self.update_tsp
+        return self.costs.update
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One layout, simulated."""
+
+    layout: str
+    """``colocated`` or ``split``."""
+    generators: int
+    """Generator devices (0 when colocated)."""
+    trainers: int
+    """Trainer devices; colocated: every device."""
+    policy: str = "-"
+    """Split: the TAG policy (``none``, ``static-k``, ``bts``)."""
+    tcss: bool = False
+    tsp: bool = False
+    step_time: float = math.inf
+    samples_per_step: int = 1
+    price_h: float = 0.0
+    """The devices' price per hour."""
+    strategy: str = ""
+    """How the model sits on the devices (GPU terms): ``replicated``, ``gathered copy``,
+    ``sharded sampling``, ``offload``; for a split, ``fsdp trainers`` or ``replicated``."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """Seconds a step of each GPU term, as the candidate pays it (before overlap)."""
+    tsp_degree: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.generators + self.trainers
+
+    @property
+    def cost_per_1k(self) -> float | None:
+        """Price of 1,000 samples; None when the devices are not priced."""
+        if self.price_h <= 0:
+            return None
+        return self.price_h * self.step_time / 3600 * 1000 / self.samples_per_step
+
+    @property
+    def label(self) -> str:
+        """``colocated + TSP 4 on 8 devices``, ``6G+2T bts + TCSS``."""
+        if self.layout == COLOCATED:
+            tsp = f" + TSP {self.tsp_degree}" if self.tsp else ""
+            return f"colocated{tsp} on {self.trainers} devices"
+        tcss = " + TCSS" if self.tcss else ""
+        tsp = f" + TSP {self.tsp_degree}" if self.tsp else ""
+        return f"{self.generators}G+{self.trainers}T {self.policy}{tsp}{tcss}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["label"] = self.label
+        d["cost_per_1k"] = self.cost_per_1k
+        return d
+
+
+# -- the colocated model ----------------------------------------------------------------------
+
+
+def simulate_colocated(
+    costs: Costs,
+    microbatches: int,
+    devices: int,
+    *,
+    steps: int = 1,
+    switch_s: float = 0.0,
+    draw: Callable[[str, float], float] | None = None,
+) -> SimResult:
+    """Simulate ``steps`` colocated train steps over ``devices`` data-parallel devices.
+
+    Micro-batch ``m`` of a step goes to device ``m mod devices``. A step is a phase switch
+    (``switch_s``, moving weights between the training and sampling layouts; a ``sync``
+    event), then three phases, each ending when its slowest device is done (the rewards'
+    gather, the gradients' all-reduce): every device generates its micro-batches and scores
+    them in one go (``score`` per micro-batch), updates them, and runs the optimizer
+    ``step``. ``draw(cost_name, value)`` gives each task's seconds (default: ``value``, the
+    cost), so a caller can draw them from measured times.
+    """
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an integer >= 1, got {devices!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    take = draw or (lambda _name, value: value)
+    names = worker_names(COLOCATED_WORKER, devices)
+    shares = [list(range(w, microbatches, devices)) for w in range(devices)]
+    events: list[TraceEvent] = []
+    now, ends = 0.0, []
+
+    def phase(step: int, tasks: Callable[[int], list[tuple[str, int, float]]]) -> float:
+        end = now
+        for w, name in enumerate(names):
+            t = now
+            for kind, mb, seconds in tasks(w):
+                events.append(TraceEvent(kind, name, step, mb, step, t, t + seconds))
+                t += seconds
+            end = max(end, t)
+        return end
+
+    for s in range(steps):
+        if switch_s > 0:
+            now = phase(s, lambda w: [(TaskKind.SYNC, -1, take("sync", switch_s))])
+
+        def sample(w: int) -> list[tuple[str, int, float]]:
+            out = [(TaskKind.GENERATE, m, take("gen", costs.gen)) for m in shares[w]]
+            if shares[w]:  # one scoring call for the device's whole share
+                score = sum(take("score", costs.score) for _ in shares[w])
+                out.append((TaskKind.SCORE, shares[w][0], score))
+            return out
+
+        now = phase(s, sample)
+        now = phase(
+            s, lambda w: [(TaskKind.UPDATE, m, take("update", costs.update)) for m in shares[w]]
+        )
+        now = phase(s, lambda w: [(TaskKind.STEP, -1, take("step", costs.step))])
+        ends.append(now)
+    events.sort(key=lambda e: (e.t0, e.worker, e.t1))
+    return SimResult(
+        makespan=now,
+        events=events,
+        step_ends=ends,
+        tag_count=0,
+        bubble_count=0,
+        decisions=[],
+        stale={s: 0 for s in range(steps)},
+    )
+
+
+# -- what each layout costs on GPUs -------------------------------------------------------------
+
+
+class DoesNotFit(ValueError):
+    """A layout that cannot hold the model (the message says what does not fit where)."""
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.0f} GB"
+
+
+def _room(d: Device) -> str:
+    return f"{d.memory_gb:g} GB less {d.reserve_gb:g} GB reserved"
+
+
+def colocated_costs(
+    work: Workload, hw: Hardware | None, devices: int, *, tsp: bool, device: Device | None = None
+) -> list[tuple[str, Costs, float, dict[str, float]]]:
+    """Every way the colocated layout can hold the model on ``devices`` of ``device`` (the
+    trainer kind by default): ``(strategy, per-micro-batch costs, switch seconds a step,
+    terms a step)``, or the plain costs when there are no GPU terms. Raises
+    :class:`DoesNotFit` when none fits."""
+    base = dataclasses.replace(work.costs, update=work.update(tsp))
+    if hw is None or work.model is None:
+        return [("", base, 0.0, {})]
+    d = device or hw.trainer
+    speed = hw.speed(d)
+    m = work.model
+    scaled = Costs(
+        gen=base.gen / speed,
+        gen_tag=base.gen / speed,
+        score=base.score / speed,
+        update=base.update / speed,
+        step=base.step / speed,
+        sync=0.0,
+    )
+    per_device = -(-work.microbatches // devices)
+    copy, reward = sampling_copy_bytes(m), reward_bytes(m)
+    if d.fits(train_state_bytes(m) + reward):
+        # every device holds everything: it samples with the weights it trains
+        grads = allreduce_s(m.trained * GRAD_BYTES, devices, d.link_gb_s)
+        c = dataclasses.replace(scaled, step=scaled.step + grads)
+        return [("replicated", c, 0.0, {"gradient all-reduce": grads})]
+    shard = train_state_bytes(m, devices)
+    if not d.fits(shard + reward):
+        raise DoesNotFit(
+            f"{devices} {d.kind} cannot hold the training state even sharded "
+            f"({_gb(shard + reward)} a device with the reward model; {_room(d)})"
+        )
+    fsdp = fsdp_update_s(m, devices, d.link_gb_s)
+    trained = dataclasses.replace(scaled, update=scaled.update + fsdp)
+    fsdp_term = {"fsdp update": fsdp * per_device}
+    gather = allgather_s(copy, devices, d.link_gb_s)
+    out = []
+    if d.fits(shard + copy + reward):
+        out.append(("gathered copy", trained, gather, {**fsdp_term, "copy gather": gather}))
+    gathers = sharded_sampling_s(m, devices, d.link_gb_s, work.passes)
+    sharded = dataclasses.replace(trained, gen=overlapped(trained.gen, gathers))
+    out.append(
+        ("sharded sampling", sharded, 0.0, {**fsdp_term, "sampling gathers": gathers * per_device})
+    )
+    if d.fits(copy + reward):
+        moved = offload_reload_s(shard, d.host_gb_s)
+        out.append(
+            (
+                "offload",
+                trained,
+                moved + gather,
+                {**fsdp_term, "offload": moved, "copy gather": gather},
+            )
+        )
+    return out
+
+
+def split_costs(
+    work: Workload, hw: Hardware | None, generators: int, trainers: int, *, tsp: bool
+) -> tuple[str, Costs, int, dict[str, float]]:
+    """The split's ``(strategy, per-micro-batch costs, trainer slots, terms a step)``; raises :class:`DoesNotFit` when a pool cannot hold its part."""
+    base = dataclasses.replace(work.costs, update=work.update(tsp))
+    if hw is None or work.model is None:
+        return "", base, trainers, {}
+    m, g, t = work.model, hw.generator, hw.trainer
+    gs, ts = hw.speed(g), hw.speed(t)
+    need = sampling_copy_bytes(m) + reward_bytes(m)
+    if not g.fits(need):
+        raise DoesNotFit(f"a {g.kind} generator cannot hold the model ({_gb(need)}; {_room(g)})")
+    # what is trained reaches the generators in bf16
+    sync = weight_sync_s(
+        m.trained * FROZEN_BYTES,
+        hw.cross_link_gb_s,
+        bucket_mb=hw.bucket_mb,
+        latency_s=hw.sync_latency_s,
+    )
+    costs = {
+        "gen": base.gen / gs,
+        "score": base.score / gs,
+        "gen_tag": base.gen_tag / ts,
+        "update": base.update / ts,
+        "step": base.step / ts,
+        "sync": sync,
+    }
+    terms = {"weight sync": sync}
+    if t.fits(train_state_bytes(m)):
+        grads = allreduce_s(m.trained * GRAD_BYTES, trainers, t.link_gb_s)
+        costs["step"] += grads
+        terms["gradient all-reduce"] = grads
+        return "replicated", Costs(**costs), trainers, terms
+    shard = train_state_bytes(m, trainers)
+    if not t.fits(shard):
+        raise DoesNotFit(
+            f"{trainers} {t.kind} trainer(s) cannot hold the training state even sharded "
+            f"({_gb(shard)} a device; {_room(t)})"
+        )
+    # one lockstep slot: each micro-batch split over the trainers, gathering whole weights
+    fsdp = fsdp_update_s(m, trainers, t.link_gb_s)
+    gathers = sharded_sampling_s(m, trainers, t.link_gb_s, work.passes)
+    costs["update"] = costs["update"] / trainers + fsdp
+    costs["gen_tag"] = overlapped(costs["gen_tag"] / trainers, gathers)
+    terms["fsdp update"] = fsdp * work.microbatches
+    return "fsdp trainers", Costs(**costs), 1, terms
+
+
+# -- ranking ------------------------------------------------------------------------------------
+
+
+def _policies(static_k: int, node_limit: int) -> list[tuple[str, TagPolicy]]:
+    return [
+        ("none", NoTAG()),
+        (f"static-{static_k}", StaticTAG(static_k)),
+        ("bts", BTS(node_limit=node_limit)),
+    ]
+
+
+def _mean_step(res: SimResult) -> float:
+    return res.makespan / len(res.step_ends)
+
+
+def _price(hw: Hardware | None, prices: tuple[float, float], g: int, t: int, colocated: bool):
+    gp, tp = prices if hw is None else (hw.generator.price_h, hw.trainer.price_h)
+    return (g + t) * tp if colocated else g * gp + t * tp
+
+
+def plan(
+    work: Workload,
+    devices: int | None = None,
+    hardware: Hardware | None = None,
+    *,
+    steps: int = 4,
+    static_k: int | None = None,
+    max_staleness: int = 1,
+    staleness_ratio: float = 0.25,
+    node_limit: int = 32,
+    score_overlap: bool = True,
+    prices: tuple[float, float] = (0.0, 0.0),
+    splits: bool = True,
+    on_split: Callable[[int, int, list[Candidate]], None] | None = None,
+) -> tuple[list[Candidate], list[str]]:
+    """Every candidate layout, fastest step first, and why any layout was left out.
+
+    ``devices``: how many devices of one kind to lay out (with ``hardware`` of two kinds,
+    its pool counts are used instead). ``prices``: per device-hour of a generator and of a
+    trainer when there is no ``hardware`` (a colocated device is billed as a trainer).
+    ``splits=False`` ranks the colocated candidates only. Ties rank the simpler choice first:
+    colocated, on-policy, then none < static < BTS, then more generators.
+    """
+    pools = hardware is not None and hardware.generators is not None
+    if pools:
+        assert hardware is not None and hardware.generators and hardware.trainers
+        split_list = [(hardware.generators, hardware.trainers)]
+        total = hardware.generators + hardware.trainers
+    else:
+        if not isinstance(devices, int) or devices < 2:
+            raise ValueError(
+                f"devices must be an integer >= 2 (one generator, one trainer), got {devices!r}"
+            )
+        total = devices
+        split_list = [(g, devices - g) for g in range(1, devices)]
+    skipped: list[str] = []
+    cands: list[Candidate] = []
+    tsps = [False] + ([True] if work.update_tsp is not None else [])
+    common = {"samples_per_step": work.samples, "tsp_degree": work.tsp_degree}
+
+    # colocated: over every device when the pools are one kind, else over the trainers' kind
+    co_devices = total if hardware is None or hardware.homogeneous else hardware.trainers or total
+    for tsp in tsps:
+        try:
+            options = colocated_costs(work, hardware, co_devices, tsp=tsp)
+        except DoesNotFit as exc:
+            skipped.append(f"colocated: {exc}")
+            continue
+        best = None
+        for strategy, costs, switch, terms in options:
+            res = simulate_colocated(
+                costs, work.microbatches, co_devices, steps=steps, switch_s=switch
+            )
+            step = _mean_step(res)
+            if best is None or step < best.step_time:
+                best = Candidate(
+                    layout=COLOCATED,
+                    generators=0,
+                    trainers=co_devices,
+                    tsp=tsp,
+                    step_time=step,
+                    price_h=_price(hardware, prices, 0, co_devices, True),
+                    strategy=strategy,
+                    terms=terms,
+                    **common,
+                )
+        assert best is not None
+        cands.append(best)
+
+    for g, t in split_list if splits else []:
+        done: list[Candidate] = []
+        tsp = work.update_tsp is not None
+        try:
+            strategy, costs, slots, terms = split_costs(work, hardware, g, t, tsp=tsp)
+        except DoesNotFit as exc:
+            skipped.append(f"{g}G+{t}T: {exc}")
+            continue
+        k = slots if static_k is None else static_k
+        for tcss, w, r in ((False, 0, 0.0), (True, max_staleness, staleness_ratio)):
+            for name, policy in _policies(k, node_limit):
+                res = simulate(
+                    costs,
+                    work.microbatches,
+                    g,
+                    slots,
+                    policy,
+                    steps=steps,
+                    mbs_per_group=work.mbs_per_group,
+                    max_staleness=w,
+                    staleness_ratio=r,
+                    score_overlap=score_overlap,
+                )
+                done.append(
+                    Candidate(
+                        layout=SPLIT,
+                        generators=g,
+                        trainers=t,
+                        policy=name,
+                        tcss=tcss,
+                        tsp=tsp,
+                        step_time=_mean_step(res),
+                        price_h=_price(hardware, prices, g, t, False),
+                        strategy=strategy,
+                        terms=terms,
+                        **common,
+                    )
+                )
+        if on_split is not None:
+            on_split(g, t, done)
+        cands += done
+    cands.sort(key=_rank_key)
+    return cands, skipped
+
+
+def _rank_key(c: Candidate) -> tuple:
+    return (
+        round(c.step_time, 9),
+        c.layout != COLOCATED,
+        c.tcss,
+        _POLICY_RANK.get(c.policy.split("-")[0], -1),
+        -c.generators,
+    )
+
+
+def by_cost(cands: list[Candidate]) -> list[Candidate]:
+    """The candidates cheapest per 1,000 samples first (unpriced ones last, by time)."""
+    return sorted(
+        cands,
+        key=lambda c: (c.cost_per_1k is None, c.cost_per_1k or 0.0, *_rank_key(c)),
+    )
+
+
+def explain(ranked: list[Candidate]) -> str:
+    """One line: the first choice, its predicted step, and the best of the other layout."""
+    if not ranked:
+        return "no layout fits"
+    best = ranked[0]
+    other = next((c for c in ranked[1:] if c.layout != best.layout), None)
+    line = f"{best.label}: predicted {best.step_time:.3f} s/step"
+    if other is not None:
+        line += f" vs {other.step_time:.3f} s for {other.label}"
+    return line
+
+
+def format_plan(ranked: list[Candidate], skipped: list[str], *, top: int | None = None) -> str:
+    """The ranking as a markdown table (time and cost), with what was left out below it."""
+    priced = any(c.cost_per_1k is not None for c in ranked)
+    head = "| rank | layout | how the model sits | step time (s) | vs best |"
+    rule = "| ---: | --- | --- | ---: | ---: |"
+    if priced:
+        head += " price / h | per 1k samples |"
+        rule += " ---: | ---: |"
+    lines = [head, rule]
+    best = ranked[0].step_time if ranked else 0.0
+    for i, c in enumerate(ranked[:top] if top else ranked, 1):
+        line = (
+            f"| {i} | {c.label} | {c.strategy or '-'} | {c.step_time:.3f} "
+            f"| {c.step_time / best if best else 1.0:.2f}x |"
+        )
+        if priced:
+            cost = c.cost_per_1k
+            line += f" {c.price_h:.2f} | {'-' if cost is None else f'{cost:.4f}'} |"
+        lines.append(line)
+    lines += [f"- left out: {why}" for why in skipped]
+    return "\n".join(lines)

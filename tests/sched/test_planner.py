@@ -1,0 +1,171 @@
+"""The planner: the colocated model, what each layout pays on GPUs, and the ranking."""
+
+from __future__ import annotations
+
+import pytest
+
+from digen.sched.costs import Costs
+from digen.sched.hardware import (
+    GB,
+    ModelSize,
+    allgather_s,
+    allreduce_s,
+    fsdp_update_s,
+    load_hardware,
+    offload_reload_s,
+    sharded_sampling_s,
+    weight_sync_s,
+)
+from digen.sched.planner import (
+    COLOCATED,
+    SPLIT,
+    Workload,
+    by_cost,
+    colocated_costs,
+    explain,
+    format_plan,
+    plan,
+    simulate_colocated,
+    split_costs,
+)
+from digen.sched.simulator import simulate
+from digen.sched.tag import BTS, NoTAG, StaticTAG
+
+COSTS = Costs(gen=1.0, update=0.5, score=0.1, step=0.2)
+FULL = ModelSize(params=10e9, blocks=50, trained=10e9, reward_params=1e9)
+
+
+def test_colocated_steps_are_three_phases_each_as_long_as_the_slowest_device() -> None:
+    # 5 micro-batches over 2 devices: device 0 has 3 (0, 2, 4), device 1 has 2
+    res = simulate_colocated(COSTS, 5, 2, steps=2, switch_s=0.4)
+    step = 0.4 + 3 * (1.0 + 0.1) + 3 * 0.5 + 0.2
+    assert res.step_ends == pytest.approx([step, 2 * step])
+    w0 = [e for e in res.events if e.worker == "worker-0" and e.step == 0]
+    assert [e.kind for e in w0] == ["sync", "generate", "generate", "generate", "score"] + [
+        "update"
+    ] * 3 + ["step"]
+    assert [e.mb for e in w0 if e.kind == "update"] == [0, 2, 4]
+    # device 1 waits for device 0 at each barrier
+    w1_update = next(e for e in res.events if e.worker == "worker-1" and e.kind == "update")
+    assert w1_update.t0 == pytest.approx(0.4 + 3.3)
+
+
+def test_colocated_draws_each_task() -> None:
+    seen = []
+
+    def draw(name: str, value: float) -> float:
+        seen.append(name)
+        return 2 * value
+
+    res = simulate_colocated(COSTS, 2, 2, draw=draw)
+    assert res.makespan == pytest.approx(2 * (1.0 + 0.1 + 0.5 + 0.2))
+    assert sorted(set(seen)) == ["gen", "score", "step", "update"]
+
+
+def test_colocated_on_gpus_takes_every_way_that_fits() -> None:
+    hw = load_hardware({"device": "h100"})
+    work = Workload(costs=COSTS, microbatches=16, passes=10, model=FULL)
+    got = {s: (c, switch, terms) for s, c, switch, terms in colocated_costs(work, hw, 8, tsp=False)}
+    # 160 GB of training state: sharded over 8 (20 GB), and a 20 GB copy + 2 GB reward fit
+    assert set(got) == {"gathered copy", "sharded sampling", "offload"}
+    gather = allgather_s(20 * GB, 8, 450)
+    fsdp = fsdp_update_s(FULL, 8, 450)
+    c, switch, terms = got["gathered copy"]
+    assert switch == pytest.approx(gather)
+    assert c.update == pytest.approx(0.5 + fsdp) and c.gen == 1.0
+    assert terms["fsdp update"] == pytest.approx(2 * fsdp)  # 2 micro-batches a device
+    c, switch, _ = got["sharded sampling"]
+    assert switch == 0 and c.gen == pytest.approx(max(1.0, sharded_sampling_s(FULL, 8, 450, 10)))
+    _, switch, _ = got["offload"]
+    assert switch == pytest.approx(offload_reload_s(20 * GB, 64) + gather)
+    # a small model is replicated: the gradients are all-reduced at the optimizer step
+    small = ModelSize(params=1e9, blocks=10, trained=1e9)
+    (one,) = colocated_costs(
+        Workload(costs=COSTS, microbatches=16, passes=10, model=small), hw, 8, tsp=False
+    )
+    assert one[0] == "replicated"
+    assert one[1].step == pytest.approx(0.2 + allreduce_s(4 * GB, 8, 450))
+
+
+def test_a_split_pays_the_weight_sync_and_runs_at_each_kind_speed() -> None:
+    hw = load_hardware(
+        {
+            "generator": {"kind": "l40s", "count": 4},
+            "trainer": {"kind": "h100", "count": 4},
+            "cross_gb_s": 25,
+        }
+    )
+    small = ModelSize(params=1e9, blocks=10, trained=1e9)
+    work = Workload(costs=COSTS, microbatches=8, passes=10, model=small)
+    strategy, c, slots, terms = split_costs(work, hw, 4, 4, tsp=False)
+    assert (strategy, slots) == ("replicated", 4)
+    slow = 362 / 989  # an l40s against the h100 the costs were measured on
+    assert c.gen == pytest.approx(1.0 / slow) and c.score == pytest.approx(0.1 / slow)
+    assert c.update == 0.5 and c.gen_tag == 1.0
+    assert c.sync == pytest.approx(weight_sync_s(2 * GB, 25)) == terms["weight sync"]
+    # a fully trained 10B model does not fit one h100: the trainers shard it, as one slot
+    strategy, c, slots, _ = split_costs(
+        Workload(costs=COSTS, microbatches=8, passes=10, model=FULL), hw, 4, 4, tsp=False
+    )
+    assert (strategy, slots) == ("fsdp trainers", 1)
+    assert c.update == pytest.approx(0.5 / 4 + fsdp_update_s(FULL, 4, 450))
+
+
+def test_plan_ranks_colocated_beside_every_split() -> None:
+    work = Workload(costs=COSTS, microbatches=8, update_tsp=0.3, tsp_degree=2)
+    ranked, skipped = plan(work, 4, steps=2)
+    assert skipped == []
+    layouts = {(c.layout, c.generators, c.tsp) for c in ranked}
+    assert (COLOCATED, 0, False) in layouts and (COLOCATED, 0, True) in layouts
+    assert {c.generators for c in ranked if c.layout == SPLIT} == {1, 2, 3}
+    times = [round(c.step_time, 9) for c in ranked]
+    assert times == sorted(times)
+    # equal devices, no costs of colocation: colocated with TSP does all the work in parallel
+    co = next(c for c in ranked if c.layout == COLOCATED and c.tsp)
+    assert co.step_time == pytest.approx(2 * (1.0 + 0.1 + 0.3) + 0.2)
+    line = explain(ranked)
+    assert line.startswith(ranked[0].label + ": predicted ")
+    assert " vs " in line
+
+
+def test_plan_leaves_out_what_does_not_fit_and_prices_every_candidate() -> None:
+    hw = load_hardware(
+        {
+            "generator": {"kind": "l4", "count": 4, "price_h": 1.0},
+            "trainer": {"kind": "h100", "count": 4, "price_h": 4.0},
+        }
+    )
+    # 30B bf16 (60 GB) does not fit a 24 GB l4: the split is left out, with the reason
+    big = ModelSize(params=30e9, blocks=60, trained=50e6)  # LoRA
+    ranked, skipped = plan(Workload(costs=COSTS, microbatches=8, passes=10, model=big), None, hw)
+    assert all(c.layout == COLOCATED for c in ranked)
+    assert skipped == [
+        "4G+4T: a l4 generator cannot hold the model (60 GB; 24 GB less 10 GB reserved)",
+    ]
+    small = ModelSize(params=2e9, blocks=20, trained=2e9)
+    ranked, _ = plan(Workload(costs=COSTS, microbatches=8, passes=10, model=small), None, hw)
+    split = next(c for c in ranked if c.layout == SPLIT)
+    assert split.price_h == 4 * 1.0 + 4 * 4.0
+    assert split.cost_per_1k == pytest.approx(20.0 * split.step_time / 3600 * 1000 / 8)
+    co = next(c for c in ranked if c.layout == COLOCATED)
+    assert co.trainers == 4 and co.price_h == 16.0  # colocated on the trainers' kind only
+    cheapest = by_cost(ranked)
+    assert [c.cost_per_1k for c in cheapest] == sorted(c.cost_per_1k for c in cheapest)
+    table = format_plan(ranked, [])
+    assert "per 1k samples" in table.splitlines()[0]
+
+
+def test_a_ranked_split_is_what_the_simulator_gives_for_it() -> None:
+    work = Workload(costs=COSTS, microbatches=8)
+    ranked, _ = plan(work, 4, steps=2, static_k=1)
+    assert len(ranked) == 1 + 3 * 6  # colocated (no TSP timed), 3 splits x 3 policies x TCSS
+    best = next(c for c in ranked if c.layout == SPLIT)
+    pol = {"none": NoTAG(), "static-1": StaticTAG(1), "bts": BTS()}[best.policy]
+    kw = {"max_staleness": 1, "staleness_ratio": 0.25} if best.tcss else {}
+    res = simulate(COSTS, 8, best.generators, best.trainers, pol, steps=2, **kw, score_overlap=True)
+    assert best.step_time == res.makespan / 2
+
+
+def test_plan_checks_its_devices() -> None:
+    with pytest.raises(ValueError, match="devices must be an integer >= 2"):
+        plan(Workload(costs=COSTS, microbatches=4), 1)
