@@ -40,6 +40,7 @@ __all__ = [
     "with_losses",
 ]
 
+
 def load_costs(source: Costs | Mapping[str, Any] | str | os.PathLike[str]) -> Costs:
     """Costs from a :class:`Costs`, a dict of seconds, or a JSON file.
 
