@@ -134,8 +134,16 @@ def _release(version: str) -> tuple[int, ...]:
 )
 @click.option(
     "--mode",
-    type=click.Choice(["colocated", "disaggregated"]),
-    help="colocated (one pool alternates) or disaggregated (generator + trainer pools) [default: colocated].",
+    type=click.Choice(["colocated", "disaggregated", "auto"]),
+    help="colocated (one pool alternates), disaggregated (generator + trainer pools), or "
+    "auto (time the tasks, then run the layout the planner predicts fastest) [default: "
+    "colocated].",
+)
+@click.option(
+    "--devices",
+    type=int,
+    help="With --mode auto: devices to lay out [default: the visible GPUs with "
+    "model.device=cuda, else the CPU cores over runtime.threads_per_worker].",
 )
 @click.option("--steps", type=int, help="Training steps.")
 @click.option("--seed", type=int, help="Run seed.")
@@ -185,6 +193,7 @@ def run(
     model_path: Path | None,
     flavour: str | None,
     mode: str | None,
+    devices: int | None,
     steps: int | None,
     seed: int | None,
     prompts: Path | None,
@@ -224,6 +233,7 @@ def run(
             launcher,
             resume=resume_dir is not None,
             overwrite=overwrite,
+            devices=devices,
         )
     except KeyboardInterrupt:
         click.echo("interrupted; outputs written so far are in place.", err=True)
@@ -310,9 +320,25 @@ def _run(
     launcher="local",
     resume=False,
     overwrite=False,
+    devices=None,
 ):
     from digen.config import load_config
     from digen.errors import DigenError
+
+    auto = mode == "auto"
+    if auto and resume:
+        raise DigenError(
+            "--mode auto chooses a new run's layout; a resumed run keeps the one its "
+            "config.yaml records (leave --mode out)."
+        )
+    if devices is not None and not auto:
+        raise DigenError(
+            "--devices is the number of devices --mode auto lays out; add --mode auto."
+        )
+    if devices is not None and devices < 2:
+        raise DigenError(f"--devices = {devices} is not allowed: it must be at least 2.")
+    if auto:
+        mode = "colocated"  # the preset's layer; the probe and the plan choose the layout
 
     if resume and not (out_dir / "config.yaml").is_file():
         raise DigenError(f"'{out_dir}' holds no run to resume (it has no config.yaml).")
@@ -372,17 +398,30 @@ def _run(
     from digen.runtime.transport.torchrun import under_torchrun
 
     if launcher == "torchrun" or (launcher == "auto" and under_torchrun(os.environ)):
+        if auto:
+            raise DigenError(
+                "--mode auto starts its own workers; under torchrun give the layout "
+                "(--mode colocated or disaggregated)."
+            )
         return _run_torchrun(cfg, out_dir, quiet, sample_every)
     from digen.checkpoint import check_out_dir
 
     # a previous run in --out, or a checkpoint of other weights: said before torch loads
     check_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite, checksums=False)
-    if cfg.runtime.mode == "disaggregated":
+    if cfg.runtime.mode == "disaggregated" or auto:
         from digen.runtime.transport.forkserver import start_fork_server
 
         start_fork_server()  # the workers' imports, beside the driver's below
     _quiet_progress_bars()  # imports diffusers: only once the config is good
     from digen.run.runner import DigenRunner
+
+    record = None
+    if auto:
+        from digen.run.auto import choose_layout
+
+        choice = _run_async(choose_layout(cfg, devices=devices, progress=not quiet))
+        cfg, record = choice.cfg, choice.record
+        click.echo(f"mode auto: {choice.line}", err=True)
 
     runner = DigenRunner(
         cfg,
@@ -391,6 +430,7 @@ def _run(
         sample_every=sample_every,
         resume=resume,
         overwrite=overwrite,
+        plan=record,
     )
     return _run_async(runner.run())
 

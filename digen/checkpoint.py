@@ -419,6 +419,7 @@ RUN_OUTPUTS = (
     "trace.json",
     "trace.jsonl",
     "profile.json",
+    "plan.json",
     "timeline.png",
     "trainer.log",
     "tensorboard",

@@ -339,22 +339,22 @@ def utilisation(events: Sequence[TraceEvent], first: int) -> tuple[dict[str, flo
     return util, 1.0 - total
 
 
-_COLOCATED_PHASES = (
-    (TaskKind.GENERATE, TaskKind.SCORE),
-    (TaskKind.UPDATE,),
-    (TaskKind.STEP,),
-)
 PREDICTION_DRAWS = 32
 """Simulations per prediction, each with task costs drawn from the run's own task times."""
 
 
-def _slowest(events: Sequence[TraceEvent], step: int, kinds: tuple[str, ...]) -> float:
-    """The largest time one worker spent on tasks of ``kinds`` in ``step``."""
-    busy: dict[str, float] = {}
+def _measured(events: Sequence[TraceEvent]) -> dict[str, list[float]]:
+    """Every task's seconds, by the cost its kind measures."""
+    out: dict[str, list[float]] = {}
     for e in events:
-        if e.step == step and e.kind in kinds:
-            busy[e.worker] = busy.get(e.worker, 0.0) + e.duration
-    return max(busy.values(), default=0.0)
+        if e.kind in EVENT_COST:
+            out.setdefault(EVENT_COST[e.kind], []).append(e.duration)
+    return out
+
+
+def _pick(rng: random.Random, measured: dict[str, list[float]], name: str, default: float) -> float:
+    """One of the run's own times for cost ``name``; ``default`` when it timed none."""
+    return rng.choice(measured[name]) if measured.get(name) else default
 
 
 def _bound_and_prediction(
@@ -367,17 +367,20 @@ def _bound_and_prediction(
     """The run's measured costs (medians over the counted steps' tasks), the ideal bound of a
     step from them, and the predicted step time.
 
-    Disaggregated: :func:`~digen.sched.simulator.simulate_plan` replays the run's schedule plan
-    :data:`PREDICTION_DRAWS` times, each with every cost drawn from the run's own task
-    times (seeded), plus the overhead the run measured for its kind (``overhead_ms/<kind>``
-    in ``rows``: RPC, pickling, the driver's loop), which a worker pays between tasks and
-    the bound leaves out; the prediction is the median step over the draws. Colocated: every worker generates and scores
-    its share of the step, the rewards are gathered, every worker updates its share, and the
-    gradients are all-reduced at the optimizer step, so a step is the sum of its three
-    phases, each as long as its slowest worker (the median over the counted steps).
+    Both replay the run in a model :data:`PREDICTION_DRAWS` times, each with every task's
+    seconds drawn from the run's own task times (seeded), and take the median step over the
+    draws. Disaggregated: :func:`~digen.sched.simulator.simulate_plan` runs the run's
+    schedule plan, each task with the overhead the run measured for its kind
+    (``overhead_ms/<kind>`` in ``rows``: RPC, pickling, the driver's loop), which a worker
+    pays between tasks and the bound leaves out. Colocated:
+    :func:`~digen.sched.planner.simulate_colocated`, every worker generating and scoring its
+    share of the step, then updating it, then the optimizer step, each phase as long as its
+    slowest worker (the rewards' gather and the gradients' all-reduce are barriers).
     """
     from digen.config import schedule_plan
+    from digen.run.auto import call_overhead
     from digen.sched.costs import OnlineProfiler
+    from digen.sched.planner import simulate_colocated
     from digen.sched.simulator import ideal_bound, simulate_plan
 
     counted = [e for e in events if e.step >= first]
@@ -398,39 +401,30 @@ def _bound_and_prediction(
         shared = mbs * chain / world + costs.step
         # ideal_bound's rule with every worker in both roles: all work shared, or one chain
         bound = max(shared, chain + costs.step)
-        # a step has two barriers, the rewards' gather after scoring and the gradients'
-        # all-reduce at the optimizer step: each phase lasts as long as its slowest worker
-        per_step = [
-            sum(_slowest(counted, s, kinds) for kinds in _COLOCATED_PHASES)
-            for s in sorted({e.step for e in counted})
-        ]
-        return costs.to_dict(), bound, statistics.median(per_step) if per_step else shared
+        # each draw of a score is one micro-batch's share of a worker's one scoring call
+        measured = _measured(counted)
+        measured["score"] = [d * world / mbs for d in measured.get("score", [])]
+        rng = random.Random(0)
+        times = []
+        for _ in range(PREDICTION_DRAWS):
+            sim = simulate_colocated(
+                costs, mbs, world, steps=2, draw=lambda name, v: _pick(rng, measured, name, v)
+            )
+            times += sim.step_times
+        return costs.to_dict(), bound, statistics.median(times)
     plan = schedule_plan(cfg)
     bound = ideal_bound(
         costs, plan.microbatches, plan.generators, plan.trainers, score_overlap=plan.score_overlap
     )
-    over = {
-        kind: statistics.median(r.get(f"overhead_ms/{kind}", 0.0) for r in rows) / 1e3
-        if rows
-        else 0.0
-        for kind in (TaskKind.GENERATE, TaskKind.SCORE, TaskKind.UPDATE)
-    }
-    extra = {"gen": over[TaskKind.GENERATE], "gen_tag": over[TaskKind.GENERATE]}
-    extra |= {"score": over[TaskKind.SCORE], "update": over[TaskKind.UPDATE]}
+    extra = call_overhead(rows)
     # Task times vary (a TAG here took 0.34-0.44 s), and a step can hinge on whether an
     # update and a TAG fit inside one generation: simulate with costs drawn from the run's
     # own task times, and take the median step over the draws.
-    measured: dict[str, list[float]] = {}
-    for e in counted:
-        if e.kind in EVENT_COST:
-            measured.setdefault(EVENT_COST[e.kind], []).append(e.duration)
+    measured = _measured(counted)
     rng = random.Random(0)
     times: list[float] = []
     for _ in range(PREDICTION_DRAWS):
-        drawn = {
-            name: rng.choice(measured[name]) if measured.get(name) else getattr(costs, name)
-            for name in COST_NAMES
-        }
+        drawn = {name: _pick(rng, measured, name, getattr(costs, name)) for name in COST_NAMES}
         sim = simulate_plan(plan, Costs(**{k: v + extra.get(k, 0.0) for k, v in drawn.items()}))
         times += sim.step_times[first:] or sim.step_times
     return costs.to_dict(), bound, statistics.median(times)

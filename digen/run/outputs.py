@@ -137,6 +137,10 @@ class RunOutputs:
 
         _atomic_write(self.dir / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
 
+    def write_json(self, name: str, data: Any) -> None:
+        """``data`` as indented JSON in ``name``, whole or not at all."""
+        _atomic_write(self.dir / name, json.dumps(data, indent=2) + "\n")
+
     def append_metrics(self, row: dict[str, Any]) -> None:
         with self.metrics_path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(row, sort_keys=False) + "\n")

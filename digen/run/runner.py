@@ -97,6 +97,7 @@ class DigenRunner:
         save_weights: bool = True,
         resume: bool = False,
         overwrite: bool = False,
+        plan: dict[str, Any] | None = None,
     ) -> None:
         """
         cfg: a :class:`DigenConfig`, a nested dict, a YAML path, or None for the defaults.
@@ -114,6 +115,8 @@ class DigenRunner:
             ``cfg.steps`` steps in all.
         overwrite: replace a previous run's outputs in ``out_dir`` (without it, and without
             ``resume``, a directory holding a run is refused).
+        plan: how the layout was chosen (``--mode auto``, :mod:`digen.run.auto`): written
+            to ``plan.json`` and its ``line`` to the log.
         """
         if isinstance(cfg, DigenConfig):
             self.cfg = cfg
@@ -156,6 +159,7 @@ class DigenRunner:
         self._stop: str | None = None
         self._backend_now: Any = None
         """The lead worker's backend while it runs (what a stop request reaches)."""
+        self._plan = plan
         self._placement_notes: list[str] = []
         """What the placement of a data-parallel run's group says for the log."""
 
@@ -210,6 +214,9 @@ class DigenRunner:
         log, log_fh = _open_log(outputs.log_path if outputs else None)
         if outputs:
             outputs.write_config(config_to_dict(cfg))
+            if self._plan is not None:
+                outputs.write_json("plan.json", self._plan)
+                log.info("note", text=f"mode auto chose {self._plan['line']}")
         for note in self._placement_notes if lead else ():
             log.info("note", text=note)
         if lead and cfg.runtime.mode == "disaggregated" and cfg.algo.adv_std == "global":

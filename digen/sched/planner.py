@@ -404,6 +404,7 @@ def plan(
     score_overlap: bool = True,
     prices: tuple[float, float] = (0.0, 0.0),
     splits: bool = True,
+    tcss: bool = True,
     on_split: Callable[[int, int, list[Candidate]], None] | None = None,
 ) -> tuple[list[Candidate], list[str]]:
     """Every candidate layout, fastest step first, and why any layout was left out.
@@ -411,7 +412,8 @@ def plan(
     ``devices``: how many devices of one kind to lay out (with ``hardware`` of two kinds,
     its pool counts are used instead). ``prices``: per device-hour of a generator and of a
     trainer when there is no ``hardware`` (a colocated device is billed as a trainer).
-    ``splits=False`` ranks the colocated candidates only. Ties rank the simpler choice first:
+    ``splits=False`` ranks the colocated candidates only; ``tcss=False`` leaves out the
+    splits with TCSS (which train on samples one version old). Ties rank the simpler choice first:
     colocated, on-policy, then none < static < BTS, then more generators.
     """
     pools = hardware is not None and hardware.generators is not None
@@ -469,7 +471,8 @@ def plan(
             skipped.append(f"{g}G+{t}T: {exc}")
             continue
         k = slots if static_k is None else static_k
-        for tcss, w, r in ((False, 0, 0.0), (True, max_staleness, staleness_ratio)):
+        stale = [(True, max_staleness, staleness_ratio)] if tcss else []
+        for with_tcss, w, r in [(False, 0, 0.0), *stale]:
             for name, policy in _policies(k, node_limit):
                 res = simulate(
                     costs,
@@ -489,7 +492,7 @@ def plan(
                         generators=g,
                         trainers=t,
                         policy=name,
-                        tcss=tcss,
+                        tcss=with_tcss,
                         tsp=tsp,
                         step_time=_mean_step(res),
                         price_h=_price(hardware, prices, g, t, False),
