@@ -63,6 +63,7 @@ __all__ = [
     "sharded_sampling_s",
     "TRAINED_BYTES",
     "train_state_bytes",
+    "weakest",
     "weight_sync_s",
 ]
 
@@ -399,6 +400,24 @@ def load_hardware(source: Hardware | Mapping[str, Any] | str | os.PathLike[str])
         profiled, _ = _device(source["profiled"], "profiled")
     kw = {k: source[k] for k in ("cross_gb_s", "bucket_mb", "sync_latency_s") if k in source}
     return Hardware(generator=gen, trainer=tr, generators=g, trainers=t, profiled=profiled, **kw)
+
+
+def weakest(a: Device, b: Device) -> Device:
+    """One device as slow, small and poorly linked as the weaker of ``a`` and ``b`` in each
+    figure: what a data-parallel layout over both kinds runs at (its phases wait for the
+    slowest member, and every member must hold the same state)."""
+    if a == b:
+        return a
+    return Device(
+        kind=f"{a.kind}+{b.kind}",
+        memory_gb=min(a.memory_gb, b.memory_gb),
+        link_gb_s=min(a.link_gb_s, b.link_gb_s),
+        host_gb_s=min(a.host_gb_s, b.host_gb_s),
+        tflops=min(a.tflops, b.tflops),
+        speed=None if a.speed is None or b.speed is None else min(a.speed, b.speed),
+        reserve_gb=max(a.reserve_gb, b.reserve_gb),
+        default=a.default and b.default,
+    )
 
 
 def describe(hw: Hardware) -> str:

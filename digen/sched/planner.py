@@ -56,6 +56,7 @@ from digen.sched.hardware import (
     sampling_copy_bytes,
     sharded_sampling_s,
     train_state_bytes,
+    weakest,
     weight_sync_s,
 )
 from digen.sched.names import TaskKind, worker_names
@@ -70,6 +71,7 @@ __all__ = [
     "DoesNotFit",
     "Workload",
     "by_cost",
+    "best_colocated",
     "colocated_costs",
     "explain",
     "format_plan",
@@ -265,12 +267,23 @@ def _room(d: Device) -> str:
 
 
 def colocated_costs(
-    work: Workload, hw: Hardware | None, devices: int, *, tsp: bool, device: Device | None = None
+    work: Workload,
+    hw: Hardware | None,
+    devices: int,
+    *,
+    tsp: bool,
+    device: Device | None = None,
+    engine: bool = False,
 ) -> list[tuple[str, Costs, float, dict[str, float]]]:
     """Every way the colocated layout can hold the model on ``devices`` of ``device`` (the
     trainer kind by default): ``(strategy, per-micro-batch costs, switch seconds a step,
     terms a step)``, or the plain costs when there are no GPU terms. Raises
-    :class:`DoesNotFit` when none fits."""
+    :class:`DoesNotFit` when none fits.
+
+    ``engine``: sampling runs in a separate rollout engine that keeps its own full copy (as
+    veRL-Omni does with vLLM-Omni): each step the new weights are gathered into it, and when
+    the engine's copy and the training state do not both fit, each is moved to host memory
+    while the other works (*rollout engine swaps*)."""
     base = dataclasses.replace(work.costs, update=work.update(tsp))
     if hw is None or work.model is None:
         return [("", base, 0.0, {})]
@@ -302,6 +315,14 @@ def colocated_costs(
     trained = dataclasses.replace(scaled, update=scaled.update + fsdp)
     fsdp_term = {"fsdp update": fsdp * per_device}
     gather = allgather_s(copy, devices, d.link_gb_s)
+    if engine:
+        if d.fits(shard + copy + reward):
+            return [("rollout engine", trained, gather, {**fsdp_term, "copy gather": gather})]
+        if not d.fits(copy + reward):
+            raise DoesNotFit(f"a {d.kind} cannot hold the rollout engine's copy ({_gb(copy)})")
+        moved = offload_reload_s(shard, d.host_gb_s) + offload_reload_s(copy, d.host_gb_s)
+        terms = {**fsdp_term, "swaps": moved, "copy gather": gather}
+        return [("rollout engine swaps", trained, moved + gather, terms)]
     out = []
     if d.fits(shard + copy + reward):
         out.append(("gathered copy", trained, gather, {**fsdp_term, "copy gather": gather}))
@@ -374,6 +395,42 @@ def split_costs(
 # -- ranking ------------------------------------------------------------------------------------
 
 
+def best_colocated(
+    work: Workload,
+    hw: Hardware | None,
+    devices: int,
+    *,
+    tsp: bool,
+    device: Device | None = None,
+    engine: bool = False,
+    steps: int = 4,
+    price_h: float = 0.0,
+) -> Candidate:
+    """The fastest way to hold the model colocated on ``devices`` (:func:`colocated_costs`),
+    simulated (:func:`simulate_colocated`)."""
+    best = None
+    for strategy, costs, switch, terms in colocated_costs(
+        work, hw, devices, tsp=tsp, device=device, engine=engine
+    ):
+        res = simulate_colocated(costs, work.microbatches, devices, steps=steps, switch_s=switch)
+        step = _mean_step(res)
+        if best is None or step < best.step_time:
+            best = Candidate(
+                layout=COLOCATED,
+                generators=0,
+                trainers=devices,
+                tsp=tsp,
+                step_time=step,
+                samples_per_step=work.samples,
+                price_h=price_h,
+                strategy=strategy,
+                terms=terms,
+                tsp_degree=work.tsp_degree,
+            )
+    assert best is not None
+    return best
+
+
 def _policies(static_k: int, node_limit: int) -> list[tuple[str, TagPolicy]]:
     return [
         ("none", NoTAG()),
@@ -433,34 +490,27 @@ def plan(
     tsps = [False] + ([True] if work.update_tsp is not None else [])
     common = {"samples_per_step": work.samples, "tsp_degree": work.tsp_degree}
 
-    # colocated: over every device when the pools are one kind, else over the trainers' kind
-    co_devices = total if hardware is None or hardware.homogeneous else hardware.trainers or total
-    for tsp in tsps:
-        try:
-            options = colocated_costs(work, hardware, co_devices, tsp=tsp)
-        except DoesNotFit as exc:
-            skipped.append(f"colocated: {exc}")
-            continue
-        best = None
-        for strategy, costs, switch, terms in options:
-            res = simulate_colocated(
-                costs, work.microbatches, co_devices, steps=steps, switch_s=switch
-            )
-            step = _mean_step(res)
-            if best is None or step < best.step_time:
-                best = Candidate(
-                    layout=COLOCATED,
-                    generators=0,
-                    trainers=co_devices,
-                    tsp=tsp,
-                    step_time=step,
-                    price_h=_price(hardware, prices, 0, co_devices, True),
-                    strategy=strategy,
-                    terms=terms,
-                    **common,
+    # colocated: over every device when the pools are one kind; with two kinds, over the
+    # trainers' kind alone, and over both, every device as slow and small as the weaker
+    layouts: list[tuple[int, Device | None, float]] = []
+    if hardware is None or hardware.homogeneous:
+        layouts.append((total, None, _price(hardware, prices, 0, total, True)))
+    else:
+        assert hardware.trainers is not None and hardware.generators is not None
+        layouts.append((hardware.trainers, None, hardware.trainers * hardware.trainer.price_h))
+        mixed = weakest(hardware.generator, hardware.trainer)
+        g, t = hardware.generators, hardware.trainers
+        layouts.append((total, mixed, _price(hardware, prices, g, t, False)))
+    for devs, device, price in layouts:
+        for tsp in tsps:
+            try:
+                best = best_colocated(
+                    work, hardware, devs, tsp=tsp, device=device, steps=steps, price_h=price
                 )
-        assert best is not None
-        cands.append(best)
+            except DoesNotFit as exc:
+                skipped.append(f"colocated on {devs} devices: {exc}")
+                continue
+            cands.append(best)
 
     for g, t in split_list if splits else []:
         done: list[Candidate] = []

@@ -21,6 +21,7 @@ from digen.sched.hardware import (
     sampling_copy_bytes,
     sharded_sampling_s,
     train_state_bytes,
+    weakest,
     weight_sync_s,
 )
 
@@ -116,6 +117,12 @@ def test_bad_hardware_is_one_sentence(spec, says) -> None:
     with pytest.raises(ValueError, match=".*") as got:
         load_hardware(spec)
     assert says in str(got.value)
+
+
+def test_the_weakest_of_two_kinds() -> None:
+    w = weakest(DEVICE_DEFAULTS["l40s"], DEVICE_DEFAULTS["h100"])
+    assert (w.memory_gb, w.link_gb_s, w.host_gb_s, w.tflops) == (48, 32, 32, 362)
+    assert w.kind == "l40s+h100" and weakest(w, w) is w
 
 
 def test_a_stated_device_needs_its_figures() -> None:

@@ -147,8 +147,16 @@ def test_plan_leaves_out_what_does_not_fit_and_prices_every_candidate() -> None:
     split = next(c for c in ranked if c.layout == SPLIT)
     assert split.price_h == 4 * 1.0 + 4 * 4.0
     assert split.cost_per_1k == pytest.approx(20.0 * split.step_time / 3600 * 1000 / 8)
-    co = next(c for c in ranked if c.layout == COLOCATED)
-    assert co.trainers == 4 and co.price_h == 16.0  # colocated on the trainers' kind only
+    # colocated on the trainers' kind alone, and on all 8 at the l4's speed and memory
+    co = {c.trainers: c for c in ranked if c.layout == COLOCATED and not c.tsp}
+    assert set(co) == {4, 8}
+    assert co[4].price_h == 16.0 and co[8].price_h == 20.0
+    # 32 GB of training state: sharded over 8; sampling from the shards hides its gathers
+    # (10 x 3.5 GB at 32 GB/s: 1.1 s) behind a generation of 8.2 s; one sharded update each
+    slow = 121 / 989
+    want = (1.0 + 0.1 + 0.5 + 0.2) / slow + fsdp_update_s(small, 8, 32)
+    assert co[8].strategy == "sharded sampling"
+    assert co[8].step_time == pytest.approx(want)
     cheapest = by_cost(ranked)
     assert [c.cost_per_1k for c in cheapest] == sorted(c.cost_per_1k for c in cheapest)
     table = format_plan(ranked, [])
