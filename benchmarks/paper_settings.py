@@ -1,33 +1,40 @@
-"""The paper's settings, projected: colocated vs naive disaggregation vs digen on 16 and 32
-devices, from measured cost curves.
+"""The paper's settings, projected with the planner's GPU terms: colocated (with and without
+TSP), a rollout-engine colocation with swaps, naive disaggregation and digen, on the paper's
+three testbeds, next to the paper's figures.
 
-    python benchmarks/gpu_check.py --out gpu-check/            # on one GPU: its cost curves
+    python benchmarks/gpu_check.py --device cpu --curves-only --size 256 --out cpu-check/
+    python benchmarks/paper_settings.py --profile cpu-check/profile.json [--json rows.json]
+
+    # with a GPU profile (its ratios, measured on a GPU)
+    python benchmarks/gpu_check.py --out gpu-check/
     python benchmarks/paper_settings.py --profile gpu-check/profile.json
 
-    # without a GPU: this machine's curves, labelled as such in the output
-    python benchmarks/gpu_check.py --device cpu --curves-only --flavour tiny --out cpu-check/
-    python benchmarks/paper_settings.py --profile cpu-check/profile.json
+**Costs.** A sample's generation is sized by FLOPs: ``2 x params x tokens + 4 x blocks x
+tokens^2 x hidden`` a denoiser pass (the paper's resolution, 16 px to a token, a quarter of the
+frames, 256 text tokens), times the passes (sampling steps, twice with separate guidance
+passes), at :data:`MFU` of the device's dense bf16 throughput. The other costs keep the
+profile's *ratios* to generation: an update per trained timestep against one denoiser pass,
+TSP's saving at degree 4, scoring. A CPU profile's ratios are a CPU's; the output says which
+profile it used. The optimizer step is memory-bound: the sharded Adam state read and written
+at :data:`HBM_GB_S`.
 
-The settings are those of the paper's end-to-end comparison: a train batch of 32 samples
-(4 prompts x 8), sampling steps 20 / 30 / 40, timestep fractions 0.4 / 0.6 (the share of
-the denoising steps that is trained), the devices split evenly between generators and
-trainers, one sample per micro-batch. Per setting it simulates, with the runtime's own
-scheduler model (:func:`digen.sched.simulate`):
+**Layouts** (all on the same devices, batch 32 = 4 prompts x 8, one sample a micro-batch):
 
-- **colocated**: every device generates and scores its 32 / D samples, then trains them,
-  then one optimizer step (data-parallel, no pipelining, no TSP: what veRL-Omni and
-  flow_grpo do); and **colocated + TSP**, the same with digen's TSP, a fairer baseline;
-- **naive**: D / 2 generators and D / 2 trainers; training starts once the whole batch is
-  scored; no TSP, no TAG;
-- **digen**: GAP groups, TSP at the best degree the curves measured, BTS, scoring beside
-  generation; and **digen + TCSS** (one version of staleness, up to half a step early).
+- *colocated*: every device samples then trains its 32 / D samples, FSDP over all devices
+  when the training state does not fit one, sampling the cheapest way that fits (a gathered
+  copy, sampling from the shards, or offloading the training state);
+- *colocated + TSP*: the same with digen's TSP (degree 4);
+- *rollout engine*: colocation with a separate sampling engine holding its own copy, which
+  swaps with the training state through host memory when both do not fit (veRL-Omni's
+  design with vLLM-Omni and FSDP);
+- *naive*: half the devices generate, half train, the whole batch before any update;
+- *digen*: the same even split with GAP groups, TSP 4, BTS and scoring beside generation,
+  and *+ TCSS* (one version, half a step early); new weights reach the generators over the
+  link between the pools every step;
+- *planner*: what ``digen simulate --recommend`` ranks first over every layout.
 
-Costs per micro-batch come from the profile's curves at micro-batch 1: generation scales
-with the sampling steps (``gen x S / S0``), training with the trained timesteps
-(``update x fraction x S / W0``), where ``S0`` and ``W0`` are the profile's own sampling
-steps and trained timesteps; scoring, the optimizer step and the weight sync are taken as
-measured. Step times are the mean of steps 2-4 of a 4-step simulation (the first fills the
-pipeline). The output is a markdown table; ``--json FILE`` writes the rows.
+Step times are the mean of a 4-step simulation. The output is markdown; ``--json FILE``
+writes the rows.
 """
 
 from __future__ import annotations
@@ -36,25 +43,105 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from digen.models.registry import get_backbone
 from digen.sched import BTS, Costs, NoTAG, simulate
+from digen.sched.hardware import TRAINED_BYTES, Device, Hardware, ModelSize, weakest
+from digen.sched.planner import Workload, best_colocated, plan, split_costs
 
-PAPER = {
-    "HunyuanVideo (paper, vs colocated)": "1.04-1.37x, 1.13-1.49x with TCSS",
-    "Wan2.1 (paper, vs colocated)": "1.13-1.45x",
-    "ablation (paper, vs naive)": "up to 3.34x",
-}
+MFU = 0.4
+"""Share of a device's dense bf16 throughput a denoiser pass reaches (an assumption)."""
+HBM_GB_S = 1500.0
+"""Memory bandwidth the optimizer step streams its state at (an assumption)."""
 BATCH, GROUP = 32, 8
-"""Samples a train step, samples a prompt (the paper's batch of 32)."""
 STEPS = (20, 30, 40)
 FRACTIONS = (0.4, 0.6)
-DEVICES = (16, 32)
+TEXT_TOKENS = 256
+
+# The paper's testbeds (its section 5.1): a 48 GB GPU of 309.7 sparse (155 dense) bf16
+# TFLOPS on PCIe, nodes on 200 Gb/s; an 80 GB GPU of 989 dense TFLOPS on NVLink, nodes on
+# 400 Gb/s; a 96 GB GPU of 504 dense TFLOPS on PCIe Gen5, nodes on 200 Gb/s.
+TESTBED = {
+    "A": Device(kind="testbed-A", memory_gb=48, link_gb_s=25, host_gb_s=25, tflops=155),
+    "B": Device(kind="testbed-B", memory_gb=80, link_gb_s=450, host_gb_s=50, tflops=989),
+    "C": Device(kind="testbed-C", memory_gb=96, link_gb_s=25, host_gb_s=50, tflops=504),
+}
+CROSS = {"A": 25.0, "B": 50.0, "C": 25.0}
+"""Between nodes (where the two pools meet), GB/s."""
 
 
-def load_curves(path: Path) -> dict[str, Any]:
-    """The per-sample costs of a ``gpu_check.py`` profile, and where they were measured."""
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    model: str
+    height: int
+    width: int
+    frames: int | None
+    guidance_passes: int
+    reward_params: float
+    testbeds: tuple[str, str]
+    """(generators', trainers') testbed."""
+    devices: tuple[int, ...]
+    paper: str
+
+
+SETTINGS = (
+    Setting(
+        "HunyuanVideo, DanceGRPO, testbed A",
+        "hunyuanvideo",
+        352,
+        352,
+        25,
+        1,
+        2e9,
+        ("A", "A"),
+        (16, 32),
+        "1.04-1.37x colocated, 1.13-1.49x with TCSS",
+    ),
+    Setting(
+        "Wan2.1 14B, Flow-GRPO, testbed B",
+        "wan",
+        352,
+        352,
+        25,
+        2,
+        2e9,
+        ("B", "B"),
+        (16, 32),
+        "1.13-1.34x colocated, 1.21-1.45x with TCSS",
+    ),
+    Setting(
+        "HunyuanVideo, heterogeneous: 8 x A generate, 8 x C train",
+        "hunyuanvideo",
+        352,
+        352,
+        25,
+        1,
+        2e9,
+        ("A", "C"),
+        (16,),
+        "1.46-1.85x colocated",
+    ),
+    Setting(
+        "QwenImage 20B, Flow-GRPO, testbed B, vs a rollout engine",
+        "qwenimage",
+        512,
+        512,
+        None,
+        2,
+        8e9,
+        ("B", "B"),
+        (32,),
+        "1.56-2.21x veRL-Omni",
+    ),
+)
+
+
+def load_ratios(path: Path) -> dict[str, Any]:
+    """The profile's cost ratios at micro-batch 1, and where it was measured."""
     prof = json.loads(path.read_text())
     curves, point = prof.get("curves"), prof.get("operating_point")
     if not curves or not point:
@@ -66,112 +153,183 @@ def load_curves(path: Path) -> dict[str, Any]:
     if not gen or not train:
         raise SystemExit(f"error: {path} has no micro-batch 1 points to project from.")
     by_tsp = {p["tsp_degree"]: p["seconds"] for p in train}
-    best = min(by_tsp, key=by_tsp.get)
-    costs = prof.get("costs") or {}
-    return {
-        "gen": gen[0]["seconds"],
-        "update_tsp1": by_tsp[min(by_tsp)],
-        "update_best": by_tsp[best],
-        "tsp_best": best,
-        "score": curves.get("score_s", 0.0) / point["microbatch"],
-        "step": curves.get("optimizer_step_s", 0.0),
-        "sync": costs.get("sync", 0.0),
-        "S0": point["inference_steps"],
-        "W0": point["trained_timesteps"],
-        "where": _where(path, point),
-    }
-
-
-def _where(path: Path, point: dict[str, Any]) -> str:
+    per_pass = gen[0]["seconds"] / point["inference_steps"]
     report = path.with_name("report.json")
     device = "unknown device"
     if report.is_file():
-        rep = json.loads(report.read_text())
-        env, plan = rep.get("environment", {}), rep.get("plan", {})
-        kind = "GPU" if env.get("cuda_available") else "CPU, scaled: not a GPU's cost ratios"
-        device = f"{env.get('device_name', device)} ({kind}), {plan.get('flavour', '?')} {plan.get('model', '')}"
-    return (
-        f"{device}, {point.get('height')}x{point.get('width')} px, {point.get('model.dtype')}, "
-        f"{point['inference_steps']} sampling steps, {point['trained_timesteps']} trained"
-    )
-
-
-def costs_for(c: dict[str, Any], steps: int, fraction: float, tsp: bool) -> Costs:
-    """Per-micro-batch (one sample) costs at ``steps`` sampling steps, ``fraction`` trained."""
-    g = steps / c["S0"]
-    trained = fraction * steps / c["W0"]
-    return Costs(
-        gen=c["gen"] * g,
-        gen_tag=c["gen"] * g,  # the paper's testbeds are homogeneous: a trainer generates as fast
-        score=c["score"],
-        update=(c["update_best"] if tsp else c["update_tsp1"]) * trained,
-        step=c["step"],
-        sync=c["sync"],
-    )
-
-
-def _mean_step(res) -> float:
-    return statistics.mean(res.step_times[1:])
-
-
-def project(c: dict[str, Any], devices: int, steps: int, fraction: float) -> dict[str, float]:
-    """Step times (s) of every mode at one setting."""
-    half = devices // 2
-    plain = costs_for(c, steps, fraction, tsp=False)
-    per_device = BATCH // devices
-    fast = costs_for(c, steps, fraction, tsp=True)
-    colocated = per_device * (plain.gen + plain.score + plain.update) + plain.step
-    colocated_tsp = per_device * (fast.gen + fast.score + fast.update) + fast.step
-    naive = simulate(plain, BATCH, half, half, NoTAG(), steps=4, mbs_per_group=BATCH)
-    kw = {"steps": 4, "mbs_per_group": GROUP, "score_overlap": True}
-    digen = simulate(fast, BATCH, half, half, BTS(), **kw)
-    tcss = simulate(fast, BATCH, half, half, BTS(), max_staleness=1, staleness_ratio=0.5, **kw)
+        env = json.loads(report.read_text()).get("environment", {})
+        kind = "a GPU" if env.get("cuda_available") else "a CPU: not a GPU's ratios"
+        device = f"{env.get('device_name', device)} ({kind})"
     return {
-        "colocated": colocated,
-        "colocated+tsp": colocated_tsp,
-        "naive": _mean_step(naive),
-        "digen": _mean_step(digen),
-        "digen+tcss": _mean_step(tcss),
+        "update_per_pass": by_tsp[min(by_tsp)] / point["trained_timesteps"] / per_pass,
+        "tsp4": by_tsp.get(4, by_tsp[min(by_tsp)]) / by_tsp[min(by_tsp)],
+        "score_per_gen": curves.get("score_s", 0.0) / point["microbatch"] / gen[0]["seconds"],
+        "where": f"{device}, {point.get('height')}x{point.get('width')} px",
     }
+
+
+def pass_seconds(s: Setting, device: Device) -> float:
+    """One denoiser pass of one sample, from FLOPs at :data:`MFU`."""
+    b = get_backbone(s.model)
+    tokens = (s.height // 16) * (s.width // 16)
+    if s.frames:
+        tokens *= (s.frames - 1) // 4 + 1
+    tokens += TEXT_TOKENS
+    flops = 2 * b.params * tokens + 4 * b.blocks * tokens**2 * b.hidden
+    return flops / (device.tflops * 1e12 * MFU)
+
+
+SIZES = (1, 2, 4, 8)
+"""Samples a micro-batch: each layout is projected at the size that suits it best."""
+
+
+def workload(
+    s: Setting, r: dict[str, Any], steps: int, fraction: float, trainers: int, size: int, lora: int
+) -> Workload:
+    """The setting's costs per micro-batch of ``size`` samples on its trainers' device (the
+    planner's reference); a micro-batch costs ``size`` samples (a GPU is compute-bound at
+    these sizes)."""
+    device = TESTBED[s.testbeds[1]]
+    one = pass_seconds(s, device)
+    gen = one * steps * s.guidance_passes * size
+    update = r["update_per_pass"] * one * fraction * steps * size
+    model = ModelSize.of(s.model, lora_rank=lora, reward_params=s.reward_params)
+    step = 2 * TRAINED_BYTES * model.trained / trainers / (HBM_GB_S * 1e9)
+    costs = Costs(gen=gen, update=update, score=r["score_per_gen"] * gen, step=step)
+    return Workload(
+        costs=costs,
+        microbatches=BATCH // size,
+        samples_per_microbatch=size,
+        mbs_per_group=GROUP // size,
+        update_tsp=update * r["tsp4"],
+        tsp_degree=4,
+        passes=steps * s.guidance_passes,
+        model=model,
+    )
+
+
+def _split(w: Workload, hw: Hardware, half: int, *, tsp: bool, policy: str, tcss: bool) -> float:
+    _, costs, slots, _ = split_costs(w, hw, half, half, tsp=tsp)
+    if policy == "naive":
+        res = simulate(
+            costs, w.microbatches, half, slots, NoTAG(), steps=4, mbs_per_group=w.microbatches
+        )
+    else:
+        stale = {"max_staleness": 1, "staleness_ratio": 0.5} if tcss else {}
+        res = simulate(
+            costs,
+            w.microbatches,
+            half,
+            slots,
+            BTS(),
+            steps=4,
+            mbs_per_group=w.mbs_per_group,
+            score_overlap=True,
+            **stale,
+        )
+    return _mean(res)
+
+
+def project(
+    s: Setting, r: dict[str, Any], devices: int, steps: int, fraction: float, lora: int
+) -> dict[str, Any]:
+    """Step times of every layout at one setting, each at its best micro-batch size."""
+    g_kind, t_kind = s.testbeds
+    half = devices // 2
+    hetero = g_kind != t_kind
+    hw = Hardware(
+        generator=TESTBED[g_kind],
+        trainer=TESTBED[t_kind],
+        generators=half if hetero else None,
+        trainers=half if hetero else None,
+        cross_gb_s=CROSS[g_kind],
+    )
+    mixed = weakest(hw.generator, hw.trainer) if hetero else None
+    layouts: dict[str, Any] = {
+        "colocated": lambda w: best_colocated(w, hw, devices, tsp=False, device=mixed),
+        "colocated+tsp": lambda w: best_colocated(w, hw, devices, tsp=True, device=mixed),
+        "rollout engine": lambda w: best_colocated(
+            w, hw, devices, tsp=False, device=mixed, engine=True
+        ),
+        "naive": lambda w: _split(w, hw, half, tsp=False, policy="naive", tcss=False),
+        "digen": lambda w: _split(w, hw, half, tsp=True, policy="bts", tcss=False),
+        "digen+tcss": lambda w: _split(w, hw, half, tsp=True, policy="bts", tcss=True),
+    }
+    row: dict[str, Any] = {}
+    for name, run in layouts.items():
+        best = None
+        for size in SIZES:
+            got = run(workload(s, r, steps, fraction, half, size, lora))
+            t = got if isinstance(got, float) else got.step_time
+            if best is None or t < best[0]:
+                best = (t, size, "" if isinstance(got, float) else got.strategy)
+        assert best is not None
+        row[name], row[f"{name} size"], row[f"{name} how"] = best
+    w = workload(s, r, steps, fraction, half, row["digen size"], lora)
+    _, _, _, terms = split_costs(w, hw, half, half, tsp=True)
+    row["weight sync"] = terms.get("weight sync", 0.0)
+    ranked, _ = plan(w, None if hetero else devices, hw, steps=4, staleness_ratio=0.5)
+    row["planner"] = f"{ranked[0].label} ({ranked[0].step_time:.1f} s)"
+    return row
+
+
+def _mean(res) -> float:
+    return statistics.mean(res.step_times[1:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", type=Path, required=True, help="gpu_check.py's profile.json")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument(
+        "--lora-rank", type=int, default=0, help="train a LoRA of this rank (default 0: full)"
+    )
     args = ap.parse_args()
     if not args.profile.is_file():
         sys.exit(f"error: profile file '{args.profile}' does not exist.")
-    c = load_curves(args.profile)
-    print(f"Costs from {c['where']}; TSP degree {c['tsp_best']} for digen.\n")
+    r = load_ratios(args.profile)
     print(
-        "| devices | sampling steps | fraction | colocated (s) | colocated + TSP (s) | naive (s) "
-        "| digen (s) | + TCSS (s) | digen vs colocated | + TCSS vs colocated "
-        "| + TCSS vs colocated + TSP | digen + TCSS vs naive |"
+        f"Ratios from {r['where']}: an update of one trained timestep = "
+        f"{r['update_per_pass']:.2f} denoiser passes, TSP 4 x{r['tsp4']:.2f}; generation "
+        f"from FLOPs at {MFU:.0%} MFU; "
+        + (f"LoRA rank {args.lora_rank}.\n" if args.lora_rank else "full fine-tuning.\n")
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
-    for d in DEVICES:
-        for s in STEPS:
-            for f in FRACTIONS:
-                t = project(c, d, s, f)
-                row = {"devices": d, "sampling_steps": s, "fraction": f, **t}
-                row["digen_vs_colocated"] = t["colocated"] / t["digen"]
-                row["tcss_vs_colocated"] = t["colocated"] / t["digen+tcss"]
-                row["tcss_vs_colocated_tsp"] = t["colocated+tsp"] / t["digen+tcss"]
-                row["tcss_vs_naive"] = t["naive"] / t["digen+tcss"]
-                rows.append(row)
-                print(
-                    f"| {d} | {s} | {f} | {t['colocated']:.3f} | {t['colocated+tsp']:.3f} "
-                    f"| {t['naive']:.3f} | {t['digen']:.3f} | {t['digen+tcss']:.3f} "
-                    f"| {row['digen_vs_colocated']:.2f}x | {row['tcss_vs_colocated']:.2f}x "
-                    f"| {row['tcss_vs_colocated_tsp']:.2f}x | {row['tcss_vs_naive']:.2f}x |"
-                )
-    print()
-    for name, value in PAPER.items():
-        print(f"- {name}: {value}")
+    for s in SETTINGS:
+        print(f"**{s.name}** (paper: {s.paper})\n")
+        print(
+            "| GPUs | steps | fraction | colocated (s) | + TSP (s) | rollout engine (s) "
+            "| naive (s) | digen (s) | + TCSS (s) | digen vs colocated | + TCSS vs colocated "
+            "| + TCSS vs colocated + TSP | digen vs rollout engine | planner's first |"
+        )
+        print(
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+        )
+        for d in s.devices:
+            for steps in STEPS:
+                for f in FRACTIONS:
+                    t = project(s, r, d, steps, f, args.lora_rank)
+                    row = {"setting": s.name, "devices": d, "steps": steps, "fraction": f, **t}
+                    rows.append(row)
+                    print(
+                        f"| {d} | {steps} | {f} | {t['colocated']:.1f} | {t['colocated+tsp']:.1f} "
+                        f"| {t['rollout engine']:.1f} | {t['naive']:.1f} | {t['digen']:.1f} "
+                        f"| {t['digen+tcss']:.1f} | {t['colocated'] / t['digen']:.2f}x "
+                        f"| {t['colocated'] / t['digen+tcss']:.2f}x "
+                        f"| {t['colocated+tsp'] / t['digen+tcss']:.2f}x "
+                        f"| {t['rollout engine'] / t['digen']:.2f}x | {t['planner']} |"
+                    )
+        mine = [r_ for r_ in rows if r_["setting"] == s.name]
+        how = sorted({r_["colocated how"] for r_ in mine})
+        eng = sorted({r_["rollout engine how"] for r_ in mine})
+        sizes = sorted({r_["digen size"] for r_ in mine})
+        sync = max(r_["weight sync"] for r_ in mine)
+        print(
+            f"\ncolocated: {', '.join(how)}; the engine: {', '.join(eng)}; digen's "
+            f"micro-batches: {sizes} samples; weight sync up to {sync:.2f} s a step\n"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"where": c["where"], "rows": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"where": r["where"], "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 ``config.yaml`` (fully resolved), ``metrics.jsonl`` (one JSON object per step), sample grids
 ``samples/step_XXXX.png``, ``trainer.log`` (structured log lines), the trace (``trace.jsonl``,
-:mod:`digen.sched.trace`) and the final weights: a LoRA adapter in the diffusers / peft format
+:mod:`digen.sched.trace`), with ``--mode auto`` ``plan.json`` (the layouts it weighed) and the
+final weights: a LoRA adapter in the diffusers / peft format
 (``lora/``) or a full transformer (``transformer/``).
 Every file is written whole (temp file + rename) or appended line by line, so an interrupted
 run never leaves a half-written file behind; the final weights, like a checkpoint, are written

@@ -383,11 +383,15 @@ def split_costs(
             f"{trainers} {t.kind} trainer(s) cannot hold the training state even sharded "
             f"({_gb(shard)} a device; {_room(t)})"
         )
-    # one lockstep slot: each micro-batch split over the trainers, gathering whole weights
+    # one lockstep slot: a micro-batch's samples are dealt over the trainers (the runtime's
+    # lockstep chunks), so each works ceil(samples / trainers) of them, gathering whole
+    # weights for every pass; a micro-batch of fewer samples than trainers leaves some idle
     fsdp = fsdp_update_s(m, trainers, t.link_gb_s)
     gathers = sharded_sampling_s(m, trainers, t.link_gb_s, work.passes)
-    costs["update"] = costs["update"] / trainers + fsdp
-    costs["gen_tag"] = overlapped(costs["gen_tag"] / trainers, gathers)
+    n = work.samples_per_microbatch
+    share = -(-n // trainers) / n
+    costs["update"] = costs["update"] * share + fsdp
+    costs["gen_tag"] = overlapped(costs["gen_tag"] * share, gathers)
     terms["fsdp update"] = fsdp * work.microbatches
     return "fsdp trainers", Costs(**costs), 1, terms
 

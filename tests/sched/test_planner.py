@@ -108,7 +108,13 @@ def test_a_split_pays_the_weight_sync_and_runs_at_each_kind_speed() -> None:
         Workload(costs=COSTS, microbatches=8, passes=10, model=FULL), hw, 4, 4, tsp=False
     )
     assert (strategy, slots) == ("fsdp trainers", 1)
+    # one sample a micro-batch: one trainer works it, the other three keep in step
+    assert c.update == pytest.approx(0.5 + fsdp_update_s(FULL, 4, 450))
+    eight = Workload(costs=COSTS, microbatches=8, samples_per_microbatch=8, passes=10, model=FULL)
+    _, c, _, _ = split_costs(eight, hw, 4, 4, tsp=False)  # 8 samples: 2 each
     assert c.update == pytest.approx(0.5 / 4 + fsdp_update_s(FULL, 4, 450))
+    gathers = sharded_sampling_s(FULL, 4, 450, 10)
+    assert c.gen_tag == pytest.approx(max(1.0 / 4, gathers))
 
 
 def test_plan_ranks_colocated_beside_every_split() -> None:
