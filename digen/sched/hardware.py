@@ -104,8 +104,12 @@ class Device:
     price_h: float = 0.0
     """Price per device-hour (any currency; 0: not priced)."""
     speed: float | None = None
-    """Speed relative to the device the costs were measured on, when stated (a profile of
-    both kinds); None: the ratio of ``tflops``."""
+    """Speed relative to the device the costs were measured on, when stated; None: from
+    ``gen_s`` when both kinds have one, else the ratio of ``tflops``."""
+    gen_s: float | None = None
+    """Seconds this kind took to generate one micro-batch in a profile (``profile:`` in a
+    hardware file reads it from a run's ``profile.json``): two kinds' ``gen_s`` give their
+    measured speed ratio."""
     reserve_gb: float = 10.0
     """Memory kept for activations, the sampler's latents and workspace."""
     default: bool = False
@@ -118,8 +122,10 @@ class Device:
                 raise ValueError(f"{self.kind}: {name} must be a number > 0, got {value!r}")
         if not _number(self.price_h) or self.price_h < 0:
             raise ValueError(f"{self.kind}: price_h must be a number >= 0, got {self.price_h!r}")
-        if self.speed is not None and not _positive(self.speed):
-            raise ValueError(f"{self.kind}: speed must be a number > 0, got {self.speed!r}")
+        for name in ("speed", "gen_s"):
+            value = getattr(self, name)
+            if value is not None and not _positive(value):
+                raise ValueError(f"{self.kind}: {name} must be a number > 0, got {value!r}")
         if not _number(self.reserve_gb) or not 0 <= self.reserve_gb < self.memory_gb:
             raise ValueError(
                 f"{self.kind}: reserve_gb must be from 0 to memory_gb, got {self.reserve_gb!r}"
@@ -309,6 +315,8 @@ class Hardware:
         if device.speed is not None:
             return device.speed
         base = self.profiled or self.trainer
+        if device.gen_s is not None and base.gen_s is not None:
+            return base.gen_s / device.gen_s
         return device.tflops / base.tflops
 
     @property
@@ -319,7 +327,7 @@ class Hardware:
 
 
 _DEVICE_KEYS = {f.name for f in dataclasses.fields(Device)} - {"default"}
-_POOL_KEYS = _DEVICE_KEYS | {"count"}
+_POOL_KEYS = _DEVICE_KEYS | {"count", "profile"}
 _TOP_KEYS = {"device", "generator", "trainer", "profiled", "cross_gb_s", "bucket_mb"}
 _TOP_KEYS |= {"sync_latency_s", "devices"}
 
@@ -338,7 +346,11 @@ def _device(spec: Any, where: str) -> tuple[Device, int | None]:
     kind = spec.get("kind")
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"{where} needs a kind (e.g. h100)")
-    given = {k: v for k, v in spec.items() if k not in ("kind", "count")}
+    given = {k: v for k, v in spec.items() if k not in ("kind", "count", "profile")}
+    if spec.get("profile") is not None:
+        from digen.sched.simulate_cli import load_costs
+
+        given["gen_s"] = load_costs(spec["profile"]).gen
     base = DEVICE_DEFAULTS.get(kind.lower())
     if base is None:
         missing = {"memory_gb", "link_gb_s", "host_gb_s", "tflops"} - set(given)
@@ -352,7 +364,8 @@ def _device(spec: Any, where: str) -> tuple[Device, int | None]:
         # stated figures replace the defaults; the device stays marked default only if its
         # spec-sheet figures (memory, links, throughput) are all still the table's
         stated = {"memory_gb", "link_gb_s", "host_gb_s", "tflops"} & set(given)
-        device = dataclasses.replace(base, **given, default=not stated and "speed" not in given)
+        measured = "speed" in given or "gen_s" in given
+        device = dataclasses.replace(base, **given, default=not stated and not measured)
     count = spec.get("count")
     return device, count
 
@@ -362,7 +375,8 @@ def load_hardware(source: Hardware | Mapping[str, Any] | str | os.PathLike[str])
 
     ``device: h100`` gives both pools one kind; ``generator:`` and ``trainer:`` give each its
     own (a kind, or a mapping with ``kind``, any :class:`Device` field to override its
-    figures, and ``count``). ``profiled:`` names the kind the costs were measured on;
+    figures, ``count``, and ``profile``: a run's ``profile.json`` on that kind, whose
+    generation time sets ``gen_s``). ``profiled:`` names the kind the costs were measured on;
     ``cross_gb_s``, ``bucket_mb`` and ``sync_latency_s`` set the links between the pools.
     """
     if isinstance(source, Hardware):

@@ -119,6 +119,23 @@ def test_bad_hardware_is_one_sentence(spec, says) -> None:
     assert says in str(got.value)
 
 
+def test_speed_ratios_from_a_profile_of_each_kind(tmp_path) -> None:
+    (tmp_path / "l40s.json").write_text('{"gen": 3.0, "update": 1.0}')
+    (tmp_path / "h100.json").write_text('{"gen": 1.2, "update": 0.4}')
+    hw = load_hardware(
+        {
+            "generator": {"kind": "l40s", "profile": str(tmp_path / "l40s.json")},
+            "trainer": {"kind": "h100", "profile": str(tmp_path / "h100.json")},
+        }
+    )
+    # measured: the l40s generates at 1.2 / 3.0 of the h100's speed (not the spec sheets')
+    assert hw.speed(hw.generator) == pytest.approx(0.4)
+    assert hw.speed(hw.trainer) == 1.0
+    assert not hw.generator.default and hw.generator.gen_s == 3.0
+    stated = load_hardware({"generator": {"kind": "l4", "speed": 0.25}, "trainer": "h100"})
+    assert stated.speed(stated.generator) == 0.25  # a stated ratio wins
+
+
 def test_the_weakest_of_two_kinds() -> None:
     w = weakest(DEVICE_DEFAULTS["l40s"], DEVICE_DEFAULTS["h100"])
     assert (w.memory_gb, w.link_gb_s, w.host_gb_s, w.tflops) == (48, 32, 32, 362)
