@@ -332,17 +332,23 @@ _TOP_KEYS = {"device", "generator", "trainer", "profiled", "cross_gb_s", "bucket
 _TOP_KEYS |= {"sync_latency_s", "devices"}
 
 
+def _known(spec: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    """One sentence naming the keys of ``spec`` that are not ``allowed`` (a typo is not
+    silently ignored)."""
+    extra = set(spec) - allowed
+    if extra:
+        raise ValueError(
+            f"{where} has unknown key(s) {', '.join(sorted(extra))}; "
+            f"expected some of {', '.join(sorted(allowed))}"
+        )
+
+
 def _device(spec: Any, where: str) -> tuple[Device, int | None]:
     if isinstance(spec, str):
         spec = {"kind": spec}
     if not isinstance(spec, Mapping):
         raise ValueError(f"{where} must be a device kind or a mapping, got {spec!r}")
-    extra = set(spec) - _POOL_KEYS
-    if extra:
-        raise ValueError(
-            f"{where} has unknown key(s) {', '.join(sorted(extra))}; "
-            f"expected some of {', '.join(sorted(_POOL_KEYS))}"
-        )
+    _known(spec, _POOL_KEYS, where)
     kind = spec.get("kind")
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"{where} needs a kind (e.g. h100)")
@@ -396,12 +402,7 @@ def load_hardware(source: Hardware | Mapping[str, Any] | str | os.PathLike[str])
         if not isinstance(data, Mapping):
             raise ValueError(f"hardware file {str(path)!r} holds no mapping")
         source = data
-    extra = set(source) - _TOP_KEYS
-    if extra:
-        raise ValueError(
-            f"the hardware description has unknown key(s) {', '.join(sorted(extra))}; "
-            f"expected some of {', '.join(sorted(_TOP_KEYS))}"
-        )
+    _known(source, _TOP_KEYS, "the hardware description")
     both = source.get("device")
     if both is not None and ("generator" in source or "trainer" in source):
         raise ValueError("give the hardware either device (both pools) or generator and trainer")
