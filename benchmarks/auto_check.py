@@ -19,7 +19,7 @@ from pathlib import Path
 
 from digen.config import load_config, schedule_plan
 from digen.presets import preset
-from digen.run.auto import _layout, choose_layout, probe_config
+from digen.run.auto import apply_layout, choose_layout, probe_config
 from digen.run.bench import COLOCATED, Rung, measure_run
 from digen.sched.planner import Candidate
 
@@ -49,7 +49,7 @@ def main() -> None:
     for d in choice.record["candidates"]:
         c = Candidate(**{k: v for k, v in d.items() if k not in ("label", "cost_per_1k")})
         try:
-            top.append((c, _layout(cfg, c, per_mb)))
+            top.append((c, apply_layout(cfg, c, per_mb)))
         except Exception:  # the config refuses it: not a layout auto would run
             continue
         if len(top) == args.top:

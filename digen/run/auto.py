@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,16 @@ from digen.sched.names import TaskKind
 from digen.sched.planner import COLOCATED, Candidate, Workload, explain, plan
 from digen.sched.trace import Trace, TraceEvent
 
-__all__ = ["PROBE_STEPS", "AutoChoice", "call_overhead", "choose_layout", "devices_given"]
+__all__ = [
+    "PROBE_STEPS",
+    "AutoChoice",
+    "apply_layout",
+    "call_overhead",
+    "choose_layout",
+    "devices_given",
+    "measured_costs",
+    "probe_config",
+]
 
 PROBE_STEPS = 3
 """Steps of the probe run: the first warms up, the others are timed."""
@@ -106,7 +116,7 @@ def measured_costs(events: Sequence[TraceEvent], rows: Sequence[dict[str, Any]])
     return Costs(**costs)
 
 
-def _layout(cfg: DigenConfig, c: Candidate, size: int) -> DigenConfig:
+def apply_layout(cfg: DigenConfig, c: Candidate, size: int) -> DigenConfig:
     """``cfg`` laid out as candidate ``c`` (raises :class:`ConfigError` if it does not fit)."""
     d = config_to_dict(cfg)
     rt = d["runtime"]
@@ -135,13 +145,16 @@ def _layout(cfg: DigenConfig, c: Candidate, size: int) -> DigenConfig:
     return load_config(base=d)
 
 
+@dataclass(frozen=True, slots=True)
 class AutoChoice:
-    """What ``--mode auto`` found: the chosen config, the line saying why, the record."""
+    """What ``--mode auto`` found."""
 
-    def __init__(self, cfg: DigenConfig, line: str, record: dict[str, Any]) -> None:
-        self.cfg = cfg
-        self.line = line
-        self.record = record
+    cfg: DigenConfig
+    """The config laid out as the chosen candidate."""
+    line: str
+    """One line: the choice, its predicted step, and the best of the other layout."""
+    record: dict[str, Any]
+    """What ``plan.json`` keeps: the measured costs, every candidate, the choice."""
 
 
 async def choose_layout(
@@ -189,7 +202,7 @@ async def choose_layout(
     refused: list[str] = []
     for i, c in enumerate(ranked):
         try:
-            chosen = _layout(cfg, c, sp.layout.samples_per_microbatch)
+            chosen = apply_layout(cfg, c, sp.layout.samples_per_microbatch)
         except ConfigError as exc:
             refused.append(f"{c.label}: {exc}")
             continue

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from helpers import tiny_config
 
 from cli.main import main
-from digen.run.auto import PROBE_STEPS, _layout, measured_costs, probe_config
+from digen.run.auto import PROBE_STEPS, apply_layout, measured_costs, probe_config
 from digen.sched.planner import Candidate
 from digen.sched.trace import TraceEvent
 
@@ -60,11 +60,11 @@ def test_measured_costs_are_medians_after_the_first_step_plus_call_overhead() ->
 
 def test_a_candidate_becomes_the_run_settings() -> None:
     cfg = tiny_config("flux", "flowgrpo", [*SMALL, "train.micro_batch_size=4"])
-    co = _layout(cfg, Candidate(layout="colocated", generators=0, trainers=2), size=4)
+    co = apply_layout(cfg, Candidate(layout="colocated", generators=0, trainers=2), size=4)
     assert co.runtime.mode == "colocated" and co.train.num_devices == 2
     # 4 samples a mini-batch over 2 devices: micro-batches of 2, not the 4 given
     assert co.train.micro_batch_size == 2
-    split = _layout(
+    split = apply_layout(
         cfg, Candidate(layout="split", generators=3, trainers=1, policy="static-2"), size=4
     )
     rt = split.runtime
@@ -77,7 +77,7 @@ def test_a_candidate_becomes_the_run_settings() -> None:
     )
     assert rt.samples_per_microbatch == 4 and rt.max_staleness == 0
     stale = tiny_config("flux", "flowgrpo", [*SMALL, "runtime.max_staleness=1"])
-    kept = _layout(
+    kept = apply_layout(
         stale, Candidate(layout="split", generators=1, trainers=1, policy="bts", tcss=True), 4
     )
     assert kept.runtime.max_staleness == 1 and kept.runtime.tag == "bts"
