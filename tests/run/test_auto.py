@@ -86,7 +86,8 @@ def test_a_candidate_becomes_the_run_settings() -> None:
 @pytest.mark.slow
 def test_mode_auto_times_plans_and_runs_its_choice(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = ["run", "--mode", "auto", "--model", "flux", "--steps", "2", "--out", str(out)]
+    args = ["run", "--mode", "auto", "--devices", "2", "--model", "flux", "--steps", "2"]
+    args += ["--out", str(out)]
     res = CliRunner().invoke(main, [*args, "--quiet", *SMALL])
     assert res.exit_code == 0, res.output
     plan = json.loads((out / "plan.json").read_text())
