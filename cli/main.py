@@ -16,6 +16,7 @@ workers named by :func:`~digen.runtime.transport.torchrun.role_for_rank` (docs/R
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import itertools
 import json
 import logging
@@ -1377,6 +1378,9 @@ def entry() -> None:
     closed, an exit that skips the interpreter's teardown of torch and the model libraries
     (two to three seconds of nothing after a run)."""
     _open_closed_stdio()
+    # a native crash (a segfault in a library's threads) then leaves every thread's Python
+    # stack on stderr, not just an exit status
+    faulthandler.enable(all_threads=True)
     try:
         main()
         code: Any = 0
