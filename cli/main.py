@@ -16,6 +16,7 @@ workers named by :func:`~digen.runtime.transport.torchrun.role_for_rank` (docs/R
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import itertools
 import json
@@ -1380,7 +1381,8 @@ def entry() -> None:
     _open_closed_stdio()
     # a native crash (a segfault in a library's threads) then leaves every thread's Python
     # stack on stderr, not just an exit status
-    faulthandler.enable(all_threads=True)
+    with contextlib.suppress(Exception):  # a stderr with no file descriptor: no dump
+        faulthandler.enable(all_threads=True)
     try:
         main()
         code: Any = 0
