@@ -265,21 +265,37 @@ def _rebuild_handle(worker: str, actor_id: int, cls_name: str) -> ActorHandle:
     return ActorHandle(worker, actor_id, cls_name, ActorSystem._active)
 
 
-def _evict(worker: str) -> None:
-    """Take lost ``worker`` out of this process's dynamic RPC world, as its own graceful leave
-    would have: its entry in the world's list of names goes, and every live member (this
-    one included) forgets it, so that a process can join under its name again. Torch's
-    dynamic groups have no call for a member that died without leaving; this is what
-    ``rpc.shutdown`` does on a member's behalf (checked on the pinned torch by the tests)."""
-    from torch.distributed.rpc._utils import _group_membership_management, _update_group_membership
+def _unlist(worker: str) -> tuple[Any, Any]:
+    """Take lost ``worker`` off the dynamic world's list of members (in the agent's store),
+    so that a process joining later does not greet it: a join greets every listed member,
+    and a dead one would fail it. Returns the agent and the lost member's info."""
+    from torch.distributed.rpc._utils import _group_membership_management
 
     agent = rpc.api._get_current_rpc_agent()
     gone = agent.get_worker_info(wire(worker))
     names = torch.distributed.PrefixStore("names", agent.store)  # the agent's list of members
-    token = f"{DRIVER}-evicts-{worker}-{gone.id}"
+    token = f"{DRIVER}-unlists-{worker}-{gone.id}"
     with _group_membership_management(agent.store, token, True):
         members = names.get("_ALL_WORKER_INFOS").decode()
         names.set("_ALL_WORKER_INFOS", members.replace(f"{gone.name}-{gone.id},", ""))
+    return agent, gone
+
+
+def _evict(worker: str) -> None:
+    """Take lost ``worker`` out of this process's dynamic RPC world, as its own graceful leave
+    would have: off the list (:func:`_unlist`), and every live member (this one included)
+    forgets it, so that a process can join under its name again. Torch's dynamic groups have
+    no call for a member that died without leaving; this is what ``rpc.shutdown`` does on a
+    member's behalf (checked on the pinned torch by the tests).
+
+    Forgetting a member edits the agent's tables without the lock its own threads take to
+    read them, so it is done only when a process is about to take the name again
+    (:meth:`ActorSystem.respawn`), not at every loss: a loss only unlists."""
+    from torch.distributed.rpc._utils import _group_membership_management, _update_group_membership
+
+    agent, gone = _unlist(worker)
+    token = f"{DRIVER}-evicts-{worker}-{gone.id}"
+    with _group_membership_management(agent.store, token, True):
         for peer in agent.get_worker_infos():
             if peer.name == gone.name:
                 continue
@@ -392,6 +408,7 @@ class ActorSystem:
         when ``generator-0`` and ``generator-1`` exist). None: no joins."""
         self._specs = {w.name: w for w in workers}
         self._evictions: dict[str, asyncio.Task] = {}
+        self._unlistings: dict[str, asyncio.Task] = {}
         self._arrivals: asyncio.Queue[Arrival] | None = None
         self._url: str | None = None
         self._env: dict[str, str] = {}
@@ -643,6 +660,7 @@ class ActorSystem:
                 old.close()
         del self._dead[worker]
         self._evictions.pop(worker, None)
+        self._unlistings.pop(worker, None)
         self._pending[worker] = set()
         assert self._url is not None
         rank = _world_store().add(_RANKS_KEY, 1)
@@ -650,14 +668,32 @@ class ActorSystem:
         await self._joined_all([worker], time.monotonic() + self.start_timeout_s, self._url)
 
     def _evicted(self, worker: str) -> asyncio.Task:
-        """Lost ``worker`` out of the dynamic world (:func:`_evict`), once: a member that
-        died without leaving would fail every later join, which greets every member."""
+        """Lost ``worker`` out of the dynamic world (:func:`_evict`), once, after it is off
+        the list (:meth:`_unlisted`)."""
         task = self._evictions.get(worker)
         if task is None:
-            task = asyncio.ensure_future(
-                self._in_thread(lambda: _evict(worker), self.start_timeout_s, f"evict-{worker}")
-            )
+            listed = self._unlisted(worker)
+
+            async def evict() -> None:
+                await listed
+                await self._in_thread(
+                    lambda: _evict(worker), self.start_timeout_s, f"evict-{worker}"
+                )
+
+            task = asyncio.ensure_future(evict())
             self._evictions[worker] = task
+        return task
+
+    def _unlisted(self, worker: str) -> asyncio.Task:
+        """Lost ``worker`` off the world's list of members (:func:`_unlist`), once: a member
+        that died without leaving would fail every later join, which greets every listed
+        member."""
+        task = self._unlistings.get(worker)
+        if task is None:
+            task = asyncio.ensure_future(
+                self._in_thread(lambda: _unlist(worker), self.start_timeout_s, f"unlist-{worker}")
+            )
+            self._unlistings[worker] = task
         return task
 
     def _spawn(self, env: dict[str, str], url: str, world: int | None) -> None:
@@ -707,7 +743,7 @@ class ActorSystem:
         self._reap()
         for task in [*self._probes.values(), *self._heartbeats.values()]:
             task.cancel()
-        for task in self._evictions.values():
+        for task in [*self._evictions.values(), *self._unlistings.values()]:
             task.cancel()
         for futs in self._pending.values():
             for fut in futs:
@@ -784,7 +820,7 @@ class ActorSystem:
         if first and self._state == "running" and self._losses is not None:
             self._losses.put_nowait(died)
             if self.elastic:
-                self._evicted(worker)
+                self._unlisted(worker)
 
     async def _watch(self) -> None:
         next_beat = time.monotonic()
