@@ -102,6 +102,11 @@ class TrainChunk:
     version: int | None = None
     """The policy version whose weights sampled these samples (a stale micro-batch's is
     behind the trainer's); None: the trainer's own."""
+    same_weights: bool = False
+    """Whether the trained weights are, bit for bit, the ones that sampled these terms (the
+    train step's first optimizer step not yet taken, the samples not stale): the recomputed
+    log-probs should then equal the recorded ones up to rounding (:class:`ChunkLoss`'s
+    drift)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +122,12 @@ class ChunkLoss:
     values: Tensor | None = None
     """``[R]`` per-term values whose non-finite ones the error of a non-finite loss counts
     (read only then: counting them would sync the device at every chunk)."""
+    drift: Tensor | None = None
+    """``[R]`` ``|logp - logp recorded|`` per term where the trained weights sampled them
+    (:attr:`TrainChunk.same_weights`); None elsewhere or without log-probs."""
+    drift_bound: Tensor | None = None
+    """``[R]`` what rounding alone allows each of :attr:`drift`
+    (:func:`~digen.algos.rollout.logprob_drift_bound`)."""
 
 
 class Algorithm:
@@ -317,12 +328,21 @@ class Algorithm:
             kl = self.kl(cfg.algo, out.mean, ref_mean, out).mean()
             loss = loss + cfg.algo.kl_coef * kl
             kl_val = float(kl.detach())
+        drift = bound = None
+        if chunk.same_weights:
+            from digen.algos.rollout import logprob_drift_bound
+
+            drift = (out.log_prob.detach() - ro.log_probs[r, pos]).abs()
+            dtype = policy.adapter.dtype
+            bound = logprob_drift_bound(x_t, x_next, chunk.steps, spec, out, dtype)
         return ChunkLoss(
             loss,
             kl=kl_val,
             clip_fraction=ls.clip_fraction,
             approx_kl=ls.approx_kl,
             values=out.log_prob.detach(),
+            drift=drift,
+            drift_bound=bound,
         )
 
     def update_old(

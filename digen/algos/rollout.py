@@ -14,9 +14,24 @@ from dataclasses import dataclass
 import torch
 
 from digen.algos.sde import StepOutput, dpm2_step, ode_step, sde_step
+from digen.algos.transitions import LOG_PROBS
 from digen.models.base import DiffusionAdapter, PromptEmbeds
 
-__all__ = ["Rollout", "SamplerSpec", "model_time", "sample_rollout", "score_step"]
+__all__ = [
+    "DRIFT_ROUNDINGS",
+    "Rollout",
+    "SamplerSpec",
+    "logprob_drift_bound",
+    "model_time",
+    "sample_rollout",
+    "score_step",
+]
+
+DRIFT_ROUNDINGS = 4
+"""How many units of roundoff of the compute dtype a recomputed velocity may be off by, per
+element, from the one that sampled (:func:`logprob_drift_bound`): the same weights run
+again in another batch shape or kernel round their last few operations differently, by a
+unit or so each."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +231,45 @@ def score_step(
     sigma = spec.sigmas[idx] if idx.ndim else spec.sigmas[int(idx)]
     v = _velocity(adapter, latents, sigma, cond, neg_cond, spec)
     return _step(spec, v, latents, step_index, prev_sample=next_latents)
+
+
+def logprob_drift_bound(
+    latents: torch.Tensor,
+    next_latents: torch.Tensor,
+    step_index: int | torch.Tensor,
+    spec: SamplerSpec,
+    out: StepOutput,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[B]``: how far a log-prob recomputed by :func:`score_step` (``out``) may fall from
+    the one recorded at sampling when both came from the same weights computing in
+    ``dtype``, so that the velocities differ by rounding only.
+
+    Every step kind's mean is affine in the velocity, ``mu = a x + b v``, so a velocity off
+    by a relative ``delta_e`` in element ``e`` moves the mean there by ``delta_e (mu_e -
+    mu_0e)`` (``mu_0``: the mean at zero velocity) and the log-prob, to first order, by
+    ``sum_e g_e delta_e (mu_e - mu_0e)`` with ``g = d logp / d mu``. Roundings of different
+    elements are independent, so their effects add in quadrature: the bound is
+    ``K u ||g (mu - mu_0)||_2`` with ``u`` the unit roundoff of ``dtype`` and ``K`` =
+    :data:`DRIFT_ROUNDINGS`, plus the fp32 error of the log-prob's own mean over ``n``
+    elements (``log2(n)`` roundings of terms of order 1). The latents are the recorded ones
+    on both sides, so nothing else differs. In one process on a CPU the drift is exactly 0
+    (every row is computed alike whatever the batch); the bound is for kernels that are not
+    (GPU GEMMs chosen by batch shape).
+    """
+    x, prev = latents.float(), next_latents.float()
+    with torch.no_grad():
+        mu_0 = _step(spec, torch.zeros_like(x), x, step_index, prev_sample=prev).mean
+        moved = (out.mean.detach() - mu_0).abs()  # |b v|: [B, *latent]
+    mean = out.mean.detach().requires_grad_(True)
+    with torch.enable_grad():
+        logp = LOG_PROBS[spec.log_prob](prev, mean, out.std.detach())
+        (slope,) = torch.autograd.grad(logp.sum(), mean)  # d logp_b / d mu: [B, *latent]
+    sensitivity = (slope * moved).flatten(1).norm(dim=1)  # [B]
+    n = moved[0].numel()
+    u, u32 = torch.finfo(dtype).eps / 2, torch.finfo(torch.float32).eps / 2
+    arithmetic = max(n - 1, 1).bit_length() * u32 * (logp.detach().abs() + 1)
+    return DRIFT_ROUNDINGS * u * sensitivity + arithmetic
 
 
 def _step(spec: SamplerSpec, v, x, step_index, **given) -> StepOutput:

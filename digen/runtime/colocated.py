@@ -364,7 +364,9 @@ class ColocatedTrainer:
             return stats
         t = stats.as_tensor()
         dist.all_reduce(t)
-        return LossStats.from_tensor(t)
+        top = torch.tensor([stats.drift_max], dtype=torch.float64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return LossStats.from_tensor(t, float(top))
 
 
 class _Stopped(Exception):

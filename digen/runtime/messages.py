@@ -72,6 +72,15 @@ class LossStats:
     approx_kl: float = 0.0
     dropped: int = 0
     """Loss chunks left out for a non-finite loss (``train.on_nonfinite = drop``)."""
+    drift_terms: int = 0
+    """Terms trained with the weights that sampled them, whose log-prob drift is measured."""
+    drift: float = 0.0
+    """The sum of their ``|logp - logp recorded|``."""
+    drift_max: float = 0.0
+    """The largest of them (combined by max, not by sum)."""
+    drift_over: int = 0
+    """How many of them drift further than rounding allows
+    (:func:`~digen.algos.rollout.logprob_drift_bound`)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: LossStats) -> None:
@@ -81,27 +90,49 @@ class LossStats:
         self.kl += other.kl
         self.clip_fraction += other.clip_fraction
         self.approx_kl += other.approx_kl
+        self.drift_terms += other.drift_terms
+        self.drift += other.drift
+        self.drift_max = max(self.drift_max, other.drift_max)
+        self.drift_over += other.drift_over
 
     def as_tensor(self) -> torch.Tensor:
+        """The fields that add up, for an all-reduce (sum); :attr:`drift_max` takes a max."""
         return torch.tensor(
-            [self.terms, self.loss, self.kl, self.clip_fraction, self.approx_kl, self.dropped],
+            [
+                self.terms,
+                self.loss,
+                self.kl,
+                self.clip_fraction,
+                self.approx_kl,
+                self.dropped,
+                self.drift_terms,
+                self.drift,
+                self.drift_over,
+            ],
             dtype=torch.float64,
         )
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> LossStats:
-        terms, loss, kl, clip, akl, dropped = t.tolist()
-        return cls(int(terms), loss, kl, clip, akl, int(dropped))
+    def from_tensor(cls, t: torch.Tensor, drift_max: float = 0.0) -> LossStats:
+        terms, loss, kl, clip, akl, dropped, d_terms, drift, over = t.tolist()
+        return cls(
+            int(terms), loss, kl, clip, akl, int(dropped), int(d_terms), drift, drift_max, int(over)
+        )
 
     def means(self) -> dict[str, float]:
         n = max(self.terms, 1)
-        return {
+        row = {
             "loss": self.loss / n,
             "kl": self.kl / n,
             "clip_fraction": self.clip_fraction / n,
             "approx_kl": self.approx_kl / n,
             "dropped_microbatches": self.dropped,
         }
+        if self.drift_terms:
+            row["train/logprob_drift_max"] = self.drift_max
+            row["train/logprob_drift_mean"] = self.drift / self.drift_terms
+            row["train/logprob_drift_over"] = self.drift_over
+        return row
 
 
 @dataclass(slots=True)

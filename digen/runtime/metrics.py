@@ -11,7 +11,13 @@ Columns:
 - ``reward_mean / _std / _min / _max``: over the step's ``B x n`` samples (those of the
   groups kept: ``dropped_groups`` counts groups left out for a non-finite reward);
 - ``loss``, ``kl``, ``clip_fraction``, ``approx_kl``: means over trained (sample, timestep)
-  terms; ``grad_norm`` before clipping (the mean over the step's optimizer steps);
+  terms;
+- ``train/logprob_drift_max``, ``_mean`` and ``_over``: over the terms trained with the
+  very weights that sampled them (the step's first optimizer step, samples not stale;
+  algorithms with log-probs), ``|logp - logp recorded|``: zero but for rounding, and
+  ``_over`` counts the terms beyond what rounding in the compute dtype allows
+  (:func:`~digen.algos.rollout.logprob_drift_bound`; a warning names the step). Absent
+  where no term was measured; ``grad_norm`` before clipping (the mean over the step's optimizer steps);
   ``optimizer_steps``: one per mini-batch (``train.mini_batch_size``); ``policy_version``
   after the step (it counts train steps);
 - ``dropped_microbatches``, ``skipped_steps``: loss chunks left out and optimizer updates
@@ -44,6 +50,7 @@ caption) and ``eval/accuracy`` (the mean over the categories, GenEval's overall 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -122,6 +129,13 @@ def step_metrics(
     for name in components:
         row[f"reward_latency_ms/{name}"] = 1e3 * _mean((reward_latency_s or {}).get(name, []))
     row.update(loss.means())
+    if loss.drift_over:
+        logging.getLogger("digen").warning(
+            f"step {step}: {loss.drift_over} of {loss.drift_terms} trained log-probs drift "
+            f"from the sampled ones (up to {loss.drift_max:.3g}) further than the compute "
+            "dtype's rounding allows: the trainers do not compute what the generators did "
+            "(see train/logprob_drift_* in the metrics)."
+        )
     over = overhead or Overhead()
     per_call = {k: over.by_kind.get(k, []) for k in OVERHEAD_KINDS}
     row.update(

@@ -144,3 +144,44 @@ def test_bad_arguments() -> None:
         sde_step("sde", x, x, sigmas, 10, 0.7, noise=x)
     with pytest.raises(ValueError, match="no log-prob"):
         sde_step("cps", x, x, sigmas, 9, 0.7, prev_sample=x)
+
+
+@pytest.mark.parametrize(
+    ("kind", "form"), [("sde", "gaussian"), ("cps", "mse"), ("dance", "gaussian")]
+)
+def test_the_drift_bound_holds_rounding_and_catches_more(kind: str, form: str) -> None:
+    """A velocity rounded differently in bf16 (each element off by up to one unit of
+    roundoff, independently) moves the recomputed log-prob by less than
+    :func:`logprob_drift_bound`; a systematic error of a few units (the sign that moves the
+    log-prob, every element) moves it by more."""
+    from digen.algos.rollout import SamplerSpec, logprob_drift_bound
+    from digen.algos.transitions import LOG_PROBS
+
+    sigmas = _sigmas(8)
+    spec = SamplerSpec(sigmas=sigmas, window=(2,), sde_type=kind, noise_level=0.7, log_prob=form)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 8, 8, generator=g)
+    v = torch.randn(4, 3, 8, 8, generator=g)
+    noise = torch.randn(4, 3, 8, 8, generator=g)
+    made = sde_step(kind, v, x, sigmas, 2, 0.7, noise=noise, log_prob=form)
+
+    def rescored(velocity: torch.Tensor):
+        return sde_step(
+            kind, velocity, x, sigmas, 2, 0.7, prev_sample=made.prev_sample, log_prob=form
+        )
+
+    out = rescored(v)
+    assert torch.equal(out.log_prob, made.log_prob)  # the same velocity: no drift at all
+    bound = logprob_drift_bound(x, made.prev_sample, 2, spec, out, torch.bfloat16)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    for trial in range(20):  # independent roundings of up to one unit, elementwise
+        delta = (torch.rand(v.shape, generator=g) * 2 - 1) * u
+        drift = (rescored(v * (1 + delta)).log_prob - made.log_prob).abs()
+        assert bool((drift <= bound).all()), (trial, drift, bound)
+    # the same few units with the sign that lowers the log-prob, in every element
+    m = made.mean.detach().requires_grad_(True)
+    (slope,) = torch.autograd.grad(LOG_PROBS[form](made.prev_sample, m, made.std).sum(), m)
+    mu_0 = sde_step(kind, torch.zeros_like(v), x, sigmas, 2, 0.7, prev_sample=made.prev_sample).mean
+    against = -torch.sign(slope * (made.mean - mu_0))
+    drift = (rescored(v * (1 + 4 * u * against)).log_prob - made.log_prob).abs()
+    assert bool((drift > bound).all()), (drift, bound)

@@ -19,10 +19,12 @@ pass on a copy of a row, with its loss scaled by zero). The pieces that follow f
 - :func:`full_tensors` gathers the trained weights in full (one parameter at a time) for
   the generators, for saving and for the final state.
 
-Precision: the weights keep their own dtype in the shards (a bf16 base, fp32 LoRA); with a
-base in bf16 or fp16 each block computes in that dtype (``MixedPrecisionPolicy``:
-``param_dtype`` = the model's dtype) and gradients are reduced in fp32. The log-prob and loss
-math is fp32 as everywhere else.
+Precision: the weights keep their own dtype in the shards (a bf16 base, fp32 LoRA) and are
+gathered in it, and the model's inputs reach it as the model gives them (its fp32 timesteps
+and rotary tables), so a sharded trainer computes what an unsharded copy, a generator's,
+does: its recomputed log-probs are the recorded ones at the same weights (the
+``train/logprob_drift_*`` metrics). With a base in bf16 or fp16 gradients are reduced in
+fp32. The log-prob and loss math is fp32 as everywhere else.
 """
 
 from __future__ import annotations
@@ -112,10 +114,15 @@ def shard_transformer(transformer: torch.nn.Module, mesh: Any, compute_dtype: to
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # Compute exactly as an unsharded copy does (the generators' log-probs are its): each
+    # weight gathered in its own dtype (a bf16 base, fp32 LoRA), inputs left as the model
+    # gives them (its fp32 timesteps and rotary tables); FSDP's defaults would cast both to
+    # the compute dtype on sharded trainers only. Gradients are reduced in fp32.
     low = compute_dtype in (torch.bfloat16, torch.float16)
     mp = MixedPrecisionPolicy(
-        param_dtype=compute_dtype if low else None,
+        param_dtype=None,
         reduce_dtype=torch.float32 if low else None,
+        cast_forward_inputs=False,
     )
     blocks = block_modules(transformer)
     for module in [*blocks, transformer]:

@@ -310,6 +310,9 @@ class Policy:
         advantages = item.advantages.to(device)
         rows = torch.arange(b)
         stats = LossStats()
+        # the weights that sampled these terms, untouched since (drift is then rounding)
+        same = self.old is None and item.version in (None, self.version)
+        same = same and self.optimizer_steps == self.version * len(mini_batches(cfg))
         self.adapter.transformer.train()
         for j0 in range(0, positions.shape[1], tsp_degree):
             pos = positions[:, j0 : j0 + tsp_degree].T.reshape(-1)  # [d*B], timestep-major
@@ -328,6 +331,7 @@ class Policy:
                 neg=neg if neg is None or d == 1 else PromptEmbeds.cat([neg] * d),
                 advantages=advantages.repeat(d),
                 version=item.version,
+                same_weights=same,
             )
             out = algorithm.chunk_loss(cfg, chunk)
             loss = out.loss
@@ -354,6 +358,8 @@ class Policy:
                     approx_kl=out.approx_kl * terms,
                 )
             )
+            if out.drift is not None and out.drift_bound is not None:
+                stats.add(_drift_stats(out.drift, out.drift_bound))
         self.adapter.transformer.eval()
         return stats
 
@@ -714,6 +720,13 @@ class Policy:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Name -> tensor copy of :meth:`synced_parameters`."""
         return {n: p.detach().clone() for n, p in self.synced_parameters()}
+
+
+def _drift_stats(drift: torch.Tensor, bound: torch.Tensor) -> LossStats:
+    """One chunk's log-prob drift (``[R]`` each), read back in one transfer."""
+    over = (drift > bound).sum()
+    total, top, over_n = torch.stack([drift.sum(), drift.max(), over.to(drift.dtype)]).tolist()
+    return LossStats(drift_terms=drift.numel(), drift=total, drift_max=top, drift_over=int(over_n))
 
 
 def _cat_rows(rows: Sequence[PromptEmbeds]) -> PromptEmbeds:
