@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from digen import DigenConfig, DigenRunner, RunResult, load_config
 from digen.presets import preset
@@ -48,3 +50,39 @@ def process_alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
+
+
+SMOOTH_REWARD = f"rewards=[{{name: '{Path(__file__).with_name('smooth_reward.py')}:brightness'}}]"
+"""The override that scores with :func:`smooth_reward.brightness`: for runs compared to a
+tolerance, whose samples may differ in their last bits."""
+
+
+def assert_trained_alike(
+    got: Mapping[str, torch.Tensor],
+    want: Mapping[str, torch.Tensor],
+    start: Mapping[str, torch.Tensor] | None = None,
+    rel: float = 1e-2,
+) -> None:
+    """Two runs that train alike but for rounding (sums in another order, samples that differ
+    in their last bits) end with the same weights, as far as AdamW lets that be said.
+
+    AdamW moves an element by about ``lr x sign(gradient)`` wherever the gradient stands well
+    above its ``eps``, and where a gradient is within rounding of zero its sign, so that
+    element's step, can differ: an elementwise tolerance only fits the machine it was tried
+    on. What rounding cannot do is move the weights as a whole: the two runs' difference
+    (an L2 norm over every weight) stays below ``rel`` of how far ``want`` moved from
+    ``start`` (the saved weights; None: LoRA's B matrices, which start at 0), where a real
+    mismatch (a micro-batch trained twice or not at all, another old policy) is a sizeable
+    part of it. Seen: 5e-4 of the move under ``ATEN_CPU_CAPABILITY=avx2`` on 2 FSDP trainers
+    against one."""
+    assert got.keys() == want.keys()
+    diff = sum(float((got[n].double() - w.double()).square().sum()) for n, w in want.items())
+    if start is None:
+        moved = sum(float(w.double().square().sum()) for n, w in want.items() if "lora_B" in n)
+    else:
+        moved = sum(float((w.double() - start[n].double()).square().sum()) for n, w in want.items())
+    assert moved > 0, "the runs did not train: their equality would say nothing"
+    assert diff**0.5 <= rel * moved**0.5, (
+        f"the weights differ by {diff**0.5:.3g} (L2), more than {rel} of the "
+        f"{moved**0.5:.3g} they moved"
+    )

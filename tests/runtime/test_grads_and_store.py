@@ -209,3 +209,35 @@ def test_trainer_0_serves_a_copy_of_its_weights_not_the_live_parameters() -> Non
             assert tensor.untyped_storage().data_ptr() != live[name].untyped_storage().data_ptr()
     finally:
         trainer.store.clear()
+
+
+def test_a_bf16_full_fine_tune_keeps_its_old_policy_and_average_in_fp32() -> None:
+    """The old policy (DiffusionNFT) and the moving average move by ``(1 - d)`` of each
+    small step: kept in bf16 beside bf16 weights, a step below half a unit of the copy's
+    last place would round away and the copy would never move. They are kept in fp32 and do
+    move, by exactly ``(1 - d)`` of what the weights moved."""
+    from helpers import tiny_config
+
+    from digen.runtime.worker.policy import Policy
+
+    over = ["model.dtype=bfloat16", "train.lora_rank=0", "eval.ema=0.9", "train.lr=1e-5"]
+    over += ["algo.kl_coef=0.0", "train.weight_decay=0.0", "train.max_grad_norm=0"]
+    policy = Policy(tiny_config("flux", "nft", over), trainable=True)
+    assert policy.old is not None and policy.ema is not None
+    assert {t.dtype for t in policy.old + policy.ema} == {torch.float32}
+    before = [p.detach().float().clone() for _, p in policy.synced_parameters()]
+    assert {p.dtype for _, p in policy.synced_parameters()} == {torch.bfloat16}
+    for p in policy.params:
+        p.grad = torch.full_like(p, 1e-3)
+    policy.optimizer_step()  # Adam's first step: every weight moves by lr = 1e-5
+    d = min(2 / 11, 0.9)  # the average's decay after one optimizer step
+    after = [p.detach().float() for _, p in policy.synced_parameters()]
+    moved = [a - b for a, b in zip(after, before, strict=True)]
+    assert max(float(m.abs().max()) for m in moved) > 0  # bf16 weights of small magnitude
+    for e, b, m in zip(policy.ema, before, moved, strict=True):
+        # e = b + (1 - d) (after - b) in fp32, what a bf16 copy would round away: off by
+        # the rounding of that sum (half a unit of |b|'s last place) and of the subtraction
+        atol = torch.finfo(torch.float32).eps * float(b.abs().max())
+        torch.testing.assert_close(e - b, (1 - d) * m, rtol=1e-6, atol=atol)
+    policy.finish_step()  # the old policy moves with its own decay (0 at the first steps)
+    assert any(float((o - b).abs().max()) > 0 for o, b in zip(policy.old, before, strict=True))

@@ -135,7 +135,7 @@ class Policy:
         in :meth:`synced_parameters` order: a trainer's own; a generator receives them as
         its weights."""
         if trainable and self.algorithm.keeps_old_policy:
-            self.old = [p.detach().clone() for _, p in self.synced_parameters()]
+            self.old = [_kept_copy(p) for _, p in self.synced_parameters()]
         self._old_before: dict[int, list[torch.Tensor]] = {}
         """Version -> the old policy that sampled at it, for the last
         ``runtime.max_staleness`` versions (stale micro-batches read it)."""
@@ -143,7 +143,11 @@ class Policy:
         """A moving average of the trained weights that evaluation samples with
         (``eval.ema``), in :meth:`synced_parameters` order, on a trainer."""
         if trainable and cfg.eval.ema > 0:
-            self.ema = [p.detach().clone() for _, p in self.synced_parameters()]
+            self.ema = [_kept_copy(p) for _, p in self.synced_parameters()]
+        self._spare: list[torch.Tensor] | None = None
+        """Sharded: where :meth:`_weights_in_place` keeps the trained shards while others
+        stand in (allocated once, not per swap)."""
+        self._swapped = False
         self.eval_weights: list[torch.Tensor] | None = None
         """What evaluation samples with where the trainers keep it (a generator's copy of
         trainer 0's :attr:`ema`, while an evaluation runs); None: :meth:`sampling_weights`."""
@@ -439,27 +443,64 @@ class Policy:
         if tensors is None:
             yield
             return
-        params = [p for _, p in self.synced_parameters()]
-        if self.sharded:  # FSDP gathers from its own shard storage: move values, not tensors
-            with torch.no_grad():
-                live = [p.detach().clone() for p in params]
-                for p, o in zip(params, tensors, strict=True):
-                    p.copy_(o)
+        if self._swapped:
+            raise RuntimeError("weights already stand in for the trained ones")
+        self._swapped = True
+        try:
+            if self.sharded:
+                with self._shards_in_place(tensors):
+                    yield
+                return
+            params = [p for _, p in self.synced_parameters()]
+            live = [p.data for p in params]
             try:
+                for p, o in zip(params, tensors, strict=True):
+                    # the kept copies are fp32 (a bf16 base's rounded as its own weights are)
+                    p.data = o if o.dtype == p.dtype else o.to(p.dtype)
                 yield
             finally:
-                with torch.no_grad():
-                    for p, t in zip(params, live, strict=True):
-                        p.copy_(t)
-            return
-        live = [p.data for p in params]
+                for p, t in zip(params, live, strict=True):
+                    p.data = t
+        finally:
+            self._swapped = False
+
+    @contextlib.contextmanager
+    def _shards_in_place(self, tensors: list[torch.Tensor]) -> Iterator[None]:
+        """Sharded :meth:`_weights_in_place`: FSDP gathers from its own shard storage, so the
+        values move (this member's shards of ``tensors`` in, the trained ones aside into a
+        buffer kept for it), not the tensors."""
+        from digen.runtime.worker.fsdp import local
+
+        self.reshard()
+        params = [local(p) for _, p in self.synced_parameters()]
+        if self._spare is None:
+            self._spare = [torch.empty_like(p) for p in params]
+        with torch.no_grad():
+            for p, spare, o in zip(params, self._spare, tensors, strict=True):
+                spare.copy_(p)
+                p.copy_(local(o))
         try:
-            for p, o in zip(params, tensors, strict=True):
-                p.data = o
             yield
         finally:
-            for p, t in zip(params, live, strict=True):
-                p.data = t
+            self.reshard()  # what was gathered of the stand-ins goes before the values return
+            with torch.no_grad():
+                for p, spare in zip(params, self._spare, strict=True):
+                    p.copy_(spare)
+
+    def reshard(self) -> None:
+        """Sharded: every FSDP module back to its shards. FSDP keeps the root's weights
+        gathered after a forward, for the backward it expects; a forward without one
+        (sampling, the old policy's velocity) leaves them so, and the module's parameters
+        are then those gathered tensors, not the shards the optimizer, the old policy and
+        the average are kept against."""
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in (self.adapter.transformer, self.reference):
+            for m in module.modules() if module is not None else ():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def set_eval_weights(self, state: dict[str, torch.Tensor] | None) -> None:
         """Hold ``state`` (name -> tensor: trainer 0's moving average) as what evaluation
@@ -714,12 +755,21 @@ class Policy:
         so weights can travel as one flat tensor.
         """
         lora = self.cfg.train.lora_rank > 0
+        self.reshard()  # the shards, never the root's gathered weights
         named = self.adapter.transformer.named_parameters()
         return [(n, p) for n, p in named if "lora_" in n or not lora]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Name -> tensor copy of :meth:`synced_parameters`."""
         return {n: p.detach().clone() for n, p in self.synced_parameters()}
+
+
+def _kept_copy(p: torch.Tensor) -> torch.Tensor:
+    """A copy of a trained weight that moves by small steps (the old policy, the moving
+    average): in fp32 where the weight is lower precision, whose rounding would swallow a
+    0.9-decay average's steps (a shard where the weight is sharded)."""
+    low = p.dtype in (torch.bfloat16, torch.float16)
+    return p.detach().to(torch.float32 if low else p.dtype, copy=True)
 
 
 def _drift_stats(drift: torch.Tensor, bound: torch.Tensor) -> LossStats:
