@@ -241,3 +241,57 @@ def test_a_bf16_full_fine_tune_keeps_its_old_policy_and_average_in_fp32() -> Non
         torch.testing.assert_close(e - b, (1 - d) * m, rtol=1e-6, atol=atol)
     policy.finish_step()  # the old policy moves with its own decay (0 at the first steps)
     assert any(float((o - b).abs().max()) > 0 for o, b in zip(policy.old, before, strict=True))
+
+
+def test_a_pull_never_reads_an_old_policy_half_moved() -> None:
+    """Trainer 0 serves pulls on RPC threads beside its own step: a pull of the new version
+    that arrives while the step moves the old policy (DiffusionNFT) waits for the step, and
+    gets the old policy whole. The step is held half-way (its first tensor moved, not the
+    second) while the pull is asked for; it is then let go."""
+    from helpers import tiny_config
+
+    from digen.config import config_to_dict
+    from digen.runtime.worker.store import fetch_weights
+    from digen.runtime.worker.trainer import TrainerActor
+
+    cfg = tiny_config("flux", "nft", ["runtime.sync_bucket_mb=1000"], mode="disaggregated")
+    trainer = TrainerActor(config_to_dict(cfg), 0, 1, 0)
+    halfway, go_on = threading.Event(), threading.Event()
+    names = [n for n, _ in trainer._synced()][:2]
+
+    def held_update(cfg, old, live, version) -> None:
+        with torch.no_grad():
+            old[0].add_(1.0)
+            halfway.set()
+            assert go_on.wait(timeout=300)
+            old[1].add_(1.0)
+
+    trainer.policy.algorithm = _Patched(trainer.policy.algorithm, held_update)
+    before = {n: t.clone() for n, t in fetch_weights(0, 0, None).items()}
+    pulled: dict = {}
+    try:
+        step = threading.Thread(target=trainer.step, args=(range(0),))
+        step.start()
+        assert halfway.wait(timeout=300)
+        pull = threading.Thread(target=lambda: pulled.update(fetch_weights(1, 0, None)))
+        pull.start()
+        pull.join(timeout=1.0)  # a pull that did not wait would be done by now, half-moved
+        go_on.set()
+        step.join(timeout=300)
+        pull.join(timeout=300)
+        assert not step.is_alive() and not pull.is_alive()
+    finally:
+        go_on.set()
+        trainer.store.clear()
+    for name in names:  # both moved: the whole old policy of version 1
+        torch.testing.assert_close(pulled[name], before[name] + 1.0, rtol=0, atol=1e-6)
+
+
+class _Patched:
+    """An algorithm with its ``update_old`` replaced (the rest as it is)."""
+
+    def __init__(self, algorithm, update_old) -> None:
+        self._algorithm, self.update_old = algorithm, update_old
+
+    def __getattr__(self, name: str):
+        return getattr(self._algorithm, name)

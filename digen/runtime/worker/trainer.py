@@ -6,6 +6,7 @@ new weights.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -87,6 +88,12 @@ class TrainerActor(PolicyActor):
         self._full_old: dict[str, torch.Tensor] = {}
         """Sharded, where the algorithm keeps an old policy: trainer 0's full copy of it
         (what the generators sample with)."""
+        self._serving = threading.Lock()
+        """Held while the weights trainer 0 serves change (a step) and while a bucket of
+        them is copied out: pulls are served on RPC threads, beside the step's."""
+        self._changed: torch.cuda.Event | None = None
+        """On a GPU: recorded after the served weights last changed; a pull's copy, on the
+        stream of its own RPC thread, waits for it."""
         if self.sharded:
             self._gather_full()
         if rank == 0:
@@ -136,18 +143,21 @@ class TrainerActor(PolicyActor):
         """A copy of bucket ``bucket`` of the weights of ``version`` (served on an RPC
         thread: the weights change only at :meth:`step`, and no pull overlaps a step; a copy
         all the same, so what is sent cannot change while it is in flight)."""
-        if self.policy.version != version:
-            raise RuntimeError(
-                f"weights of version {version} were asked for; trainer 0 holds "
-                f"{self.policy.version}"
-            )
-        named = self._synced()
-        return {
-            named[i][0]: named[i][1]
-            .detach()
-            .to(wire or self.device, self._sync_dtype(named[i][1]), copy=True)
-            for i in self._buckets()[bucket]
-        }
+        with self._serving:
+            if self.policy.version != version:
+                raise RuntimeError(
+                    f"weights of version {version} were asked for; trainer 0 holds "
+                    f"{self.policy.version}"
+                )
+            if self._changed is not None:
+                torch.cuda.current_stream().wait_event(self._changed)
+            named = self._synced()
+            return {
+                named[i][0]: named[i][1]
+                .detach()
+                .to(wire or self.device, self._sync_dtype(named[i][1]), copy=True)
+                for i in self._buckets()[bucket]
+            }
 
     def update(
         self,
@@ -229,11 +239,15 @@ class TrainerActor(PolicyActor):
         t0 = time.time()
         self.policy.set_step_lr(self.policy.version)  # version == the train step here
         self.grads.reduce(microbatches, self.dp_group)
-        norm = self.policy.optimizer_step()
-        if last:
-            self.policy.finish_step()
-            if self.sharded:
-                self._gather_full()
+        with self._serving:  # no pull reads the weights, or the old policy, half-changed
+            norm = self.policy.optimizer_step()
+            if last:
+                self.policy.finish_step()
+                if self.sharded:
+                    self._gather_full()
+            if is_cuda(self.device):
+                self._changed = torch.cuda.Event()
+                self._changed.record()
         return self.timed((self.policy.version, norm), t0)
 
 
