@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from digen.sched.names import Pool, worker_name
+from digen.sched.names import Pool, index_of, pool_of, worker_name
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
@@ -45,7 +46,9 @@ __all__ = [
     "run_groups",
     "shared_gpus",
     "is_cuda",
+    "DEVICE_ENV",
     "peak_memory_gb",
+    "placed_here",
     "pool_devices",
     "wire_device",
     "worker_device",
@@ -87,13 +90,33 @@ def worker_device(
     visible_gpus: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> str:
-    """The device of worker ``index`` of ``pool``."""
-    devices = pool_devices(cfg, pool, visible_gpus)
-    device = devices[index % len(devices)]
+    """The device of worker ``index`` of ``pool`` (under torchrun, of the rank in ``env``:
+    its own node's GPUs are what count, not this process's)."""
     env = os.environ if env is None else env
-    if is_cuda(device) and "LOCAL_RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+    explicit = getattr(cfg.runtime, f"{pool}_devices")
+    on_gpu = is_cuda(explicit[index % len(explicit)] if explicit else cfg.model.device)
+    if on_gpu and "LOCAL_RANK" in env and "TORCHELASTIC_RUN_ID" in env:
         return f"cuda:{int(env['LOCAL_RANK'])}"
-    return device
+    devices = pool_devices(cfg, pool, visible_gpus)
+    return devices[index % len(devices)]
+
+
+DEVICE_ENV = "DIGEN_DEVICE"
+"""In a worker's environment: its device, over the placement rule (``digen join --device``:
+a joiner's own GPU on its own machine)."""
+
+
+def placed_here(
+    cfg: DigenConfig | Mapping, worker: str, env: Mapping[str, str] | None = None
+) -> tuple[str, str]:
+    """``(host, device)`` of ``worker``, asked in its own process: under torchrun only the
+    worker knows its node and its ``LOCAL_RANK`` (the driver's are its own)."""
+    from digen.config import DigenConfig, load_config
+
+    cfg = cfg if isinstance(cfg, DigenConfig) else load_config(base=dict(cfg))
+    env = os.environ if env is None else env
+    device = env.get(DEVICE_ENV) or worker_device(cfg, pool_of(worker), index_of(worker), env=env)
+    return socket.gethostname(), device
 
 
 def all_devices(cfg: DigenConfig, visible_gpus: int | None = None) -> dict[str, str]:
@@ -123,28 +146,36 @@ def wire_device(own: str, peer: str) -> str | None:
     return None if not is_cuda(own) else "cpu"
 
 
-def group_backend(devices: Iterable[str]) -> str:
+def group_backend(devices: Iterable[str], hosts: Iterable[str] | None = None) -> str:
     """``nccl`` when every member is on a GPU of its own, else ``gloo`` (CPU members, or two
-    members on one GPU: gloo carries GPU tensors through the host)."""
+    members on one GPU: gloo carries GPU tensors through the host). ``hosts``: each member's
+    machine, in the same order (None: all on one)."""
     devices = list(devices)
-    if devices and all(is_cuda(d) for d in devices) and not shared_gpus(devices):
+    if devices and all(is_cuda(d) for d in devices) and not shared_gpus(devices, hosts):
         return "nccl"
     return "gloo"
 
 
-def default_group_backend(devices: Iterable[str]) -> str:
+def default_group_backend(devices: Iterable[str], hosts: Iterable[str] | None = None) -> str:
     """The backend of a default process group (``init_process_group``): on GPUs NCCL for
     GPU tensors with gloo for CPU ones (flags, loss statistics, gathered rewards), else
     gloo."""
-    return "cpu:gloo,cuda:nccl" if group_backend(devices) == "nccl" else "gloo"
+    return "cpu:gloo,cuda:nccl" if group_backend(devices, hosts) == "nccl" else "gloo"
 
 
-def shared_gpus(devices: Iterable[str]) -> list[str]:
-    """The GPUs that more than one of ``devices`` names (``cuda`` counts as ``cuda:0``)."""
+def shared_gpus(devices: Iterable[str], hosts: Iterable[str] | None = None) -> list[str]:
+    """The GPUs that more than one of ``devices`` names (``cuda`` counts as ``cuda:0``); a
+    GPU is one of a machine, so with ``hosts`` (each device's machine, in the same order)
+    ``cuda:0`` of two machines are two GPUs."""
+    devices = list(devices)
+    hosts = [""] * len(devices) if hosts is None else list(hosts)
+    if len(hosts) != len(devices):
+        raise ValueError(f"{len(hosts)} hosts for {len(devices)} devices")
     seen: dict[str, int] = {}
-    for d in devices:
+    for d, h in zip(devices, hosts, strict=True):
         if is_cuda(d):
-            seen[_indexed(d)] = seen.get(_indexed(d), 0) + 1
+            gpu = _indexed(d) + (f" of {h}" if h else "")
+            seen[gpu] = seen.get(gpu, 0) + 1
     return sorted(d for d, n in seen.items() if n > 1)
 
 
@@ -157,30 +188,45 @@ class Group:
     """member (a worker's name, or a colocated rank) -> device"""
     sharded: bool = False
     """FSDP / HSDP over it: it cannot fall back to gloo on GPUs (no reduce-scatter there)."""
+    hosts: dict[str, str] = field(default_factory=dict)
+    """member -> its machine, where the members span several (empty: one machine)."""
+
+    def member_hosts(self) -> list[str] | None:
+        return [self.hosts.get(w, "") for w in self.members] if self.hosts else None
 
     @property
     def backend(self) -> str:
-        return group_backend(self.members.values())
+        return group_backend(self.members.values(), self.member_hosts())
+
+    def shared(self) -> list[str]:
+        return shared_gpus(self.members.values(), self.member_hosts())
 
     def describe(self) -> str:
-        return ", ".join(f"{w} on {d}" for w, d in self.members.items())
+        where = {w: f" of {self.hosts[w]}" if w in self.hosts else "" for w in self.members}
+        return ", ".join(f"{w} on {d}{where[w]}" for w, d in self.members.items())
 
 
-def run_groups(cfg: DigenConfig, devices: Mapping[str, str]) -> list[Group]:
+def run_groups(
+    cfg: DigenConfig, devices: Mapping[str, str], hosts: Mapping[str, str] | None = None
+) -> list[Group]:
     """The process groups of a disaggregated run, from every worker's device
-    (:func:`all_devices`): the trainers' group (data-parallel, or their device mesh) when
-    there are several, and the weight-broadcast group of trainer 0 and the generators."""
+    (:func:`all_devices`, or as the workers found them: :func:`placed_here`) and, where they
+    span several machines, every worker's machine: the trainers' group (data-parallel, or
+    their device mesh) when there are several, and the weight-broadcast group of trainer 0
+    and the generators."""
     rt = cfg.runtime
+    hosts = dict(hosts or {})
     sharded = rt.sharded
     trainers = {w: d for w, d in devices.items() if w.startswith(Pool.TRAINER.value)}
     groups = []
     if len(trainers) > 1:
-        groups.append(Group(f"trainers' {rt.trainer_parallel} group", trainers, sharded))
+        group = Group(f"trainers' {rt.trainer_parallel} group", trainers, sharded, hosts)
+        groups.append(group)
     if rt.weight_sync == "broadcast":
         lead = worker_name(Pool.TRAINER, 0)
         members = {lead: devices[lead]}
         members |= {w: d for w, d in devices.items() if w.startswith(Pool.GENERATOR.value)}
-        groups.append(Group("weight-broadcast group", members))
+        groups.append(Group("weight-broadcast group", members, hosts=hosts))
     return groups
 
 
@@ -201,7 +247,7 @@ def check_groups(cfg: DigenConfig, groups: Sequence[Group]) -> list[str]:
 
     notes = []
     for group in groups:
-        shared = shared_gpus(group.members.values())
+        shared = group.shared()
         if not shared:
             continue
         if group.sharded:

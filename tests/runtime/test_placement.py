@@ -144,3 +144,87 @@ def test_sharded_trainers_sharing_a_gpu_are_refused_in_one_sentence() -> None:
     with pytest.raises(DigenError, match="rank 0 on cuda:0, rank 1 on cuda:0"):
         check_groups(cfg, colocated_groups(cfg, ["cuda:0", "cuda:0"]))
     assert check_groups(cfg, colocated_groups(cfg, ["cuda:0", "cuda:1"])) == []
+
+
+def _torchrun_env(rank: int, per_node: int) -> dict[str, str]:
+    """What torchrun sets for ``rank`` with ``per_node`` processes on each node."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % per_node),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "TORCHELASTIC_RUN_ID": "run",
+    }
+
+
+def test_a_two_node_torchrun_launch_is_placed_by_each_rank_on_its_own_node(monkeypatch) -> None:
+    """2 nodes x 5 ranks, HSDP over 8 trainers: each rank finds its GPU (its
+    ``LOCAL_RANK``) on its own node, so ``cuda:2`` of node A and ``cuda:2`` of node B are
+    two GPUs and every group runs on NCCL. Placed by the driver in its own environment, as
+    a launch once was, every worker got the driver's ``cuda:0`` and the sharded group was
+    refused; and without the nodes, the GPUs of two nodes look shared."""
+    from digen.config import config_to_dict
+    from digen.runtime.placement import placed_here
+    from digen.runtime.transport.torchrun import role_for_rank
+
+    over = ["model.device=cuda", "runtime.generators=1", "runtime.trainers=8"]
+    over += ["runtime.trainer_parallel=hsdp", "runtime.shard_size=4"]
+    cfg = _cfg(*over, "runtime.weight_sync=broadcast")
+    per_node = 5
+    devices, hosts = {}, {}
+    for rank in range(1, 2 * per_node):  # rank 0 is the driver
+        name = role_for_rank(rank, 1, 8)
+        node = f"node-{rank // per_node}"
+        monkeypatch.setattr("socket.gethostname", lambda node=node: node)
+        hosts[name], devices[name] = placed_here(
+            config_to_dict(cfg), name, env=_torchrun_env(rank, per_node)
+        )
+    assert devices["trainer-0"] == "cuda:2" and hosts["trainer-0"] == "node-0"
+    assert devices["trainer-3"] == "cuda:0" and hosts["trainer-3"] == "node-1"
+    groups = run_groups(cfg, devices, hosts)
+    assert check_groups(cfg, groups) == []
+    assert [g.backend for g in groups] == ["nccl", "nccl"]
+    with pytest.raises(DigenError, match="cannot shard over members that share a GPU"):
+        check_groups(cfg, run_groups(cfg, devices))  # the nodes forgotten
+    driver_env = _torchrun_env(0, per_node)  # what the driver's own environment says
+    monkeypatch.setattr("os.environ", driver_env)
+    with pytest.raises(DigenError, match="cannot shard over members that share a GPU"):
+        check_groups(cfg, run_groups(cfg, all_devices(cfg, visible_gpus=per_node)))
+
+
+def test_a_joiner_computes_on_the_device_it_was_given(monkeypatch) -> None:
+    """``digen join --device`` (``DIGEN_DEVICE`` in the joiner's environment) wins over the
+    placement rule, which knows only the driver's machine: two joiners of one machine take
+    the GPUs they are given, not their join numbers'."""
+    from digen.config import config_to_dict
+    from digen.runtime.placement import DEVICE_ENV, placed_here
+    from digen.runtime.worker.base import pool_config
+
+    cfg = _cfg("model.device=cuda", "runtime.generator_devices=[cuda:0,cuda:1]")
+    assert pool_config(cfg, "generator", 3).model.device == "cuda:1"  # join number 3
+    monkeypatch.setenv(DEVICE_ENV, "cuda:0")
+    assert pool_config(cfg, "generator", 3).model.device == "cuda:0"
+    assert placed_here(config_to_dict(cfg), "generator-3")[1] == "cuda:0"
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_gpu_workers_of_a_dynamic_world_stage_their_tensors_through_the_cpu(elastic) -> None:
+    """Device maps (GPU to GPU) for a fixed world, keyed by the names it knows its workers
+    by; none in a dynamic one (a lost generator comes back, a new one joins), where torch
+    rewrites the agents' device tables as members come and go, and names members otherwise:
+    maps keyed by digen's names failed at the first reply from a GPU."""
+    from digen.runtime.driver.cluster import Cluster
+
+    over = ["model.device=cuda", "runtime.generator_devices=[cuda:0]"]
+    over += ["runtime.trainer_devices=[cuda:1]", "runtime.trainers=1"]
+    if elastic:
+        over += ["runtime.respawn_generators=true", "runtime.on_generator_loss=continue"]
+    cluster = Cluster(_cfg(*over))
+    maps = {w.name: w.device_maps for w in cluster.system.workers}
+    assert cluster.direct is not elastic
+    if elastic:
+        assert maps == {"generator-0": {}, "trainer-0": {}}
+    else:
+        assert maps == {
+            "generator-0": {"trainer-0": {"cuda:0": "cuda:1"}},
+            "trainer-0": {"generator-0": {"cuda:1": "cuda:0"}},
+        }

@@ -24,7 +24,13 @@ from digen.checkpoint import Checkpoint
 from digen.config import DigenConfig, config_to_dict
 from digen.runtime.messages import LossStats, TimedResult
 from digen.runtime.notes import NOTES_ENV
-from digen.runtime.placement import all_devices, check_groups, device_maps, run_groups
+from digen.runtime.placement import (
+    all_devices,
+    check_groups,
+    device_maps,
+    placed_here,
+    run_groups,
+)
 from digen.runtime.transport.actors import (
     ActorHandle,
     ActorSystem,
@@ -60,12 +66,20 @@ class Cluster:
         rt = cfg.runtime
         self.gen_names = list(worker_names(Pool.GENERATOR, rt.generators))
         self.trainer_names = list(worker_names(Pool.TRAINER, rt.trainers))
-        self.devices = all_devices(cfg)
-        for note in check_groups(cfg, run_groups(cfg, self.devices)):  # refuses a bad one
-            logging.getLogger("digen").info(note)
-        # GPU to GPU between workers where every end is a GPU; under an external launcher
-        # each rank picks its GPU itself, so tensors are staged through the CPU there
-        self.direct = active_launch() is None
+        elastic = rt.respawn_generators or rt.accept_generators
+        self.launched = active_launch() is not None
+        self.hosts: dict[str, str] = {}
+        """Every worker's machine, under an external launcher (several machines)."""
+        if self.launched:  # each rank finds its node and GPU itself, once started (start)
+            self.devices: dict[str, str] = {}
+        else:
+            self.devices = all_devices(cfg)
+            _check_placement(cfg, self.devices, {})
+        # GPU to GPU between workers where every end is a GPU. Staged through the CPU under
+        # an external launcher (each rank picks its GPU itself) and in a dynamic world
+        # (torch's membership updates rewrite the agents' device tables while RPC threads
+        # read them, and a joiner has no map)
+        self.direct = not self.launched and not elastic
         maps = device_maps(self.devices) if self.direct else {}
         env = WORKER_ENV | ({NOTES_ENV: str(notes)} if notes else {})
         self.system = ActorSystem(
@@ -81,7 +95,7 @@ class Cluster:
             heartbeat_s=rt.heartbeat_s,
             preload=PRELOAD,  # torch, diffusers, the backbones: imported once
             # a dynamic world: a lost generator can come back, a new one join
-            elastic=rt.respawn_generators or rt.accept_generators,
+            elastic=elastic,
             joiners=(
                 WorkerSpec(Pool.GENERATOR.value, threads=rt.threads_per_worker, env=env)
                 if rt.accept_generators
@@ -102,6 +116,16 @@ class Cluster:
         await self.system.start()
         cfg_dict = config_to_dict(self.cfg)
         rt = self.cfg.runtime
+        if self.launched:  # the ranks' own nodes and GPUs (the driver's LOCAL_RANK is its own)
+            names = self.gen_names + self.trainer_names
+            places = await asyncio.gather(
+                *(self.system.run(n, placed_here, cfg_dict, n) for n in names)
+            )
+            self.hosts = {n: host for n, (host, _) in zip(names, places, strict=True)}
+            self.devices = {n: device for n, (_, device) in zip(names, places, strict=True)}
+            if len(set(self.hosts.values())) == 1:
+                self.hosts = {}  # one machine: the devices say it all
+            _check_placement(self.cfg, self.devices, self.hosts)
         # Trainer 0 hosts the store of each process group, so the address is one of its
         # machine's (the RPC address itself on loopback) and the ports are free there.
         host, dp_port, sync_port = self.system.address, 0, 0
@@ -115,7 +139,7 @@ class Cluster:
         from digen.runtime.worker.scorer import ScorerActor
         from digen.runtime.worker.trainer import TrainerActor
 
-        where = {"devices": self.devices, "direct": self.direct}
+        where = {"devices": self.devices, "direct": self.direct, "hosts": self.hosts}
         self._built = (cfg_dict, where)
         self.gens = [
             self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
@@ -343,6 +367,12 @@ def _whereabouts() -> dict[str, Any]:
     import os
 
     return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _check_placement(cfg: DigenConfig, devices: dict[str, str], hosts: dict[str, str]) -> None:
+    """Refuse a placement whose groups cannot work (one sentence), else log its notes."""
+    for note in check_groups(cfg, run_groups(cfg, devices, hosts)):
+        logging.getLogger("digen").info(note)
 
 
 def _reachable_host(peer: str) -> str:

@@ -80,12 +80,17 @@ def tcp_store(
 
 
 def make_group(
-    store: dist.Store, rank: int, size: int, devices: Sequence[str], timeout_s: float
+    store: dist.Store,
+    rank: int,
+    size: int,
+    devices: Sequence[str],
+    timeout_s: float,
+    hosts: Sequence[str] | None = None,
 ) -> dist.ProcessGroup:
     """A process group of ``size`` members over ``store`` (no default group), on the backend
-    ``devices`` (its members' devices) call for."""
+    ``devices`` (its members' devices, on ``hosts`` where they span machines) call for."""
     timeout = timedelta(seconds=timeout_s)
-    if group_backend(devices) == "nccl":
+    if group_backend(devices, hosts) == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout  # NCCL's own default is ten minutes, not the run's bound
         return dist.ProcessGroupNCCL(store, rank, size, options)
@@ -93,11 +98,17 @@ def make_group(
 
 
 def init_default_group(
-    store: dist.Store, rank: int, world: int, devices: Sequence[str], timeout_s: float
+    store: dist.Store,
+    rank: int,
+    world: int,
+    devices: Sequence[str],
+    timeout_s: float,
+    hosts: Sequence[str] | None = None,
 ) -> None:
     """This process's default group over ``store``: gloo, or on GPUs NCCL with gloo beside it
-    for the CPU tensors a run's control values travel in."""
-    backend = default_group_backend(devices)
+    for the CPU tensors a run's control values travel in (``hosts``: the members' machines,
+    where they span several)."""
+    backend = default_group_backend(devices, hosts)
     dist.init_process_group(
         backend,
         store=store,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from digen.config import DigenConfig, load_config, schedule_plan
 from digen.runtime.messages import SampleKey, TimedResult
 from digen.runtime.notes import notes_to_run_log
-from digen.runtime.placement import is_cuda, peak_memory_gb, worker_device
+from digen.runtime.placement import DEVICE_ENV, is_cuda, peak_memory_gb, worker_device
 from digen.runtime.transport.actors import run_sync
 from digen.runtime.transport.groups import make_group, pinned_to_loopback, tcp_store
 from digen.runtime.worker.policy import Policy
@@ -55,7 +55,7 @@ def weight_buckets(params: Sequence[torch.Tensor], max_numel: int) -> list[list[
 def pool_config(cfg: DigenConfig | dict[str, Any], pool: str, index: int = 0) -> DigenConfig:
     """The run's config with ``model.device`` / ``model.dtype`` set to this worker's own."""
     cfg = cfg if isinstance(cfg, DigenConfig) else load_config(base=cfg)
-    device = worker_device(cfg, pool, index)
+    device = os.environ.get(DEVICE_ENV) or worker_device(cfg, pool, index)
     dtype = getattr(cfg.runtime, f"{pool}_dtype") or cfg.model.dtype
     model = dataclasses.replace(cfg.model, device=device, dtype=dtype)
     return dataclasses.replace(cfg, model=model)
@@ -89,12 +89,18 @@ class WorkerActor:
     """What every actor of a worker process has: its worker's name and device, how peers
     send it tensors, its store, and its replies' timing.
 
-    ``devices``: every worker's device by name, and ``direct``: whether GPU workers exchange
-    tensors GPU to GPU (the actor layer was given device maps); both from the cluster.
+    ``devices``: every worker's device by name, ``hosts``: every worker's machine where
+    they span several (a torchrun launch), and ``direct``: whether GPU workers exchange
+    tensors GPU to GPU (the actor layer was given device maps); all from the cluster.
     """
 
     def __init__(
-        self, cfg: DigenConfig, name: str, devices: dict[str, str] | None, direct: bool
+        self,
+        cfg: DigenConfig,
+        name: str,
+        devices: dict[str, str] | None,
+        direct: bool,
+        hosts: dict[str, str] | None = None,
     ) -> None:
         notes_to_run_log(name)
         self.name = name
@@ -102,6 +108,11 @@ class WorkerActor:
         if is_cuda(self.device):  # this actor's thread (the current CUDA device is per thread)
             torch.cuda.set_device(torch.device(self.device))
         self.devices = devices or {}
+        self.hosts = hosts or {}
+        if name in self.devices and self.devices[name] != self.device:
+            raise RuntimeError(
+                f"{name} computes on {self.device} but the run placed it on {self.devices[name]}"
+            )
         self.direct = direct
         self.jitter = Jitter()
         self.store = open_store(schedule_plan(cfg).admission.max_inflight)
@@ -132,22 +143,25 @@ class PolicyActor(WorkerActor):
         devices: dict[str, str] | None = None,
         direct: bool = False,
         mesh: Any = None,
+        hosts: dict[str, str] | None = None,
     ) -> None:
         set_threads(cfg.runtime.threads_per_worker)
-        super().__init__(cfg, name, devices, direct)
+        super().__init__(cfg, name, devices, direct, hosts)
         self.cfg = cfg
         self.policy = Policy(cfg, trainable=trainable, mesh=mesh)
         self.sync_group = None
 
     def join_sync_group(self, port: int, rank: int, size: int, host: str | None = None) -> None:
         """Join the weight-broadcast group (trainer 0 is rank 0; its store at ``host``)."""
-        members = [d for w, d in self.devices.items() if w.startswith(Pool.GENERATOR.value)]
-        members.append(self.devices.get(worker_name(Pool.TRAINER, 0), self.device))
+        names = [w for w in self.devices if w.startswith(Pool.GENERATOR.value)]
+        names.append(worker_name(Pool.TRAINER, 0))
+        members = [self.devices.get(w, self.device) for w in names]
+        machines = [self.hosts.get(w, "") for w in names] if self.hosts else None
         host = host or self.cfg.runtime.address
         timeout_s = self.cfg.runtime.rpc_timeout_s
         store = tcp_store(host, port, size, lead=rank == 0, timeout=timedelta(seconds=timeout_s))
         with pinned_to_loopback(host):
-            self.sync_group = make_group(store, rank, size, members or [self.device], timeout_s)
+            self.sync_group = make_group(store, rank, size, members, timeout_s, machines)
 
     def generate(
         self,

@@ -32,9 +32,10 @@ class GeneratorActor(PolicyActor):
         name: str = worker_name(Pool.GENERATOR, 0),
         devices: dict[str, str] | None = None,
         direct: bool = False,
+        hosts: dict[str, str] | None = None,
     ) -> None:
         cfg = pool_config(cfg, Pool.GENERATOR, max(index_of(name), 0))
-        super().__init__(cfg, name, trainable=False, devices=devices, direct=direct)
+        super().__init__(cfg, name, trainable=False, devices=devices, direct=direct, hosts=hosts)
         self.scoring = None
         if not cfg.runtime.score_overlap:
             self.scoring = Scoring(self, reward_loop(cfg, rewards))

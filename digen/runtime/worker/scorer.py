@@ -127,9 +127,10 @@ class ScorerActor(WorkerActor):
         name: str = worker_name(Pool.GENERATOR, 0),
         devices: dict[str, str] | None = None,
         direct: bool = False,
+        hosts: dict[str, str] | None = None,
     ) -> None:
         cfg = pool_config(cfg, Pool.GENERATOR, max(index_of(name), 0))
-        super().__init__(cfg, name, devices, direct)  # the generator's name: its process
+        super().__init__(cfg, name, devices, direct, hosts)  # the generator's name: its process
         self.scoring = Scoring(self, reward_loop(cfg, rewards))
 
     def score(self, *args: Any) -> TimedResult:

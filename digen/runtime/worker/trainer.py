@@ -46,6 +46,7 @@ class TrainerActor(PolicyActor):
         name: str | None = None,
         devices: dict[str, str] | None = None,
         direct: bool = False,
+        hosts: dict[str, str] | None = None,
     ) -> None:
         """``dp_host``: where trainer 0 serves the data-parallel group's store
         (``runtime.address`` when None).
@@ -59,8 +60,9 @@ class TrainerActor(PolicyActor):
         rt = cfg.runtime
         self.rank, self.world = rank, world
         self.sharded = world > 1 and rt.sharded
-        trainers = [d for w, d in (devices or {}).items() if w.startswith(Pool.TRAINER.value)]
-        trainers = trainers or [cfg.model.device]
+        names = [w for w in devices or {} if w.startswith(Pool.TRAINER.value)]
+        trainers = [(devices or {})[w] for w in names] or [cfg.model.device]
+        machines = [(hosts or {}).get(w, "") for w in names] if hosts and names else None
         host = dp_host or rt.address
         mesh = store = None
         if world > 1:
@@ -69,7 +71,7 @@ class TrainerActor(PolicyActor):
         if self.sharded:
             if is_cuda(cfg.model.device):
                 torch.cuda.set_device(torch.device(cfg.model.device))
-            mesh = _trainer_mesh(cfg, store, rank, world, trainers, host)
+            mesh = _trainer_mesh(cfg, store, rank, world, trainers, host, machines)
         super().__init__(
             cfg,
             name or worker_name(Pool.TRAINER, rank),
@@ -77,11 +79,12 @@ class TrainerActor(PolicyActor):
             devices=devices,
             direct=direct,
             mesh=mesh,
+            hosts=hosts,
         )
         self.dp_group = None
         if world > 1 and not self.sharded:
             with pinned_to_loopback(host):
-                self.dp_group = make_group(store, rank, world, trainers, rt.rpc_timeout_s)
+                self.dp_group = make_group(store, rank, world, trainers, rt.rpc_timeout_s, machines)
         self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
         self._full: dict[str, torch.Tensor] = {}
         """Sharded: trainer 0's full copy of the trained weights (the others hold none)."""
@@ -252,7 +255,13 @@ class TrainerActor(PolicyActor):
 
 
 def _trainer_mesh(
-    cfg: DigenConfig, store: Any, rank: int, world: int, devices: Sequence[str], host: str
+    cfg: DigenConfig,
+    store: Any,
+    rank: int,
+    world: int,
+    devices: Sequence[str],
+    host: str,
+    machines: Sequence[str] | None = None,
 ) -> Any:
     """The sharded trainers' device mesh, over a default process group of the trainers
     (they are the only members of this process's default group)."""
@@ -263,5 +272,5 @@ def _trainer_mesh(
             f"the same kind of device, not {sorted(kinds)}"
         )
     with pinned_to_loopback(host):
-        init_default_group(store, rank, world, devices, cfg.runtime.rpc_timeout_s)
+        init_default_group(store, rank, world, devices, cfg.runtime.rpc_timeout_s, machines)
     return make_mesh(cfg.runtime.trainer_parallel, world, kinds.pop(), cfg.runtime.shard_size)
