@@ -271,7 +271,7 @@ def test_digen_run_disaggregated_every_model_and_algo(
 @pytest.mark.parametrize("sync", ["rpc", "broadcast"])
 @pytest.mark.asyncio
 async def test_heterogeneous_pools_sync_in_buckets(sync: str) -> None:
-    """bf16 generators, fp32 trainers: weights travel in fp32, in many small buckets, and
+    """bf16 generators, fp32 trainers: weights travel in fp32 (the pools differ), in many small buckets, and
     what a trainer receives (bf16 prompt embeddings) is cast to its own dtype before use."""
     over = ["runtime.generator_dtype=bfloat16", "runtime.trainer_dtype=float32", "steps=2"]
     over += [f"runtime.weight_sync={sync}", "runtime.sync_bucket_mb=0.01", "runtime.tag=none"]

@@ -295,3 +295,30 @@ class _Patched:
 
     def __getattr__(self, name: str):
         return getattr(self._algorithm, name)
+
+
+@pytest.mark.parametrize("algo", ["flowgrpo", "nft"])
+def test_weights_travel_in_the_dtype_of_the_parameters_they_land_in(algo: str) -> None:
+    """One dtype for both pools, whether set for one pool or for the model: a bf16 full
+    fine-tune's weights travel in bf16 (NFT's old policy, kept in fp32 beside them,
+    included: rounded as the generators would round it); fp32 LoRA weights on a bf16 base
+    travel in fp32; pools of two dtypes get fp32, which each side casts to its own."""
+    from helpers import tiny_config
+
+    from digen.config import config_to_dict
+    from digen.runtime.worker.store import fetch_weights
+    from digen.runtime.worker.trainer import TrainerActor
+
+    def served(*over: str) -> set[torch.dtype]:
+        cfg = tiny_config("flux", algo, ["model.dtype=bfloat16", *over], mode="disaggregated")
+        trainer = TrainerActor(config_to_dict(cfg), 0, 1, 0)
+        try:
+            return {t.dtype for t in fetch_weights(0, 0, None).values()}
+        finally:
+            trainer.store.clear()
+
+    full = ["train.lora_rank=0", "runtime.sync_bucket_mb=1000"]
+    assert served(*full, "runtime.trainer_dtype=bfloat16") == {torch.bfloat16}
+    assert served(*full) == {torch.bfloat16}
+    assert served("train.lora_dtype=float32") == {torch.float32}
+    assert served(*full, "runtime.generator_dtype=float32") == {torch.float32}

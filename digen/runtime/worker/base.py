@@ -53,12 +53,18 @@ def weight_buckets(params: Sequence[torch.Tensor], max_numel: int) -> list[list[
 
 
 def pool_config(cfg: DigenConfig | dict[str, Any], pool: str, index: int = 0) -> DigenConfig:
-    """The run's config with ``model.device`` / ``model.dtype`` set to this worker's own."""
+    """The run's config with ``model.device`` / ``model.dtype`` set to this worker's own, and
+    both pools' dtypes spelt out (``runtime.generator_dtype``, ``runtime.trainer_dtype``)."""
     cfg = cfg if isinstance(cfg, DigenConfig) else load_config(base=cfg)
     device = os.environ.get(DEVICE_ENV) or worker_device(cfg, pool, index)
-    dtype = getattr(cfg.runtime, f"{pool}_dtype") or cfg.model.dtype
-    model = dataclasses.replace(cfg.model, device=device, dtype=dtype)
-    return dataclasses.replace(cfg, model=model)
+    rt = cfg.runtime
+    runtime = dataclasses.replace(
+        rt,
+        generator_dtype=rt.generator_dtype or cfg.model.dtype,
+        trainer_dtype=rt.trainer_dtype or cfg.model.dtype,
+    )
+    model = dataclasses.replace(cfg.model, device=device, dtype=getattr(runtime, f"{pool}_dtype"))
+    return dataclasses.replace(cfg, model=model, runtime=runtime)
 
 
 def set_threads(n: int) -> None:
@@ -150,6 +156,15 @@ class PolicyActor(WorkerActor):
         self.cfg = cfg
         self.policy = Policy(cfg, trainable=trainable, mesh=mesh)
         self.sync_group = None
+        rt = cfg.runtime
+        same = rt.generator_dtype == rt.trainer_dtype
+        live = [p.dtype for _, p in self.policy.synced_parameters()]
+        self._wire_dtypes = [d if same or not d.is_floating_point else torch.float32 for d in live]
+        """The dtype each synced weight travels in: that of the parameter it lands in where
+        both pools compute in one dtype (:func:`pool_config` spells both out), so an old
+        policy or average kept in fp32 beside bf16 weights travels in bf16, rounded as the
+        receiver would round it, at half the bytes; fp32 where the pools' dtypes differ
+        (each side casts to its own). Read once: pulls are served on RPC threads."""
 
     def join_sync_group(self, port: int, rank: int, size: int, host: str | None = None) -> None:
         """Join the weight-broadcast group (trainer 0 is rank 0; its store at ``host``)."""
@@ -218,22 +233,15 @@ class PolicyActor(WorkerActor):
         max_numel = max(1, int(self.cfg.runtime.sync_bucket_mb * 1e6 / 4))
         return weight_buckets([p for _, p in self._synced()], max_numel)
 
-    def _sync_dtype(self, p: torch.Tensor) -> torch.dtype:
-        """The dtype weights travel in: their own, or fp32 where the pools' dtypes differ."""
-        rt = self.cfg.runtime
-        gen, trainer = rt.generator_dtype, rt.trainer_dtype
-        return p.dtype if gen == trainer else torch.float32
-
     def broadcast_weights(self, version: int) -> TimedResult:
         """Enter the weight broadcast (every member at once, bucket by bucket): trainer 0
         sends, the others receive."""
         t0 = time.time()
         params = [p for _, p in self._synced()]
+        dtypes = self._wire_dtypes
         on = "cuda" if is_cuda(self.device) and self._sync_backend() == "nccl" else "cpu"
         for bucket in self._buckets():
-            flat = torch.cat(
-                [params[i].detach().reshape(-1).to(on, self._sync_dtype(params[i])) for i in bucket]
-            )
+            flat = torch.cat([params[i].detach().reshape(-1).to(on, dtypes[i]) for i in bucket])
             self.sync_group.broadcast(flat, 0).wait()
             _unflatten_into([params[i] for i in bucket], flat)
         self.policy.version = version

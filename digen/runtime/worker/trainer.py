@@ -154,11 +154,9 @@ class TrainerActor(PolicyActor):
                 )
             if self._changed is not None:
                 torch.cuda.current_stream().wait_event(self._changed)
-            named = self._synced()
+            named, dtypes = self._synced(), self._wire_dtypes
             return {
-                named[i][0]: named[i][1]
-                .detach()
-                .to(wire or self.device, self._sync_dtype(named[i][1]), copy=True)
+                named[i][0]: named[i][1].detach().to(wire or self.device, dtypes[i], copy=True)
                 for i in self._buckets()[bucket]
             }
 
