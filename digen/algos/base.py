@@ -115,10 +115,12 @@ class ChunkLoss:
     diagnostics (detached floats, means over the terms)."""
 
     loss: Tensor
-    kl: float = 0.0
-    clip_fraction: float = 0.0
-    approx_kl: float = 0.0
-    """How far the trained policy has moved from the one that sampled."""
+    kl: Tensor | float = 0.0
+    clip_fraction: Tensor | float = 0.0
+    approx_kl: Tensor | float = 0.0
+    """How far the trained policy has moved from the one that sampled. These three are
+    detached 0-dim tensors where computed: the trainer reads a chunk's values in one
+    transfer."""
     values: Tensor | None = None
     """``[R]`` per-term values whose non-finite ones the error of a non-finite loss counts
     (read only then: counting them would sync the device at every chunk)."""
@@ -327,7 +329,7 @@ class Algorithm:
             ref_mean = policy.reference_mean(x_t, chunk.steps, chunk.cond, spec, chunk.neg)
             kl = self.kl(cfg.algo, out.mean, ref_mean, out).mean()
             loss = loss + cfg.algo.kl_coef * kl
-            kl_val = float(kl.detach())
+            kl_val = kl.detach()
         drift = bound = None
         if chunk.same_weights:
             from digen.algos.rollout import logprob_drift_bound

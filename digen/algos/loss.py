@@ -11,14 +11,15 @@ __all__ = ["LossStats", "clipped_policy_loss", "guard_log_ratio", "kl_to_referen
 
 @dataclass(frozen=True, slots=True)
 class LossStats:
-    """Diagnostics of one loss evaluation (detached floats)."""
+    """Diagnostics of one loss evaluation: detached 0-dim tensors where the loss is, read
+    by the caller when it reads (reading each here would wait on the device for each)."""
 
-    policy_loss: float
-    clip_fraction: float
+    policy_loss: torch.Tensor
+    clip_fraction: torch.Tensor
     """Fraction of (sample, timestep) terms whose ratio left ``[1 - eps, 1 + eps]``."""
-    approx_kl: float
+    approx_kl: torch.Tensor
     """``0.5 * mean((logp - old_logp)^2)``: how far the policy moved since sampling."""
-    ratio_mean: float
+    ratio_mean: torch.Tensor
 
 
 def clipped_policy_loss(
@@ -51,10 +52,10 @@ def clipped_policy_loss(
     loss = (terms if weight is None else terms * weight).mean()
     with torch.no_grad():
         stats = LossStats(
-            policy_loss=float(loss),
-            clip_fraction=float(((ratio - 1.0).abs() > clip_ratio).float().mean()),
-            approx_kl=float(0.5 * (diff**2).mean()),
-            ratio_mean=float(ratio.mean()),
+            policy_loss=loss.detach(),
+            clip_fraction=((ratio - 1.0).abs() > clip_ratio).float().mean(),
+            approx_kl=0.5 * (diff**2).mean(),
+            ratio_mean=ratio.mean(),
         )
     return loss, stats
 

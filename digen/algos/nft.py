@@ -225,8 +225,8 @@ class NFT(Algorithm):
             v_ref = policy.reference_velocity(x_t, sigma, chunk.cond, chunk.neg).float()
             kl = ((v - v_ref) ** 2).mean(dim=dims).mean()
             loss = loss + cfg.algo.kl_coef * kl
-            kl_val = float(kl.detach())
-        moved = float(((v.detach() - v_old) ** 2).mean())
+            kl_val = kl.detach()
+        moved = ((v.detach() - v_old) ** 2).mean()
         return ChunkLoss(loss, kl=kl_val, approx_kl=moved, values=per_term.detach())
 
     def update_old(

@@ -155,6 +155,26 @@ def _velocity(
     return adapter.predict_velocity(x, t, cond, neg_cond, spec.guidance_scale)
 
 
+def _step_noise(
+    generators: Sequence[torch.Generator], x: torch.Tensor, steps: Sequence[int]
+) -> dict[int, torch.Tensor]:
+    """Step -> ``[B, *latent]`` standard normal noise on ``x``'s device for each of the noisy
+    ``steps`` (ascending), drawn now in the order the steps would draw it (each sample's
+    generator: after its latent, one draw per noisy step) and sent in one copy, so no step
+    waits on a transfer."""
+    if not steps:
+        return {}
+    draws = torch.stack(
+        [
+            torch.stack(
+                [torch.randn(x.shape[1:], generator=g, dtype=torch.float32) for g in generators]
+            )
+            for _ in steps
+        ]
+    )  # [S, B, *latent]
+    return dict(zip(steps, draws.to(x.device, non_blocking=True).unbind(0), strict=True))
+
+
 @torch.no_grad()
 def sample_rollout(
     adapter: DiffusionAdapter,
@@ -174,6 +194,7 @@ def sample_rollout(
     initial = generators if initial_generators is None else initial_generators
     x = adapter.initial_latents(initial).float()  # [B, *latent]
     kept, noisy = set(spec.window), set(spec.noisy)
+    noises = _step_noise(generators, x, sorted(noisy))
     xs, nexts, logps, means = [], [], [], []
     x0_prev = None  # dpm2: the last step's clean prediction (None: the history restarts)
     post = spec.solver == "dpm2-post"
@@ -183,10 +204,7 @@ def sample_rollout(
         if post and i <= last_noisy:  # the history Flash's solver keeps through the window
             x0 = x - spec.sigmas[i].float() * v.float()
         if i in noisy:
-            noise = torch.stack(
-                [torch.randn(x.shape[1:], generator=g, dtype=torch.float32) for g in generators]
-            ).to(x.device)
-            out = _step(spec, v, x, i, noise=noise)
+            out = _step(spec, v, x, i, noise=noises.pop(i))
             if out.log_prob is None:
                 raise ValueError(f"step {i} of the SDE window has no noise; raise noise_level")
             if i in kept:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from digen.algos.registry import get_algorithm
-from digen.algos.transitions import LOG_PROBS, STEP_KINDS
+from digen.algos.transitions import LOG_PROBS, STEP_KINDS, Transition
 
 __all__ = ["SDE_TYPES", "StepOutput", "dpm2_step", "gaussian_log_prob", "ode_step", "sde_step"]
 
@@ -43,7 +43,10 @@ class StepOutput:
 def _gather_sigma(
     sigmas: torch.Tensor, step_index: int | torch.Tensor, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sigma_i`` and ``sigma_{i+1}`` shaped ``[B, 1, ...]`` to broadcast against ``like``."""
+    """``sigma_i`` and ``sigma_{i+1}`` shaped ``[B, 1, ...]`` to broadcast against ``like``.
+
+    Step indices are host data (an int, or a CPU tensor: the plan's), checked here on the
+    host; only the gathered sigmas go to ``like``'s device."""
     b = like.shape[0]
     idx = torch.as_tensor(step_index, dtype=torch.long, device=sigmas.device)
     if idx.ndim == 0:
@@ -53,9 +56,11 @@ def _gather_sigma(
     if int(idx.max()) + 1 >= sigmas.numel() or int(idx.min()) < 0:
         raise IndexError(f"step_index out of range for {sigmas.numel() - 1} steps")
     view = (b,) + (1,) * (like.ndim - 1)
-    sigmas = sigmas.to(device=like.device, dtype=torch.float32)
-    idx = idx.to(like.device)
-    return sigmas[idx].view(view), sigmas[idx + 1].view(view)
+    # gathered where the sigmas are (the host's) and sent in one copy that does not wait
+    # for the device's queue (the host's memory is staged at once)
+    pair = torch.stack([sigmas[idx], sigmas[idx + 1]]).to(torch.float32)  # [2, B]
+    pair = pair.to(like.device, non_blocking=True)
+    return pair[0].view(view), pair[1].view(view)
 
 
 def ode_step(
@@ -130,19 +135,27 @@ def sde_step(
         raise ValueError(f"unknown sde_type {sde_type!r}; expected one of {SDE_TYPES}")
     x, v = sample.float(), velocity.float()
     sigma, sigma_next = _gather_sigma(sigmas, step_index, x)
-    sigma_1 = sigmas[1].to(x.device, torch.float32)
-    if algorithm is None:
-        tr = STEP_KINDS[sde_type](x, v, sigma, sigma_next, noise_level, sigma_1)
-    else:
-        tr = get_algorithm(algorithm).transition(
-            sde_type, x, v, sigma, sigma_next, noise_level, sigma_1
-        )
-    mean, std = tr.mean, tr.std.expand((x.shape[0],) + tuple(tr.std.shape[1:]))
+    sigma_1, _ = _gather_sigma(sigmas, 1, x[:1])  # [1, 1, ...]: broadcasts
 
-    deterministic = bool((std <= 0).all())
+    def transition(x: torch.Tensor, v: torch.Tensor, *sigma_args: torch.Tensor) -> Transition:
+        if algorithm is None:
+            return STEP_KINDS[sde_type](x, v, *sigma_args[:2], noise_level, sigma_args[2])
+        return get_algorithm(algorithm).transition(
+            sde_type, x, v, *sigma_args[:2], noise_level, sigma_args[2]
+        )
+
+    tr = transition(x, v, sigma, sigma_next, sigma_1)
+    mean, std = tr.mean, tr.std.expand((x.shape[0],) + tuple(tr.std.shape[1:]))
+    # Which rows have no noise, asked of the host's sigmas (a step's std is a function of
+    # its sigmas and the noise level alone), so that a step never waits on the device.
+    host = sigmas.detach().to("cpu", torch.float32)
+    s_h, s1_h = _gather_sigma(host, step_index, host.new_zeros(x.shape[0], 1))
+    std_h = transition(s_h.new_zeros(s_h.shape), s_h.new_zeros(s_h.shape), s_h, s1_h, host[1]).std
+    quiet = std_h.expand(x.shape[0], 1) <= 0  # [B, 1] on the host
+    deterministic = bool(quiet.all())
     if prev_sample is None:
         prev_sample = mean if deterministic else mean + std * noise.float()
-    if bool((std <= 0).any()):
+    if bool(quiet.any()):
         if not deterministic or noise is None:
             raise ValueError(
                 f"the {sde_type} step at step_index {step_index} has zero noise for some samples "

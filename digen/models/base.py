@@ -504,7 +504,7 @@ class DiffusionAdapter(ABC):
         """Standard normal latents ``[B, *latent_shape]``, one CPU generator per sample."""
         shape = self.latent_shape()
         rows = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
-        return torch.stack(rows).to(self.device)
+        return torch.stack(rows).to(self.device, non_blocking=True)  # staged: no wait
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:

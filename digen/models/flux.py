@@ -116,6 +116,7 @@ class FluxAdapter(DiffusionAdapter):
         super().__init__(pipe, **geometry)
         #: value fed to the guidance embedding (ignored when the transformer has none)
         self.embedded_guidance = float(embedded_guidance)
+        self._image_ids_made: dict[tuple, torch.Tensor] = {}
         f = self.vae_scale_factor * 2
         if self.height % f or self.width % f:
             raise DigenError(
@@ -249,6 +250,15 @@ class FluxAdapter(DiffusionAdapter):
         )
         return PromptEmbeds({"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled})
 
+    def _image_ids(self, h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """FLUX's position ids of an ``h x w`` token grid ``[h w, 3]``, made once per grid
+        and device (made on the host, they would be copied to the device at every step)."""
+        key = (h, w, str(device), dtype)
+        if key not in self._image_ids_made:
+            ids = self.pipe._prepare_latent_image_ids(1, h, w, device, dtype)
+            self._image_ids_made[key] = ids
+        return self._image_ids_made[key]
+
     def forward_velocity(
         self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds
     ) -> torch.Tensor:
@@ -256,7 +266,7 @@ class FluxAdapter(DiffusionAdapter):
         b, _, h, w = latents.shape
         dtype, device = self.dtype, latents.device
         tokens = pack_latents(latents.to(dtype))  # [B, N, 4C], N = (H/2)(W/2)
-        img_ids = self.pipe._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)  # [N, 3]
+        img_ids = self._image_ids(h // 2, w // 2, device, dtype)  # [N, 3]
         text = cond.tensors["prompt_embeds"].to(device, dtype)  # [B, L, D]
         pooled = cond.tensors["pooled_prompt_embeds"].to(device, dtype)  # [B, D_pool]
         txt_ids = torch.zeros(text.shape[1], 3, device=device, dtype=dtype)  # [L, 3]

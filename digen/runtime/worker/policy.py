@@ -340,12 +340,13 @@ class Policy:
             out = algorithm.chunk_loss(cfg, chunk)
             loss = out.loss
             terms = d * b
-            if not torch.isfinite(loss.detach()):
+            read = _ChunkRead.of(out)  # the chunk's one wait on the device
+            if not read.finite:
                 if cfg.train.on_nonfinite == "fail":
                     bad = terms if out.values is None else int((~out.values.isfinite()).sum())
                     raise NonFiniteError(
                         f"the loss of train step {step} (prompt {item.keys[0].prompt}, samples "
-                        f"{[k.sample for k in item.keys]}) is {float(loss.detach())} with "
+                        f"{[k.sample for k in item.keys]}) is {read.loss} with "
                         f"{bad} of {terms} terms non-finite; lower train.lr, "
                         "or set train.on_nonfinite=drop to leave such micro-batches out."
                     )
@@ -353,17 +354,7 @@ class Policy:
                     stats.add(LossStats(dropped=1))  # step's non-finite gradient skips it
                     continue
             (loss * (terms * loss_scale)).backward()
-            stats.add(
-                LossStats(
-                    terms=terms,
-                    loss=float(loss.detach()) * terms,
-                    kl=out.kl * terms,
-                    clip_fraction=out.clip_fraction * terms,
-                    approx_kl=out.approx_kl * terms,
-                )
-            )
-            if out.drift is not None and out.drift_bound is not None:
-                stats.add(_drift_stats(out.drift, out.drift_bound))
+            stats.add(read.stats(terms))
         self.adapter.transformer.eval()
         return stats
 
@@ -772,11 +763,51 @@ def _kept_copy(p: torch.Tensor) -> torch.Tensor:
     return p.detach().to(torch.float32 if low else p.dtype, copy=True)
 
 
-def _drift_stats(drift: torch.Tensor, bound: torch.Tensor) -> LossStats:
-    """One chunk's log-prob drift (``[R]`` each), read back in one transfer."""
-    over = (drift > bound).sum()
-    total, top, over_n = torch.stack([drift.sum(), drift.max(), over.to(drift.dtype)]).tolist()
-    return LossStats(drift_terms=drift.numel(), drift=total, drift_max=top, drift_over=int(over_n))
+@dataclass(frozen=True, slots=True)
+class _ChunkRead:
+    """What the host needs of a loss chunk (:class:`~digen.algos.base.ChunkLoss`), read
+    back from the device in one transfer rather than one wait per value."""
+
+    finite: bool
+    loss: float
+    kl: float
+    clip_fraction: float
+    approx_kl: float
+    drift: tuple[int, float, float, int] | None
+    """``(terms, sum, max, over the bound)`` of the log-prob drift, where measured."""
+
+    @classmethod
+    def of(cls, out: Any) -> _ChunkRead:
+        loss = out.loss.detach()
+
+        def value(v: torch.Tensor | float) -> torch.Tensor:
+            if isinstance(v, torch.Tensor):
+                return v.detach().to(torch.float32).reshape(())
+            return loss.new_full((), float(v), dtype=torch.float32)
+
+        parts = [torch.isfinite(loss).to(torch.float32), value(loss)]
+        parts += [value(out.kl), value(out.clip_fraction), value(out.approx_kl)]
+        measured = out.drift is not None and out.drift_bound is not None
+        if measured:
+            over = (out.drift > out.drift_bound).sum().to(torch.float32)
+            parts += [out.drift.sum(), out.drift.max(), over]
+        got = torch.stack(parts).tolist()
+        drift = (out.drift.numel(), got[5], got[6], int(got[7])) if measured else None
+        return cls(bool(got[0]), *got[1:5], drift)
+
+    def stats(self, terms: int) -> LossStats:
+        """The chunk's sums over its ``terms``."""
+        stats = LossStats(
+            terms=terms,
+            loss=self.loss * terms,
+            kl=self.kl * terms,
+            clip_fraction=self.clip_fraction * terms,
+            approx_kl=self.approx_kl * terms,
+        )
+        if self.drift is not None:
+            n, total, top, over = self.drift
+            stats.add(LossStats(drift_terms=n, drift=total, drift_max=top, drift_over=over))
+        return stats
 
 
 def _cat_rows(rows: Sequence[PromptEmbeds]) -> PromptEmbeds:
