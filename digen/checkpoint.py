@@ -40,7 +40,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # torch loads where tensors are read or written: a CLI check 
 __all__ = [
     "PROFILER",
     "RUN_OUTPUTS",
+    "SavedWeights",
     "check_out_dir",
     "previous_outputs",
     "Checkpoint",
@@ -67,6 +68,7 @@ __all__ = [
     "publish",
     "staging_for",
     "tidy_out_dir",
+    "write_safetensors",
     "write_sharded_state",
     "write_trainer_state",
 ]
@@ -117,6 +119,61 @@ def checkpoint_identity(cfg: Any) -> dict[str, Any]:
     }
 
 
+_SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+def write_safetensors(
+    path: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write ``tensors`` as a ``.safetensors`` file (the format ``safetensors`` and
+    ``from_pretrained`` read), one tensor at a time: the header first, then each tensor's
+    bytes straight from its memory (moved to the host one tensor at a time). The library's
+    own writer first turns every tensor into bytes, which holds a second copy of all of them
+    in memory: a full fine-tune's weights would need twice their size to be saved."""
+    import struct
+
+    import torch
+
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        kind = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if kind is None:
+            raise ValueError(f"{name}: safetensors has no dtype {t.dtype}")
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": kind,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for t in tensors.values():
+            if t.numel():
+                one = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                f.write(one.numpy().data)
+                del one
+
+
 def write_trainer_state(
     directory: str | os.PathLike,
     weights: dict[str, torch.Tensor],
@@ -126,18 +183,49 @@ def write_trainer_state(
     """Write the trainer's part (weights, optimizer state, and the tensors ``kept`` beside
     them: :data:`KEPT` -> name -> tensor) into ``directory``, flushed."""
     import torch
-    from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     files = {WEIGHTS: weights} | {KEPT_FILES[k]: v for k, v in (kept or {}).items()}
     for name, state in files.items():
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / name)
-        )
+        write_safetensors(directory / name, state, {"format": "pt"})
     torch.save(optimizer, directory / OPTIMIZER)
     for name in (*files, OPTIMIZER):
         _fsync(directory / name)
+
+
+class SavedWeights(Mapping[str, "torch.Tensor"]):
+    """``name -> tensor`` of the weights saved in a diffusers model folder (``transformer/``,
+    one or several ``.safetensors`` files), limited to ``names``, read from the files when
+    first asked for: a run's final full weights reach the caller from the disk, never
+    through the driver's memory."""
+
+    def __init__(self, directory: str | os.PathLike, names: Sequence[str]) -> None:
+        self.directory = Path(directory)
+        self.names = list(names)
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    def _load(self) -> dict[str, torch.Tensor]:
+        if self._tensors is None:
+            from safetensors.torch import load_file
+
+            wanted, found = set(self.names), {}
+            for path in sorted(self.directory.glob("*.safetensors")):
+                found |= {k: v for k, v in load_file(str(path)).items() if k in wanted}
+            missing = wanted - set(found)
+            if missing:
+                raise KeyError(f"{self.directory} holds no {sorted(missing)[:3]}")
+            self._tensors = {n: found[n] for n in self.names}
+        return self._tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._load()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def load_kept(directory: str | os.PathLike, prefix: str) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +33,7 @@ import torch
 from digen.checkpoint import (
     Checkpoint,
     CheckpointWriter,
+    SavedWeights,
     check_out_dir,
     checkpoint_identity,
     previous_outputs,
@@ -68,8 +69,9 @@ class RunResult:
     interrupted: bool = False
     weights: Path | None = None
     """The saved LoRA adapter (``lora/``) or full transformer (``transformer/``)."""
-    final_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    """The trained parameters at the end (name -> tensor), for checks and chaining."""
+    final_state: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    """The trained parameters at the end (name -> tensor), for checks and chaining; of a
+    full fine-tune that saved its weights, read from ``weights`` when first used."""
     first_step: int = 0
     """The step this run started at (a resumed run's checkpoint step); ``metrics`` holds
     the steps from there on, ``metrics.jsonl`` every step of the run."""
@@ -370,7 +372,11 @@ class DigenRunner:
                 if outputs and self.save_weights and metrics:
                     weights = await backend.save_weights(self.out_dir)
                     log.info("weights_saved", path=str(weights))
-                final_state = await backend.final_state()
+                if weights is not None and cfg.train.lora_rank == 0:
+                    # full weights: read from the files on demand, not through this process
+                    final_state = SavedWeights(weights, await backend.trained_names())
+                else:
+                    final_state = await backend.final_state()
         except Exception as exc:
             log.error(
                 "run_failed",

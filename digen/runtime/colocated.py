@@ -136,10 +136,14 @@ class ColocatedTrainer:
     async def save_weights(self, out_dir: str | os.PathLike) -> Path:
         return self.policy.save_weights(out_dir, self._full)
 
+    async def trained_names(self) -> list[str]:
+        """The names of the trained weights, in the order weight syncs carry them."""
+        return [n for n, _ in self.policy.synced_parameters()]
+
     async def final_state(self) -> dict[str, torch.Tensor]:
         if self._full is not None:
             return dict(self._full)
-        return self.policy.trainable_state()
+        return self.policy.trainable_state("cpu")
 
     async def evaluate(
         self, prompts: Sequence[str], metadata: Sequence[dict], samples: int
@@ -188,8 +192,8 @@ class ColocatedTrainer:
                 res.pixels, res.captions = None, []
             results.append(res)
             go = on_step is None or await _maybe_await(on_step(res)) is not False
-        if self.sharded:  # every worker takes part in gathering the full weights
-            self._full = full_tensors(self.policy.synced_parameters(), keep=True)
+        if self.sharded:  # every worker takes part in gathering; the lead keeps them
+            self._full = full_tensors(self.policy.synced_parameters(), keep=self.rank == 0)
         return results
 
     def _all_agree(self, go: bool) -> bool:

@@ -33,7 +33,8 @@ Columns:
 - ``utilisation``, ``bubble_fraction``: from the step's trace (:mod:`digen.sched.trace`);
 - ``memory/peak_gb/generator`` and ``/trainer``: the largest peak memory a worker of the pool
   reported (GPU: ``max_memory_allocated``; CPU: peak resident size); colocated workers do
-  both jobs and report the same number twice;
+  both jobs and report the same number twice; ``memory/peak_gb/driver``: the peak resident
+  size of the process that runs the schedule (the driver, or the colocated lead);
 - ``generators_alive``: the workers generating at the step's end (colocated: all of them);
   ``remade_microbatches`` (made again because the generator holding them was lost),
   ``time/remade_s``, the seconds those remakes took, and ``lost_microbatches``: left out of
@@ -59,6 +60,7 @@ from typing import Any
 import torch
 
 from digen.runtime.messages import EvalScores, LossStats
+from digen.runtime.placement import peak_memory_gb
 from digen.sched.names import Pool, TaskKind
 from digen.sched.trace import StepUsage
 
@@ -161,6 +163,8 @@ def step_metrics(
                 f"memory/peak_gb/{pool}": float((memory_gb or {}).get(pool, 0.0))
                 for pool in (Pool.GENERATOR, Pool.TRAINER)
             },
+            # the process that runs the schedule (holds no weights when disaggregated)
+            "memory/peak_gb/driver": peak_memory_gb("cpu"),
         }
     )
     row["generators_alive"] = generators_alive

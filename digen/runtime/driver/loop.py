@@ -212,6 +212,10 @@ class Driver:
     async def final_state(self) -> dict[str, torch.Tensor]:
         return await self.cluster.final_state()
 
+    async def trained_names(self) -> list[str]:
+        """The names of the trained weights, in the order weight syncs carry them."""
+        return await self.cluster.trainers[0].call("trained_names")
+
     @property
     def rendezvous(self) -> str | None:
         """``address:port`` where the run's workers (and generators joining it) find it."""

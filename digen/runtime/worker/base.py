@@ -218,9 +218,13 @@ class PolicyActor(WorkerActor):
             "memory_gb": peak_memory_gb(self.device),
         }
 
+    def trained_names(self) -> list[str]:
+        """The names of the trained weights, in the order weight syncs carry them."""
+        return [n for n, _ in self.policy.synced_parameters()]
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Name -> CPU copy of the trained weights (it goes to the driver)."""
-        return {k: v.cpu() for k, v in self.policy.trainable_state().items()}
+        return self.policy.trainable_state("cpu")
 
     # --- weights ---------------------------------------------------------------------------
 

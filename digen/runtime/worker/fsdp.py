@@ -198,16 +198,25 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_tensors(
-    named: Sequence[tuple[str, torch.Tensor]], keep: bool, device: str = "cpu"
+    named: Sequence[tuple[str, torch.Tensor]],
+    keep: bool,
+    device: str = "cpu",
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``name -> full tensor`` of ``named``, gathered one at a time (every member must call,
-    in the same order); only a member with ``keep`` holds the result (on ``device``)."""
+    in the same order); only a member with ``keep`` holds the result (on ``device``).
+    ``into``: the previous result, whose tensors are written over in place, so that a copy
+    gathered every step never lives twice (and is not reallocated)."""
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, p in named:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             if keep:
-                out[name] = full.detach().to(device, copy=True)
+                old = (into or {}).get(name)
+                if old is not None and old.shape == full.shape and old.dtype == full.dtype:
+                    out[name] = old.copy_(full)
+                else:
+                    out[name] = full.detach().to(device, copy=True)
             del full
     return out
 

@@ -553,7 +553,7 @@ class Policy:
             )
         elif lead:
             write_trainer_state(
-                directory, self.trainable_state(), self.optimizer_state(), self._kept()
+                directory, self.trainable_state("cpu"), self.optimizer_state(), self._kept()
             )
 
     def load_checkpoint(self, directory: str | os.PathLike, version: int) -> None:
@@ -720,23 +720,17 @@ class Policy:
                 transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state),
                 transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
             )
-        elif state is None:
-            final = Path(out_dir) / "transformer"
-            tmp = staging_for(final)
-            transformer.save_pretrained(str(tmp), safe_serialization=True)
-        else:
-            from huggingface_hub import save_torch_state_dict
+        else:  # the layout of save_pretrained, written a tensor at a time
+            from digen.checkpoint import write_safetensors
 
             final = Path(out_dir) / "transformer"
             tmp = staging_for(final)
+            tmp.mkdir(parents=True, exist_ok=True)
             transformer.save_config(str(tmp))
-            buffers = {n: b.cpu() for n, b in transformer.state_dict().items() if n not in state}
-            save_torch_state_dict(
-                {**state, **buffers},
-                str(tmp),
-                filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
-                max_shard_size="10GB",
-            )
+            saved = transformer.state_dict()  # the weights and persistent buffers, by name
+            if state is not None:  # sharded: the gathered weights in place of the shards
+                saved = {**state, **{n: b for n, b in saved.items() if n not in state}}
+            write_safetensors(tmp / "diffusion_pytorch_model.safetensors", saved, {"format": "pt"})
         return publish(tmp, final)  # the old one is deleted only once the new one is in
 
     def synced_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -750,9 +744,12 @@ class Policy:
         named = self.adapter.transformer.named_parameters()
         return [(n, p) for n, p in named if "lora_" in n or not lora]
 
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        """Name -> tensor copy of :meth:`synced_parameters`."""
-        return {n: p.detach().clone() for n, p in self.synced_parameters()}
+    def trainable_state(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+        """Name -> copy of :meth:`synced_parameters`, on ``device`` (None: where they are):
+        copied there directly, never cloned where they are first."""
+        return {
+            n: p.detach().to(device or p.device, copy=True) for n, p in self.synced_parameters()
+        }
 
 
 def _kept_copy(p: torch.Tensor) -> torch.Tensor:

@@ -115,9 +115,12 @@ class TrainerActor(PolicyActor):
         """Sharded: every trainer gathers the trained weights in full, one tensor at a time;
         trainer 0 keeps them (on the CPU: a full copy need not fit next to the shards)."""
         named = self.policy.synced_parameters()
-        self._full = full_tensors(named, keep=self.rank == 0)
+        lead = self.rank == 0
+        self._full = full_tensors(named, keep=lead, into=self._full)
         if self.policy.old is not None:
-            self._full_old = full_tensors(self.policy.sampling_parameters(), self.rank == 0)
+            # sent as the generators hold it (the kept copy is fp32 beside bf16 weights)
+            old = [(n, t) for n, t in self.policy.sampling_parameters()]
+            self._full_old = full_tensors(old, keep=lead, into=self._full_old)
 
     def _synced(self) -> list[tuple[str, torch.Tensor]]:
         if self.sharded:
