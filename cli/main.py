@@ -281,6 +281,7 @@ def run(
         "reward_mean_last": last.get("reward_mean"),
         "weights": str(result.weights) if result.weights else None,
         "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+        "peak_memory_gb": round(result.peak_memory_gb, 3),
     }
     if result.evals:  # held-out accuracy where the prompts have one, else the reward
         key = "accuracy" if "eval/accuracy" in result.evals[0] else "reward_mean"

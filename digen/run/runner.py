@@ -46,6 +46,7 @@ from digen.run.outputs import RunOutputs
 from digen.run.trackers import Trackers, require
 from digen.runtime.metrics import eval_metrics
 from digen.runtime.notes import NotesToRunLog
+from digen.runtime.placement import peak_memory_gb
 from digen.sched.trace import Trace
 from digen.shapes import balanced
 
@@ -82,6 +83,10 @@ class RunResult:
     evals: list[dict[str, Any]] = field(default_factory=list)
     """One row per evaluation (``eval.every``; the rows of ``eval.jsonl``), the first of the
     weights the run started from."""
+    peak_memory_gb: float = 0.0
+    """The peak resident size of the process that ran :meth:`DigenRunner.run` (the
+    driver), in GB, from its start to the final state (a full fine-tune's is read later,
+    from the disk), before the run's plots are drawn."""
 
 
 class DigenRunner:
@@ -244,6 +249,7 @@ class DigenRunner:
         evals: list[dict[str, Any]] = []
         interrupted = False
         weights = None
+        peak_gb = 0.0
         ckpt = self._checkpoint
         start = ckpt.step if ckpt is not None else 0
         saved: Path | None = ckpt.path if ckpt is not None else None
@@ -377,6 +383,7 @@ class DigenRunner:
                     final_state = SavedWeights(weights, await backend.trained_names())
                 else:
                     final_state = await backend.final_state()
+                peak_gb = peak_memory_gb("cpu")  # before the trace's plots are drawn
         except Exception as exc:
             log.error(
                 "run_failed",
@@ -408,6 +415,7 @@ class DigenRunner:
             stop_signal=self._stop if self._stop in ("SIGINT", "SIGTERM") else None,
             checkpoint=saved,
             evals=evals,
+            peak_memory_gb=peak_gb,
         )
 
     async def _write_workers(self, backend: Any) -> None:

@@ -278,5 +278,13 @@ def peak_memory_gb(device: str) -> float:
 
         if torch.cuda.is_available():
             return torch.cuda.max_memory_allocated(torch.device(device)) / 1e9
+    try:  # this process image's own peak: getrusage's also counts what a parent held when
+        # it forked this one, before its exec (a run started from a large process)
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1e6  # kB
+    except OSError:
+        pass
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
     return kb / (1e9 if sys.platform == "darwin" else 1e6)
