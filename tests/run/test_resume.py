@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_jsonl, run_config, tiny_config
+from helpers import assert_trained_alike, read_jsonl, run_config, tiny_config
 
 from digen.checkpoint import CheckpointWriter, latest_checkpoint, write_trainer_state
 from digen.errors import DigenError
@@ -239,5 +239,5 @@ def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
     moved = run_config(_cfg("disaggregated", 3, one, algo), tmp_path / "moved", resume=True)
     for name, value in whole.final_state.items():
         assert torch.equal(resumed.final_state[name], value), name
-        torch.testing.assert_close(moved.final_state[name], value, rtol=1e-5, atol=1e-6)
+    assert_trained_alike(moved.final_state, whole.final_state)  # its last step summed apart
     assert _rows(tmp_path / "split")[-1]["loss"] == _rows(tmp_path / "whole")[-1]["loss"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from helpers import read_jsonl, run_config, tiny_config
+from helpers import SMOOTH_REWARD, assert_trained_alike, read_jsonl, run_config, tiny_config
 
 from cli.main import main
 from digen import DigenRunner, load_config
@@ -184,7 +184,8 @@ def test_disaggregated_workers_note_into_the_run_log(
 @pytest.mark.slow
 def test_data_parallel_equals_single_process(tmp_path: Path) -> None:
     over = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
-    over.append("train.lr=1e-3")  # Adam steps ~lr per weight; 1e-6 is then 0.1 % of a step
+    over.append("train.lr=1e-3")
+    over.append(SMOOTH_REWARD)  # each process samples its share: last bits may differ
     base = preset("flux", "flowgrpo")
     one = run_config(load_config(base=base, overrides=over), tmp_path / "a")
     pinned = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -195,12 +196,7 @@ def test_data_parallel_equals_single_process(tmp_path: Path) -> None:
     # the group's transports were pinned to loopback for the run only
     assert {k: os.environ.get(k) for k in pinned} == before
     assert one.metrics[0]["reward_mean"] == pytest.approx(two.metrics[0]["reward_mean"], rel=1e-6)
-    assert one.final_state.keys() == two.final_state.keys()
-    moved = 0.0
-    for name, p in one.final_state.items():
-        torch.testing.assert_close(two.final_state[name], p, rtol=1e-5, atol=1e-6)
-        moved = max(moved, float(p.abs().max()) if "lora_B" in name else 0.0)
-    assert moved > 0  # the step changed the LoRA weights, so equality is not trivial
+    assert_trained_alike(two.final_state, one.final_state)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_jsonl, run_config, tiny_config
+from helpers import SMOOTH_REWARD, assert_trained_alike, read_jsonl, run_config, tiny_config
 
 from digen.prompts import PromptSet
 from digen.runtime.driver.loop import Driver
@@ -29,13 +29,15 @@ def _cfg(model: str, algo: str, mode: str, extra: list[str]):
 
 
 def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
+    """The same weights: bit for bit where the two runs compute alike (``exact``), else as
+    AdamW lets two runs that differ by rounding be compared (:func:`assert_trained_alike`)."""
     assert a.keys() == b.keys() and len(a) > 0
+    if not exact:
+        assert_trained_alike(b, a)
+        return
     moved = 0.0
     for name, p in a.items():
-        if exact:
-            assert torch.equal(b[name], p), name
-        else:
-            torch.testing.assert_close(b[name], p, rtol=1e-5, atol=1e-6)
+        assert torch.equal(b[name], p), name
         if "lora_B" in name:
             moved = max(moved, float(p.abs().max()))
     assert moved > 1e-4  # the step moved the weights, so equality says something
@@ -50,7 +52,7 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
         (
             "flux",
             "flowgrpo",
-            ["algo.ratio_norm=true"],
+            ["algo.ratio_norm=true", SMOOTH_REWARD],
             ["runtime.generators=2", "runtime.tsp_degree=2"],
             False,
         ),
@@ -101,7 +103,7 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
         (
             "wan",
             "dancegrpo",
-            ["train.micro_batch_size=4"],
+            ["train.micro_batch_size=4", SMOOTH_REWARD],
             [
                 "runtime.trainers=2",
                 "runtime.weight_sync=broadcast",

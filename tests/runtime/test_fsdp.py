@@ -24,7 +24,7 @@ from digen.models import load_adapter
 from digen.runtime.worker.fsdp import lockstep_chunks
 
 COMMON = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
-COMMON += ["train.mini_batch_size=null", "train.lr=1e-3"]
+COMMON += ["train.mini_batch_size=null", "train.lr=1e-3", SMOOTH_REWARD]
 
 
 def _run(mode: str, extra: list[str], out: Path):
@@ -147,8 +147,7 @@ def test_sharded_lora_trainers_equal_one_trainer_and_colocated(tmp_path: Path) -
     assert colocated.final_state.keys() == sharded.final_state.keys()
     assert _moved(colocated.final_state) > 1e-4  # equality below says something
     for other in (one, sharded, coloc_fsdp):
-        for name, value in colocated.final_state.items():
-            torch.testing.assert_close(other.final_state[name], value, rtol=1e-5, atol=1e-6)
+        assert_trained_alike(other.final_state, colocated.final_state)
     for key in ("reward_mean", "loss", "clip_fraction"):
         assert sharded.metrics[0][key] == pytest.approx(colocated.metrics[0][key], abs=1e-6)
     # the sharded pool is scheduled as one trainer, and it made the TAG micro-batch
@@ -172,11 +171,9 @@ def test_sharded_full_finetune_equals_colocated_and_saves_full_weights(tmp_path:
     extra = [*full, "runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
     sharded = _run("disaggregated", extra, tmp_path / "fsdp")
     assert _moved(colocated.final_state) > 1e-4
-    # FSDP reduce-scatters the gradients, summing in another order than one process does;
-    # after Adam an element whose gradient is near zero can land a few 1e-6 apart (seen:
-    # 1.4e-6 on one of 8192 elements on one kind of CPU), still far below the step's move
-    for name, value in colocated.final_state.items():
-        torch.testing.assert_close(sharded.final_state[name], value, rtol=1e-5, atol=1e-5)
+    # FSDP reduce-scatters the gradients, summing in another order than one process does
+    start = dict(load_adapter("flux").transformer.named_parameters())
+    assert_trained_alike(sharded.final_state, colocated.final_state, start)
     from diffusers import FluxTransformer2DModel
 
     saved = FluxTransformer2DModel.from_pretrained(str(tmp_path / "fsdp" / "transformer"))
@@ -200,7 +197,7 @@ def test_sharded_nft_trainers_keep_the_old_policy_and_its_average(
     from digen.runtime.worker.policy import Policy
 
     nft = ["steps=2", "algo.params.decay_rate=0.25", "eval.every=2", "save_every=2"]
-    nft += [f"eval.prompts={_eval_prompts(tmp_path)}", SMOOTH_REWARD]
+    nft += [f"eval.prompts={_eval_prompts(tmp_path)}"]
     nft += ["train.lora_rank=0"] if full else []
 
     def run(mode: str, extra: list[str], name: str):
