@@ -11,7 +11,6 @@ everything about sockets and processes stays here.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 from collections.abc import Collection, Coroutine, Sequence
@@ -35,6 +34,7 @@ from digen.runtime.transport.actors import (
 )
 from digen.runtime.transport.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.transport.groups import listen
+from digen.runtime.transport.sockets import local_address_toward
 from digen.sched.names import Pool, worker_names
 
 __all__ = ["Cluster", "ShardedTrainers"]
@@ -107,7 +107,7 @@ class Cluster:
         host, dp_port, sync_port = self.system.address, 0, 0
         if rt.trainers > 1 or rt.weight_sync == "broadcast":
             lead = self.trainer_names[0]
-            host = await self.system.run(lead, _reachable_host, self.system.address)
+            host = await self.system.run(lead, local_address_toward, self.system.address)
             # bound (on that address only) and held there until its store takes it over
             dp_port = await self.system.run(lead, listen, host)
             sync_port = await self.system.run(lead, listen, host)
@@ -343,24 +343,3 @@ def _whereabouts() -> dict[str, Any]:
     import os
 
     return {"host": socket.gethostname(), "pid": os.getpid()}
-
-
-def _reachable_host(peer: str) -> str:
-    """This machine's address on the route to ``peer`` (``peer`` itself when it is loopback).
-
-    Run on trainer 0, whose process-group stores the other members must reach; ``peer`` is
-    the RPC rendezvous address, which every process reaches.
-    """
-    try:
-        if ipaddress.ip_address(peer).is_loopback:
-            return peer
-    except ValueError:
-        if peer == "localhost":
-            return peer
-    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((peer, 9))  # a UDP connect sends nothing: it only picks the route
-            return s.getsockname()[0]
-    except OSError:
-        return peer

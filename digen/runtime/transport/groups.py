@@ -25,8 +25,12 @@ import torch
 import torch.distributed as dist
 
 from digen.runtime.placement import default_group_backend, group_backend
-from digen.runtime.transport.actors._transport import _is_loopback, _loopback_ifname
-from digen.runtime.transport.sockets import listening_socket
+from digen.runtime.transport.sockets import (
+    INTERFACE_VARIABLES,
+    is_loopback,
+    listening_socket,
+    loopback_interface,
+)
 
 __all__ = ["listen", "loopback_env", "make_group", "pinned_to_loopback", "tcp_store"]
 
@@ -37,10 +41,9 @@ _LISTENING: dict[int, socket.socket] = {}
 def loopback_env(address: str) -> dict[str, str]:
     """What keeps a process's gloo, NCCL and TensorPipe listeners on loopback when its run's
     address is one (nothing otherwise: a multi-node run's network decides)."""
-    if not _is_loopback(address):
+    if not is_loopback(address):
         return {}
-    lo = _loopback_ifname()
-    return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo, "TP_SOCKET_IFNAME": lo}
+    return dict.fromkeys(INTERFACE_VARIABLES, loopback_interface())
 
 
 @contextlib.contextmanager

@@ -48,9 +48,7 @@ from digen.runtime.transport.actors._transport import (
     _backend_options,
     _bridge,
     _forget_earlier_worlds,
-    _is_loopback,
     _joined,
-    _loopback_ifname,
     _quiet_rpc_init_warning,
     _rendezvous_url,
     _set_dynamic,
@@ -60,7 +58,7 @@ from digen.runtime.transport.actors._transport import (
 )
 from digen.runtime.transport.actors._worker import _has_joined, _worker_main
 from digen.runtime.transport.forkserver import patched_env
-from digen.runtime.transport.sockets import listening_socket
+from digen.runtime.transport.sockets import interface_env, listening_socket
 
 _WATCHDOG_PERIOD_S = 0.1
 _DEATH_GRACE_S = 0.5
@@ -552,12 +550,8 @@ class ActorSystem:
         self._url = url
         _set_dynamic(self.elastic)
 
-        env: dict[str, str] = {}
-        if _is_loopback(self.address):
-            env = {
-                key: _loopback_ifname()
-                for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-            }
+        # Every listener binds to the interface of the run's address, not the host name's.
+        env = interface_env(self.address)
         self._env = env
         if self.launch is None:
             self._spawn(env, url, world)

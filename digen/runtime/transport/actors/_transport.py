@@ -1,7 +1,7 @@
 """The transport under the actor layer: ``torch.distributed.rpc`` over TensorPipe.
 
 Rendezvous through a ``digen-tcp://`` store that listens on the given address only, the
-backend's options, the environment that keeps listeners on loopback, the bridge from
+backend's options, the bridge from
 torch futures (completed on RPC threads) to asyncio, and :func:`payload_bytes`, which sizes
 a message the way TensorPipe ships it.
 """
@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import ipaddress
 import pickle
-import sys
 import warnings
 from collections.abc import Hashable, Iterator
 from datetime import timedelta
@@ -117,17 +115,6 @@ def _world_store() -> dist.Store:
 def _client_store(address: str, port: int, timeout_s: float) -> dist.Store:
     """A client of the rendezvous store the driver serves at ``address:port``."""
     return dist.TCPStore(address, port, -1, False, timedelta(seconds=timeout_s))
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
-def _loopback_ifname() -> str:
-    return "lo0" if sys.platform == "darwin" else "lo"
 
 
 def _url_host(address: str) -> str:

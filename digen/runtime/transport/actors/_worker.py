@@ -36,13 +36,12 @@ from digen.runtime.transport.actors._transport import (
     _RANKS_KEY,
     _backend_options,
     _client_store,
-    _is_loopback,
-    _loopback_ifname,
     _quiet_rpc_init_warning,
     _rendezvous_url,
     _set_dynamic,
     wire,
 )
+from digen.runtime.transport.sockets import interface_env
 
 _EXIT_FLUSH_S = 0.1
 _CLOSE_TIMEOUT_S = 10.0
@@ -83,13 +82,14 @@ def serve_worker(
     apart (then with one line on stderr). RPC is shut down on return; exit soon after
     (``os._exit`` skips a teardown that can trip over RPC's native threads). Once per
     process. ``spec.env`` is applied to ``os.environ`` here, so variables read at import
-    time must come from the launcher. On a loopback address every listener stays on
-    loopback; otherwise set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` as the network needs.
+    time must come from the launcher. Its listeners bind to the interface that reaches
+    ``address`` (loopback on a loopback address), unless ``TP_SOCKET_IFNAME`` /
+    ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name one.
     """
     if not 0 < rank < world:
         raise ValueError(f"worker rank {rank} is outside 1..{world - 1} (rank 0 is the driver).")
     os.environ.update(spec.env)
-    _keep_on_loopback(address)
+    _bind_to_interface_toward(address)
     url = _rendezvous_url(address, port, start_timeout_s)
     _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=True)
     _said_driver_lost(spec.name, address, port)
@@ -148,7 +148,7 @@ def join_world(
         rpc_threads=offer["rpc_threads"],
     )
     os.environ.update(spec.env)
-    _keep_on_loopback(address)
+    _bind_to_interface_toward(address)
     url = _rendezvous_url(address, port, wait_s)
 
     def announce() -> None:
@@ -179,10 +179,11 @@ def _answers(address: str, port: int) -> bool:
     return True
 
 
-def _keep_on_loopback(address: str) -> None:
-    if _is_loopback(address):
-        for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ.setdefault(key, _loopback_ifname())
+def _bind_to_interface_toward(address: str) -> None:
+    """Make this process's listeners bind to the interface that reaches the driver at
+    ``address`` (loopback for a loopback address), where the environment names none."""
+    for key, value in interface_env(address).items():
+        os.environ.setdefault(key, value)
 
 
 def _said_driver_lost(name: str, address: str, port: int) -> None:
