@@ -393,6 +393,13 @@ def _run(
     from digen.prompts import PromptSet
 
     PromptSet.load(cfg.data.prompts)  # a bad prompt file is reported before torch loads
+    if cfg.runtime.join_secret_file is not None:  # unreadable or short: said before torch loads
+        from digen.runtime.transport.join_secret import read_secret
+
+        try:
+            read_secret(cfg.runtime.join_secret_file, "runtime.join_secret_file")
+        except ValueError as exc:
+            raise DigenError(str(exc)) from None
     if cfg.model.path is not None:
         from digen.models.checks import check_model_dir
 
@@ -830,6 +837,13 @@ def simulate(
 @main.command()
 @click.argument("rendezvous", metavar="ADDRESS:PORT")
 @click.option(
+    "--secret-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The run's join secret, in a file (the run writes it to OUT/join-secret)  "
+    "[default: the environment variable DIGEN_JOIN_SECRET]",
+)
+@click.option(
     "--threads",
     type=int,
     default=None,
@@ -843,16 +857,20 @@ def simulate(
     show_default=True,
     help="Seconds to wait for the run to be there and take joins.",
 )
-def join(rendezvous: str, threads: int | None, wait_s: float) -> None:
+def join(rendezvous: str, secret_file: Path | None, threads: int | None, wait_s: float) -> None:
     """Join a running run as one more generator, until it ends.
 
     The run must have been started with runtime.accept_generators=true; ADDRESS:PORT is
     its rendezvous, printed when it starts and kept in its workers.json (set
     runtime.address to an address this machine reaches, and runtime.port to fix the port).
-    This process joins at the run's next step boundary with that step's weights. Ctrl-C
-    or SIGTERM ends it, and the run goes on without it, making its work again elsewhere.
+    This process proves that it knows the run's join secret (--secret-file, or the
+    environment variable DIGEN_JOIN_SECRET), and joins only a run that proves it knows it
+    too. It joins at the run's next step boundary with that step's weights. Ctrl-C or
+    SIGTERM ends it, and the run goes on without it, making its work again elsewhere.
+    The run and this process can run code in each other: join only runs you trust, from
+    machines you control, on a private network.
     """
-    from digen.runtime.transport.actors import JoinRefused, join_world
+    from digen.runtime.transport.join_secret import SECRET_ENV, check_secret, read_secret
 
     host, _, port_text = rendezvous.rpartition(":")
     host = host.strip("[]")
@@ -866,12 +884,30 @@ def join(rendezvous: str, threads: int | None, wait_s: float) -> None:
     if threads is not None and threads < 1:
         click.echo(f"error: --threads must be at least 1, not {threads}.", err=True)
         sys.exit(2)
+    try:
+        if secret_file is not None:
+            secret = read_secret(secret_file, "--secret-file")
+        else:
+            secret = os.environ.get(SECRET_ENV, "").strip()
+            if not secret:
+                raise ValueError(
+                    "digen join needs the run's join secret: pass --secret-file FILE (the run "
+                    f"writes it to its output directory as join-secret) or set {SECRET_ENV}."
+                )
+            check_secret(secret, SECRET_ENV)
+    except ValueError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+    from digen.runtime.transport.actors import JoinRefused, join_world
 
     def joined(name: str) -> None:
         click.echo(f"joined the run at {rendezvous} as {name}; serving until it ends", err=True)
 
     try:
-        name = join_world(host, int(port_text), threads=threads, wait_s=wait_s, on_joined=joined)
+        name = join_world(
+            host, int(port_text), secret=secret, threads=threads, wait_s=wait_s, on_joined=joined
+        )
     except JoinRefused as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)

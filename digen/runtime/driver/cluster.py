@@ -49,11 +49,14 @@ class Cluster:
         rewards: Sequence[Any] | None = None,
         resume: Checkpoint | None = None,
         notes: Path | None = None,
+        join_secret: str | None = None,
     ) -> None:
         """rewards: reward hooks as objects, sent to the generators as they are; None loads
         ``cfg.rewards`` by name in each generator. resume: a checkpoint every trainer loads
         before the generators get its weights. notes: the run's log, where the workers'
-        notes go (a prompt the text encoder truncates, ...), as the driver's do."""
+        notes go (a prompt the text encoder truncates, ...), as the driver's do.
+        join_secret: with ``runtime.accept_generators``, what a generator joining the run
+        must prove it knows (``digen join``)."""
         self.cfg = cfg
         self.resume = resume
         self.rewards = None if rewards is None else list(rewards)
@@ -87,6 +90,7 @@ class Cluster:
                 if rt.accept_generators
                 else None
             ),
+            join_secret=join_secret,
         )
         self.started_here = set(self.gen_names)
         """Generators this driver started (a lost one may be started again); the others

@@ -91,13 +91,9 @@ with contextlib.suppress(RuntimeError):  # already registered (module reloaded)
     dist.register_rendezvous_handler(_SCHEME, _rendezvous)
 
 
-# Keys of the rendezvous store by which processes join a running dynamic world: the last
-# rank taken (the driver's workers take 1..n, and each restart or joiner the next one), the
-# last number taken for a joining worker's name, and what the driver offers joiners (absent
-# while it takes none).
 _RANKS_KEY = "digen/last_rank"
-_NUMBERS_KEY = "digen/last_joiner"
-_OFFER_KEY = "digen/offer"
+"""The rendezvous store's counter of ranks in a dynamic world: the driver's workers take
+1..n, and each restart or joiner the next one (the joiners' handshake: :mod:`._join`)."""
 
 
 _SERVED_STORE: dist.Store | None = None

@@ -6,7 +6,6 @@ launcher (:func:`serve_worker`) pings the driver and stops when it stops answeri
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
@@ -20,6 +19,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from digen.runtime.transport.actors import _remote
+from digen.runtime.transport.actors._join import HELLO_KEY, JoinRefused, ask_to_join
 from digen.runtime.transport.actors._remote import (
     _EXIT,
     _PROBE_TIMEOUT_S,
@@ -31,9 +31,6 @@ from digen.runtime.transport.actors._remote import (
 )
 from digen.runtime.transport.actors._spec import WorkerSpec
 from digen.runtime.transport.actors._transport import (
-    _NUMBERS_KEY,
-    _OFFER_KEY,
-    _RANKS_KEY,
     _backend_options,
     _client_store,
     _quiet_rpc_init_warning,
@@ -95,15 +92,11 @@ def serve_worker(
     _said_driver_lost(spec.name, address, port)
 
 
-class JoinRefused(RuntimeError):
-    """A running world did not take this process (none at the address, or it takes no
-    joins, or it refused this one)."""
-
-
 def join_world(
     address: str,
     port: int,
     *,
+    secret: str,
     threads: int | None = None,
     wait_s: float = 60.0,
     on_joined: Callable[[str], None] | None = None,
@@ -111,38 +104,42 @@ def join_world(
     """Make this process a worker of the running dynamic world whose driver serves its
     rendezvous store at ``address:port``, and serve actor calls until the driver stops it.
 
-    The driver offers joiners a pool to join (``ActorSystem(joiners=...)``): this process
-    takes the next free name of that pool (``generator-2``, ...) and the next free rank,
-    joins the world, and tells the driver, which builds its actors. ``threads`` overrides
-    the offer's CPU threads. Waits up to ``wait_s`` for a run there to offer joins;
+    The driver offers joiners a pool to join (``ActorSystem(joiners=...)``) to those that
+    know its join ``secret``: this process proves it does, checks that the driver does too
+    (before anything from it is unpickled), gets the next free name of that pool
+    (``generator-2``, ...) and the next free rank, joins the world, and tells the driver,
+    which builds its actors (the handshake: :mod:`._join`). ``threads`` overrides the
+    offer's CPU threads. Waits up to ``wait_s`` for a run there to offer joins;
     ``on_joined(name)`` is called once the driver took it. Returns the name it served
     under, when the driver's stop handshake arrives or the driver stops answering. Ctrl-C
     and SIGTERM end it at once (the run makes again what it held).
-    Raises :class:`JoinRefused` when no run there takes it. Once per process.
+    Raises :class:`JoinRefused` (one sentence) when no run there takes it, the run refuses
+    the secret, or the process there cannot prove it knows the secret. Once per process.
     """
+    where = f"{address}:{port}"
     deadline = time.monotonic() + wait_s
     while not _answers(address, port):  # asked here: torch's own failure is pages long
         if time.monotonic() > deadline:
-            raise JoinRefused(f"no run is listening at {address}:{port} (waited {wait_s:g} s).")
+            raise JoinRefused(f"no run is listening at {where} (waited {wait_s:g} s).")
         time.sleep(0.2)
     store = _client_store(address, port, max(wait_s, 10.0))
-    while not store.check([_OFFER_KEY]):
+    while not store.check([HELLO_KEY]):
         if time.monotonic() > deadline:
             raise JoinRefused(
-                f"the run at {address}:{port} takes no joining workers (it must be started "
+                f"the run at {where} takes no joining workers (it must be started "
                 f"with runtime.accept_generators=true), or it is still starting: waited "
                 f"{wait_s:g} s."
             )
         time.sleep(0.2)
-    offer = json.loads(store.get(_OFFER_KEY).decode())
-    number = store.add(_NUMBERS_KEY, 1)
-    rank = store.add(_RANKS_KEY, 1)
+    answer_by = time.monotonic() + max(wait_s, 30.0)
+    slot = ask_to_join(store, secret, where, socket.gethostname(), os.getpid(), answer_by)
+    offer = slot.offer
     env = dict(offer["env"])
     for key in offer.get("local_paths", ()):  # paths of the driver's machine: kept if here
         if key in env and not os.path.isdir(os.path.dirname(env[key])):
             del env[key]
     spec = WorkerSpec(
-        f"{offer['pool']}-{number}",
+        slot.name,
         threads=threads or offer["threads"],
         env=env,
         rpc_threads=offer["rpc_threads"],
@@ -152,7 +149,8 @@ def join_world(
     url = _rendezvous_url(address, port, wait_s)
 
     def announce() -> None:
-        refused = rpc.rpc_sync(DRIVER, _arrive, args=(spec.name, socket.gethostname(), os.getpid()))
+        me = (spec.name, socket.gethostname(), os.getpid(), slot.arrival_proof)
+        refused = rpc.rpc_sync(DRIVER, _arrive, args=me)
         if refused is not None:
             _REFUSED.append(refused)
             _request_exit()
@@ -160,9 +158,11 @@ def join_world(
             on_joined(spec.name)
 
     timeout_s = offer["rpc_timeout_s"]
-    _serve(spec, rank, None, url, timeout_s, watch_driver=True, joined=announce, own_signals=True)
+    _serve(
+        spec, slot.rank, None, url, timeout_s, watch_driver=True, joined=announce, own_signals=True
+    )
     if _REFUSED:
-        raise JoinRefused(f"the run at {address}:{port} did not take {spec.name}: {_REFUSED[0]}.")
+        raise JoinRefused(f"the run at {where} did not take {spec.name}: {_REFUSED[0]}.")
     _said_driver_lost(spec.name, address, port)
     return spec.name
 
