@@ -957,12 +957,32 @@ def join(rendezvous: str, secret_file: Path | None, threads: int | None, wait_s:
     help="Requests waiting for a slot; one more is answered 429.",
 )
 @click.option(
+    "--read-timeout-s",
+    type=int,
+    default=60,
+    show_default=True,
+    help="Seconds a request may take to arrive (headers, then body); a slower client is dropped.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A bearer token POST /score must carry, in a file  [default: the environment "
+    "variable DIGEN_REWARD_TOKEN, else none]",
+)
+@click.option(
     "--debug",
     is_flag=True,
     help="Send a failing reward's error text to the client, not only the log.",
 )
 def reward_server(
-    reward: str, port: int, host: str, options_text: str | None, debug: bool, **limits: int
+    reward: str,
+    port: int,
+    host: str,
+    options_text: str | None,
+    token_file: Path | None,
+    debug: bool,
+    **limits: int,
 ) -> None:
     """Serve a reward over HTTP (POST /score, GET /health); see docs/REWARD_SERVER.md."""
     import logging
@@ -970,7 +990,7 @@ def reward_server(
     import yaml
 
     from digen.errors import DigenError
-    from digen.rewards.server import ServerLimits, serve
+    from digen.rewards.server import TOKEN_ENV, ServerLimits, check_token, serve
 
     try:
         options = yaml.safe_load(options_text) if options_text else {}
@@ -983,15 +1003,32 @@ def reward_server(
         )
         sys.exit(2)
 
+    token = os.environ.get(TOKEN_ENV, "").strip() or None
+    where = f"the environment variable {TOKEN_ENV}"
+    try:
+        if token_file is not None:
+            where = f"--token-file {str(token_file)!r}"
+            token = token_file.read_text(encoding="utf-8").strip()
+        if token is not None:
+            check_token(token, where)
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        click.echo(f"error: {where} cannot be read: {why.lower()}.", err=True)
+        sys.exit(2)
+    except DigenError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
     def ready(url: str) -> None:
-        click.echo(f"serving reward {reward!r} on {url} (GET /health); Ctrl-C stops it")
+        guard = "; POST /score needs the bearer token" if token else ""
+        click.echo(f"serving reward {reward!r} on {url} (GET /health){guard}; Ctrl-C stops it")
 
     # The server's log (a failing reward's traceback, undecodable requests) goes to stderr.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("digen.rewards.server").addHandler(handler)
     try:
-        asyncio.run(serve(reward, host, port, ready, options, ServerLimits(**limits), debug))
+        asyncio.run(serve(reward, host, port, ready, options, ServerLimits(**limits), debug, token))
     except DigenError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
