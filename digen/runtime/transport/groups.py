@@ -11,6 +11,8 @@ socket is held, so nothing can take the port meanwhile).
 The group's backend follows :func:`digen.runtime.placement.group_backend`. On a loopback
 address the transports' interfaces (gloo, NCCL's bootstrap) are pinned to loopback for the
 group's creation only (:func:`loopback_env`): the caller's environment is left as it was.
+Off loopback they bind to the interface of the run's address, which a run's workers have in
+their environment from the start (:mod:`digen.runtime.transport.sockets`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ _LISTENING: dict[int, socket.socket] = {}
 
 def loopback_env(address: str) -> dict[str, str]:
     """What keeps a process's gloo, NCCL and TensorPipe listeners on loopback when its run's
-    address is one (nothing otherwise: a multi-node run's network decides)."""
+    address is one (nothing otherwise: a run's workers start with the interface of its
+    address in their environment, :func:`~digen.runtime.transport.sockets.interface_env`)."""
     if not is_loopback(address):
         return {}
     return dict.fromkeys(INTERFACE_VARIABLES, loopback_interface())
