@@ -104,8 +104,8 @@ def join_world(
     """Make this process a worker of the running dynamic world whose driver serves its
     rendezvous store at ``address:port``, and serve actor calls until the driver stops it.
 
-    The driver offers joiners a pool to join (``ActorSystem(joiners=...)``) to those that
-    know its join ``secret``: this process proves it does, checks that the driver does too
+    The driver offers a pool to join (``ActorSystem(joiners=...)``) to processes that know
+    its join ``secret``: this process proves it does, checks that the driver does too
     (before anything from it is unpickled), gets the next free name of that pool
     (``generator-2``, ...) and the next free rank, joins the world, and tells the driver,
     which builds its actors (the handshake: :mod:`._join`). ``threads`` overrides the
