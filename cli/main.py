@@ -394,6 +394,13 @@ def _run(
     from digen.prompts import PromptSet
 
     PromptSet.load(cfg.data.prompts)  # a bad prompt file is reported before torch loads
+    if cfg.runtime.join_secret_file is not None:  # unreadable or short: said before torch loads
+        from digen.runtime.transport.join_secret import read_secret
+
+        try:
+            read_secret(cfg.runtime.join_secret_file, "runtime.join_secret_file")
+        except ValueError as exc:
+            raise DigenError(str(exc)) from None
     if cfg.model.path is not None:
         from digen.models.checks import check_model_dir
 
@@ -831,10 +838,24 @@ def simulate(
 @main.command()
 @click.argument("rendezvous", metavar="ADDRESS:PORT")
 @click.option(
+    "--secret-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The run's join secret, in a file (the run writes it to OUT/join-secret)  "
+    "[default: the environment variable DIGEN_JOIN_SECRET]",
+)
+@click.option(
     "--threads",
     type=int,
     default=None,
     help="CPU threads of this generator  [default: the run's runtime.threads_per_worker]",
+)
+@click.option(
+    "--device",
+    default=None,
+    help="Device of this generator on this machine (cuda:1, cpu): give each joiner of one "
+    "machine its own GPU  [default: the device of its join number in the run's "
+    "runtime.generator_devices]",
 )
 @click.option(
     "--wait",
@@ -844,16 +865,26 @@ def simulate(
     show_default=True,
     help="Seconds to wait for the run to be there and take joins.",
 )
-def join(rendezvous: str, threads: int | None, wait_s: float) -> None:
+def join(
+    rendezvous: str,
+    secret_file: Path | None,
+    threads: int | None,
+    device: str | None,
+    wait_s: float,
+) -> None:
     """Join a running run as one more generator, until it ends.
 
     The run must have been started with runtime.accept_generators=true; ADDRESS:PORT is
     its rendezvous, printed when it starts and kept in its workers.json (set
     runtime.address to an address this machine reaches, and runtime.port to fix the port).
-    This process joins at the run's next step boundary with that step's weights. Ctrl-C
-    or SIGTERM ends it, and the run goes on without it, making its work again elsewhere.
+    This process proves that it knows the run's join secret (--secret-file, or the
+    environment variable DIGEN_JOIN_SECRET), and joins only a run that proves it knows it
+    too. It joins at the run's next step boundary with that step's weights. Ctrl-C or
+    SIGTERM ends it, and the run goes on without it, making its work again elsewhere.
+    The run and this process can run code in each other: join only runs you trust, from
+    machines you control, on a private network.
     """
-    from digen.runtime.transport.actors import JoinRefused, join_world
+    from digen.runtime.transport.join_secret import SECRET_ENV, check_secret, read_secret
 
     host, _, port_text = rendezvous.rpartition(":")
     host = host.strip("[]")
@@ -867,12 +898,41 @@ def join(rendezvous: str, threads: int | None, wait_s: float) -> None:
     if threads is not None and threads < 1:
         click.echo(f"error: --threads must be at least 1, not {threads}.", err=True)
         sys.exit(2)
+    if device is not None:
+        import re
+
+        if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", device):
+            click.echo(
+                f"error: --device {device!r} is not a device: cpu, cuda or cuda:N.", err=True
+            )
+            sys.exit(2)
+        from digen.runtime.placement import DEVICE_ENV
+
+        os.environ[DEVICE_ENV] = device  # the joiner's actors read it (their own process)
+    try:
+        if secret_file is not None:
+            secret = read_secret(secret_file, "--secret-file")
+        else:
+            secret = os.environ.get(SECRET_ENV, "").strip()
+            if not secret:
+                raise ValueError(
+                    "digen join needs the run's join secret: pass --secret-file FILE (the run "
+                    f"writes it to its output directory as join-secret) or set {SECRET_ENV}."
+                )
+            check_secret(secret, SECRET_ENV)
+    except ValueError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+    from digen.runtime.transport.actors import JoinRefused, join_world
 
     def joined(name: str) -> None:
         click.echo(f"joined the run at {rendezvous} as {name}; serving until it ends", err=True)
 
     try:
-        name = join_world(host, int(port_text), threads=threads, wait_s=wait_s, on_joined=joined)
+        name = join_world(
+            host, int(port_text), secret=secret, threads=threads, wait_s=wait_s, on_joined=joined
+        )
     except JoinRefused as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
@@ -922,12 +982,32 @@ def join(rendezvous: str, threads: int | None, wait_s: float) -> None:
     help="Requests waiting for a slot; one more is answered 429.",
 )
 @click.option(
+    "--read-timeout-s",
+    type=int,
+    default=60,
+    show_default=True,
+    help="Seconds a request may take to arrive (headers, then body); a slower client is dropped.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A bearer token POST /score must carry, in a file  [default: the environment "
+    "variable DIGEN_REWARD_TOKEN, else none]",
+)
+@click.option(
     "--debug",
     is_flag=True,
     help="Send a failing reward's error text to the client, not only the log.",
 )
 def reward_server(
-    reward: str, port: int, host: str, options_text: str | None, debug: bool, **limits: int
+    reward: str,
+    port: int,
+    host: str,
+    options_text: str | None,
+    token_file: Path | None,
+    debug: bool,
+    **limits: int,
 ) -> None:
     """Serve a reward over HTTP (POST /score, GET /health); see docs/REWARD_SERVER.md."""
     import logging
@@ -935,7 +1015,7 @@ def reward_server(
     import yaml
 
     from digen.errors import DigenError
-    from digen.rewards.server import ServerLimits, serve
+    from digen.rewards.server import TOKEN_ENV, ServerLimits, check_token, serve
 
     try:
         options = yaml.safe_load(options_text) if options_text else {}
@@ -948,15 +1028,32 @@ def reward_server(
         )
         sys.exit(2)
 
+    token = os.environ.get(TOKEN_ENV, "").strip() or None
+    where = f"the environment variable {TOKEN_ENV}"
+    try:
+        if token_file is not None:
+            where = f"--token-file {str(token_file)!r}"
+            token = token_file.read_text(encoding="utf-8").strip()
+        if token is not None:
+            check_token(token, where)
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        click.echo(f"error: {where} cannot be read: {why.lower()}.", err=True)
+        sys.exit(2)
+    except DigenError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
     def ready(url: str) -> None:
-        click.echo(f"serving reward {reward!r} on {url} (GET /health); Ctrl-C stops it")
+        guard = "; POST /score needs the bearer token" if token else ""
+        click.echo(f"serving reward {reward!r} on {url} (GET /health){guard}; Ctrl-C stops it")
 
     # The server's log (a failing reward's traceback, undecodable requests) goes to stderr.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("digen.rewards.server").addHandler(handler)
     try:
-        asyncio.run(serve(reward, host, port, ready, options, ServerLimits(**limits), debug))
+        asyncio.run(serve(reward, host, port, ready, options, ServerLimits(**limits), debug, token))
     except DigenError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

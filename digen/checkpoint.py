@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # torch loads where tensors are read or written: a CLI check 
     import torch
 
 __all__ = [
+    "JOIN_SECRET_FILE",
     "PROFILER",
     "RUN_OUTPUTS",
     "SavedWeights",
@@ -498,6 +499,9 @@ def latest_checkpoint(
     return None
 
 
+JOIN_SECRET_FILE = "join-secret"
+"""Where in ``out_dir`` a run that takes joining generators writes the join secret it made."""
+
 RUN_OUTPUTS = (
     "metrics.jsonl",
     "checkpoints",
@@ -512,6 +516,7 @@ RUN_OUTPUTS = (
     "trainer.log",
     "tensorboard",
     "wandb",
+    JOIN_SECRET_FILE,
 )
 """What a run writes into its ``out_dir``: any of them there means an earlier run, and
 ``--overwrite`` removes exactly these."""

@@ -690,6 +690,8 @@ class RuntimeConfig:
     """Restarts of one generator, at most; after that its place stays empty."""
     accept_generators: bool = False
     """Take generators that join the running run (digen join ADDRESS:PORT, on this machine or another): each joins at the next step boundary with that step's weights. The workers then form a dynamic RPC world; not with an external launcher (torchrun) nor weight_sync=broadcast."""
+    join_secret_file: str | None = None
+    """With accept_generators: a file holding the run's join secret (at least 16 characters), which digen join must prove it knows and the run proves to it in turn; None: the run makes a new one at each start and writes it to join-secret in its output directory (readable by its owner only)."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "runtime")
@@ -756,6 +758,13 @@ class RuntimeConfig:
         if self.accept_generators and self.weight_sync == "broadcast":
             why = "the weight broadcast group has a fixed size (runtime.weight_sync=rpc can grow)"
             raise _bad(_key(p, "accept_generators"), self.accept_generators, why)
+        if self.join_secret_file is not None:
+            if not self.accept_generators:
+                why = "a join secret is for a run that takes joining generators (runtime.accept_generators=true)"
+                raise _bad(_key(p, "join_secret_file"), self.join_secret_file, why)
+            if not str(self.join_secret_file).strip():
+                why = "name a file that holds the secret, or null for one the run makes"
+                raise _bad(_key(p, "join_secret_file"), self.join_secret_file, why)
         if self.min_generators > self.generators:
             why = f"it cannot exceed runtime.generators ({self.generators})"
             raise _bad(_key(p, "min_generators"), self.min_generators, why)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -86,3 +89,23 @@ def assert_trained_alike(
         f"the weights differ by {diff**0.5:.3g} (L2), more than {rel} of the "
         f"{moved**0.5:.3g} they moved"
     )
+
+
+JOIN_SECRET = "a-join-secret-for-the-tests-only"
+"""The join secret of the tests' runs and worlds that take joining generators."""
+
+
+def digen_join(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``digen join ARGS`` run to its end, with ``env``'s join secret (``DIGEN_JOIN_SECRET``)
+    in place of this environment's (none when ``env`` has none)."""
+    base = {k: v for k, v in os.environ.items() if k != "DIGEN_JOIN_SECRET"}
+    cmd = [sys.executable, "-m", "cli.main", "join", *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**base, **(env or {})}
+    )
+
+
+def said_one_line(done: subprocess.CompletedProcess, code: int, said: str) -> None:
+    """``done`` exited with ``code`` after one line on stderr, which starts with ``said``."""
+    assert done.returncode == code, done.stderr[-3000:]
+    assert done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr

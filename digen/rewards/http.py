@@ -33,6 +33,10 @@ in flight, and returns B floats in sample order. Every request has a time limit
 timeout, an answer too large, a body that is not the JSON above, a wrong count) raises a
 :class:`~digen.errors.RewardError` whose one sentence names the URL; a failure is never a
 score. Whole calls are not retried here: the reward runner's ``timeout_s`` / ``retries`` do.
+
+With ``token_env`` (the name of an environment variable, e.g. ``DIGEN_REWARD_TOKEN``) every
+request carries ``Authorization: Bearer <its value>``, read in the scoring process when its
+session opens: the token is never in the config, nor in what is pickled to a worker.
 """
 
 from __future__ import annotations
@@ -74,7 +78,14 @@ JPEG_QUALITY = 95
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 DEFAULT_MAX_RESPONSE_BYTES = 8 << 20
 """An answer is B numbers: 8 MiB is some 300k of them."""
-_OPTIONS = ("format", "concurrency", "batch_size", "request_timeout_s", "max_response_bytes")
+_OPTIONS = (
+    "format",
+    "concurrency",
+    "batch_size",
+    "request_timeout_s",
+    "max_response_bytes",
+    "token_env",
+)
 _IMAGE_FORMATS = ("PNG", "JPEG")  # the only decoders PIL may pick for a request's images
 
 
@@ -316,6 +327,23 @@ def _checked(name: str, value: Any, where: str) -> Any:
     return float(value) if seconds else int(value)
 
 
+def _bearer(variable: object, where: str) -> str:
+    """The ``Authorization`` value from environment variable ``variable``; ConfigError (one
+    sentence naming ``where``) when that is not a variable's name or it holds no token."""
+    if not isinstance(variable, str) or not variable.replace("_", "a").isalnum():
+        raise ConfigError(
+            f"{where} has value {variable!r}; name the environment variable that holds the "
+            "reward server's token, as in DIGEN_REWARD_TOKEN."
+        )
+    token = os.environ.get(variable, "").strip()
+    if not token:
+        raise ConfigError(
+            f"{where} names {variable}, which is not set in this process's environment; set it "
+            "to the reward server's token."
+        )
+    return f"Bearer {token}"
+
+
 class HttpReward:
     """A reward hook that posts samples to a reward server and returns its B scores."""
 
@@ -328,11 +356,16 @@ class HttpReward:
         batch_size: int | None = None,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        token_env: str | None = None,
     ) -> None:
         """``url``: the server's score endpoint (``http://host:port/score``); the rest as the
         options of :meth:`from_spec` (a bad value raises ConfigError naming the argument)."""
         self.url = url
         self.format = format
+        self.token_env = token_env
+        """The environment variable holding the server's bearer token (None: none sent)."""
+        if token_env is not None:
+            _bearer(token_env, "the http reward's token_env")  # set, and well formed, here
         checked = {
             name: _checked(name, value, f"the http reward's {name}")
             for name, value in (
@@ -358,8 +391,9 @@ class HttpReward:
         ``spec.url`` is required; ``spec.options`` may set ``format`` (png, jpeg or raw;
         default png), ``concurrency`` (requests in flight, default 4), ``batch_size`` (samples
         per request, default the whole batch), ``request_timeout_s`` (seconds a request may
-        take, default 300; it cannot be turned off) and ``max_response_bytes`` (the largest
-        answer read, default 8 MiB). A key set to null takes its default, except
+        take, default 300; it cannot be turned off), ``max_response_bytes`` (the largest
+        answer read, default 8 MiB) and ``token_env`` (the environment variable holding the
+        server's bearer token, default none). A key set to null takes its default, except
         ``request_timeout_s``, which is refused.
         """
         url = spec.url
@@ -399,13 +433,20 @@ class HttpReward:
             if value is None and name != "request_timeout_s":
                 value = default
             values[name] = _checked(name, value, f"config key '{key}.options.{name}'")
-        return cls(str(url), format=fmt, **values)
+        token_env = options.get("token_env")
+        if token_env is not None:
+            _bearer(token_env, f"config key '{key}.options.token_env'")
+        return cls(str(url), format=fmt, token_env=token_env, **values)
 
     def _new_session(self) -> aiohttp.ClientSession:
+        headers = {}
+        if self.token_env is not None:  # read here, in the process that sends
+            headers["Authorization"] = _bearer(self.token_env, "the http reward's token_env")
         self._stats["sessions"] += 1
         return aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.concurrency),
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+            headers=headers,
         )
 
     async def setup(self) -> None:

@@ -19,14 +19,22 @@ requests read, decoded and scored at once; a few more wait their turn, and the r
 refused. Every answer but a score is an HTTP status with ``{"error": "one sentence"}``: 400
 for a malformed request, 413 for one over a limit, 429 when the server is busy, 500 when the
 reward fails. A reward's own error text reaches the client only with ``debug``; otherwise the
-500 says where the detail is (the server's log, logger ``digen.rewards.server``). It binds
-127.0.0.1 unless told otherwise: the endpoint has no authentication, so expose it only on a
-trusted network.
+500 says where the detail is (the server's log, logger ``digen.rewards.server``).
+
+A request must arrive within ``read_timeout_s``: its headers from the connection's start (or
+the end of the previous answer on a kept-alive connection), then its body; a slower client
+is dropped (408 once its headers are in), so slow clients hold no slot or socket for long
+(:func:`listen` holds each connection to it). With a ``token``, ``POST /score`` needs
+``Authorization: Bearer <token>`` (compared in constant time) and answers 401 without it,
+before any of the body is read; ``GET /health`` stays open. It binds 127.0.0.1 unless told
+otherwise; a token keeps out who lacks it, but the traffic is plain HTTP: expose the server
+only on a trusted network.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import numbers
@@ -44,7 +52,22 @@ from digen.rewards.hooks import RewardHook, call_hook, load_hook
 from digen.rewards.http import RequestTooLarge, decode_request, encode_response
 from digen.rewards.scoring import CompositeReward, RewardFn
 
-__all__ = ["GATE", "ServerLimits", "make_app", "serve"]
+__all__ = [
+    "GATE",
+    "MIN_TOKEN_CHARS",
+    "TOKEN_ENV",
+    "ServerLimits",
+    "check_token",
+    "listen",
+    "make_app",
+    "serve",
+]
+
+TOKEN_ENV = "DIGEN_REWARD_TOKEN"
+"""Where ``digen reward-server`` reads its bearer token from without ``--token-file``; the
+name the http reward's ``options.token_env`` usually gives too."""
+MIN_TOKEN_CHARS = 16
+"""The shortest bearer token the server takes."""
 
 log = logging.getLogger("digen.rewards.server")
 
@@ -71,6 +94,10 @@ class ServerLimits:
     max_queued: int = 64
     """Requests waiting for one of those slots (their bodies not read yet); a request that
     finds them all taken is answered 429."""
+    read_timeout_s: int = 60
+    """Seconds a request may take to arrive: its headers, from the connection's start or the
+    previous answer, then its body; a slower client is dropped (408 once its headers are
+    in). A kept-alive connection left idle is closed after as long."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -101,6 +128,8 @@ class _Gate:
             "too_large": 0,
             "busy": 0,
             "reward_failed": 0,
+            "unauthorized": 0,
+            "too_slow": 0,
         }
 
     def full(self) -> bool:
@@ -139,8 +168,99 @@ def _as_floats(result: Any, batch: int) -> list[float]:
     return values.tolist()
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message.rstrip(".") + "."}, status=status)
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": message.rstrip(".") + "."}, status=status, headers=headers)
+
+
+class _Deadline(asyncio.Protocol):
+    """One connection's protocol (aiohttp's, ``inner``) held to a deadline: from its start,
+    and again from the end of each request's handling, the next request's headers must be in
+    within ``seconds``, else the connection is dropped; ``slow()`` counts the drops of a
+    request under way (bytes received), not those of a connection left idle."""
+
+    def __init__(self, inner: asyncio.Protocol, seconds: float, slow: Callable[[], None]) -> None:
+        self.inner, self.seconds, self._slow = inner, seconds, slow
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._heard = False  # bytes received since the deadline was set
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self.request_done()
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._heard = True
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def request_started(self) -> None:
+        """The request's headers are in: its body's time is the handler's to bound."""
+        self._cancel()
+
+    def request_done(self) -> None:
+        """Handled: the next request's headers are due within ``seconds``."""
+        self._cancel()
+        self._heard = False
+        self._timer = asyncio.get_running_loop().call_later(self.seconds, self._expired)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self._transport is None:
+            return
+        if self._heard:  # a request under way, too slow: dropped at once
+            self._slow()
+            self._transport.abort()
+        else:  # idle: closed as a keep-alive timeout would
+            self._transport.close()
+
+
+@web.middleware
+async def _deadline_of_request(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    """Tell the connection's :class:`_Deadline` (where :func:`listen` set one) that a
+    request's headers are in, and when its handling is over."""
+    transport = request.transport
+    deadline = transport.get_protocol() if transport is not None else None
+    if not isinstance(deadline, _Deadline):
+        return await handler(request)
+    deadline.request_started()
+    try:
+        return await handler(request)
+    finally:
+        deadline.request_done()
+
+
+def _bearer_refusal(header: str | None, token: str) -> str | None:
+    """Why an ``Authorization`` header does not carry ``token`` (None when it does)."""
+    scheme, _, given = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return (
+            "this reward server needs a bearer token: send Authorization: Bearer <token> (the "
+            "http reward's options.token_env names the variable that holds it)"
+        )
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        return "the bearer token sent is not this reward server's"
+    return None
 
 
 def _parse(raw: bytes, limits: ServerLimits) -> Any:
@@ -170,13 +290,18 @@ def make_app(
     name: str,
     limits: ServerLimits | None = None,
     debug: bool = False,
+    token: str | None = None,
 ) -> web.Application:
     """The server's aiohttp application around one loaded reward hook.
 
     ``limits``: what a request may cost (default :class:`ServerLimits`); ``debug``: a
-    reward's own error text is sent to the client (else only to the log).
+    reward's own error text is sent to the client (else only to the log); ``token``: the
+    bearer token ``POST /score`` needs (None: none). Serve it with :func:`listen`, which
+    holds every connection to ``limits.read_timeout_s``.
     """
     limits = limits or ServerLimits()
+    if token is not None:
+        check_token(token, "the reward server's token")
     gate = _Gate(limits)
     too_large_body = (
         f"the request body is over the server's limit of {limits.max_body_mib} MiB; send "
@@ -190,6 +315,11 @@ def make_app(
         await lifecycle_of.close()
 
     async def score(request: web.Request) -> web.Response:
+        if token is not None:  # before any of the body is read or a slot taken
+            refused = _bearer_refusal(request.headers.get("Authorization"), token)
+            if refused is not None:
+                gate.counts["unauthorized"] += 1
+                return _error(401, refused, **{"WWW-Authenticate": "Bearer"})
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
             gate.counts["too_large"] += 1
             return _error(413, too_large_body)  # refused before a byte of it is read
@@ -206,10 +336,20 @@ def make_app(
 
     async def scored(request: web.Request) -> web.Response:
         try:
-            raw = await request.read()  # at most client_max_size bytes
+            # at most client_max_size bytes, within the read timeout: a slow body holds a slot
+            raw = await asyncio.wait_for(request.read(), limits.read_timeout_s)
         except web.HTTPRequestEntityTooLarge:  # a body sent without its length
             gate.counts["too_large"] += 1
             return _error(413, too_large_body)
+        except TimeoutError:
+            gate.counts["too_slow"] += 1
+            slow = _error(
+                408,
+                f"the request body did not arrive within {limits.read_timeout_s} s "
+                "(--read-timeout-s)",
+            )
+            slow.force_close()
+            return slow
         try:
             # Parsing and decoding images is CPU work: off the loop serving other requests.
             samples, prompts, metadata = await asyncio.to_thread(_parse, raw, limits)
@@ -248,12 +388,39 @@ def make_app(
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "reward": name})
 
-    app = web.Application(client_max_size=limits.max_body_bytes)
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_deadline_of_request])
     app[GATE] = gate
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/score", score)
     app.router.add_get("/health", health)
     return app
+
+
+def check_token(token: str, where: str) -> None:
+    """Raise ConfigError (one sentence naming ``where``) for a token too short to keep."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"{where} has {len(token)} characters; use at least {MIN_TOKEN_CHARS}, e.g. from "
+            "python -c 'import secrets; print(secrets.token_urlsafe(32))'."
+        )
+
+
+async def listen(runner: web.AppRunner, host: str, port: int) -> asyncio.Server:
+    """Serve ``runner``'s app (set up, from :func:`make_app`) on ``host:port`` until the
+    returned server is closed, each connection held to the app's ``read_timeout_s``
+    (:class:`_Deadline`): what a site would do, with the deadline. Port 0 picks a free one
+    (``server.sockets[0].getsockname()[1]``)."""
+    gate, server = runner.app[GATE], runner.server
+    assert server is not None, "set the runner up first"
+
+    def slow() -> None:
+        gate.counts["too_slow"] += 1
+
+    def connection() -> _Deadline:
+        return _Deadline(server(), gate.limits.read_timeout_s, slow)
+
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(connection, host, port, reuse_address=True)
 
 
 async def serve(
@@ -264,10 +431,11 @@ async def serve(
     options: dict[str, Any] | None = None,
     limits: ServerLimits | None = None,
     debug: bool = False,
+    token: str | None = None,
 ) -> None:
     """Serve ``reward`` until SIGINT or SIGTERM; ``ready`` gets the score URL once listening.
     ``options``: keyword arguments for a reward that is a class (as a config's ``options``);
-    ``limits`` and ``debug`` as in :func:`make_app`.
+    ``limits``, ``debug`` and ``token`` as in :func:`make_app`.
 
     Port 0 picks a free port (the URL names it). Raises :class:`DigenError` with one sentence
     when the reward does not load, its setup fails, or the address cannot be bound.
@@ -276,15 +444,16 @@ async def serve(
         hook, name = load_hook(reward, options), reward
     else:
         hook, name = reward, getattr(reward, "__name__", type(reward).__name__)
-    runner = web.AppRunner(make_app(hook, name, limits, debug), access_log=None)
+    runner = web.AppRunner(make_app(hook, name, limits, debug, token), access_log=None)
     await runner.setup()  # the hook's setup(): a RewardError naming it when it fails
+    listening: asyncio.Server | None = None
     try:
         try:
-            await web.TCPSite(runner, host, port).start()
+            listening = await listen(runner, host, port)
         except OSError as exc:  # asyncio's message repeats the address: say it once
             why = os.strerror(exc.errno).lower() if exc.errno else str(exc)
             raise DigenError(f"the reward server cannot listen on {host}:{port}: {why}.") from None
-        bound = runner.addresses[0][1]
+        bound = listening.sockets[0].getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         ready(f"http://{shown}:{bound}/score")
         stop = asyncio.Event()
@@ -293,4 +462,6 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
+        if listening is not None:
+            listening.close()  # no new connections; the runner closes those open
         await runner.cleanup()

@@ -31,6 +31,7 @@ import structlog
 import torch
 
 from digen.checkpoint import (
+    JOIN_SECRET_FILE,
     Checkpoint,
     CheckpointWriter,
     SavedWeights,
@@ -154,6 +155,18 @@ class DigenRunner:
                         f"eval.per_category needs shapes-world prompts: {exc}"
                     ) from None
                 self.eval_prompts = PromptSet(chosen)
+        self._join_secret: str | None = None
+        """With ``runtime.accept_generators``: what a joining generator must prove it knows;
+        read here from ``runtime.join_secret_file``, else made when the run starts."""
+        if self.cfg.runtime.join_secret_file is not None:
+            from digen.runtime.transport.join_secret import read_secret
+
+            try:
+                self._join_secret = read_secret(
+                    self.cfg.runtime.join_secret_file, "runtime.join_secret_file"
+                )
+            except ValueError as exc:
+                raise DigenError(str(exc)) from None
         self._temporary = not out_dir
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
         self.progress = progress
@@ -255,6 +268,9 @@ class DigenRunner:
         saved: Path | None = ckpt.path if ckpt is not None else None
         trackers = Trackers(cfg.logger if lead else (), self.out_dir, first_step=start)
         trackers.log_config(config_to_dict(cfg))
+        made_secret = cfg.runtime.accept_generators and lead and self._join_secret is None
+        if made_secret:
+            self._join_secret = _new_join_secret(self.out_dir / JOIN_SECRET_FILE)
         t0 = time.perf_counter()
         try:
             async with self._backend(rank, world, trace, ckpt) as backend:
@@ -262,11 +278,26 @@ class DigenRunner:
                 if outputs:
                     await self._write_workers(backend)
                 if cfg.runtime.accept_generators and lead:
-                    log.info("accepting_generators", rendezvous=backend.rendezvous)
+                    secret_file = Path(
+                        cfg.runtime.join_secret_file or self.out_dir / JOIN_SECRET_FILE
+                    )
+                    log.info(
+                        "accepting_generators",
+                        rendezvous=backend.rendezvous,
+                        secret_file=str(secret_file),
+                    )
                     print(
-                        f"note: generators may join this run: digen join {backend.rendezvous}",
+                        "note: generators may join this run: digen join "
+                        f"{backend.rendezvous} --secret-file {secret_file}",
                         file=sys.stderr,
                     )
+                    if made_secret:  # shown once, here only: the log does not hold it
+                        print(
+                            f"note: the run's join secret is {self._join_secret} (in "
+                            f"{secret_file}, readable by you only); whoever holds it can join "
+                            "the run and run code in it: keep it like a password",
+                            file=sys.stderr,
+                        )
                 if hasattr(backend, "on_pool_change"):
 
                     async def pool_changed(event: dict, backend: Any = backend) -> None:
@@ -437,7 +468,15 @@ class DigenRunner:
 
             rewards = self._reward_objects if self._reward_objects is not None else None
             notes = self.out_dir / "trainer.log"  # the workers' notes join the driver's
-            return Driver(self.cfg, rewards, self.prompts, trace, resume=ckpt, notes=notes)
+            return Driver(
+                self.cfg,
+                rewards,
+                self.prompts,
+                trace,
+                resume=ckpt,
+                notes=notes,
+                join_secret=self._join_secret,
+            )
         from digen.runtime.colocated import ColocatedTrainer, worker_config
 
         return ColocatedTrainer(
@@ -620,6 +659,20 @@ def _progress(total: int, enabled: bool, initial: int = 0):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _new_join_secret(path: Path) -> str:
+    """A new join secret, written to ``path`` (replacing any) readable by its owner only."""
+    from digen.runtime.transport.join_secret import new_secret
+
+    secret = new_secret()
+    staged = path.with_name(f".{path.name}.{os.getpid()}")
+    staged.unlink(missing_ok=True)
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(secret + "\n")
+    os.replace(staged, path)
+    return secret
 
 
 def _open_log(path: Path | None):

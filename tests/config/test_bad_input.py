@@ -219,3 +219,28 @@ def test_flavour_is_model_flavour_and_checked_before_torch_loads(tmp_path: Path)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "model.flavour" in lines[0] and "shapes" in lines[0], lines
     assert not (tmp_path / "o").exists()
+
+
+def test_a_join_secret_file_that_cannot_serve_is_said_before_torch_loads(tmp_path: Path) -> None:
+    """``runtime.join_secret_file`` unreadable, or holding a secret too short to keep."""
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    cases = [
+        (
+            tmp_path / "absent",
+            f"'{tmp_path / 'absent'}' cannot be read: no such file or directory.",
+        ),
+        (short, f"'{short}' holds a join secret of 3 characters; use at least 16"),
+    ]
+    for path, message in cases:
+        res = _cli_without_torch(
+            "--mode",
+            "disaggregated",
+            "--out",
+            str(tmp_path / "run"),
+            "runtime.accept_generators=true",
+            f"runtime.join_secret_file={path}",
+        )
+        assert res.returncode == 2, res.stderr[-2000:]
+        said = f"error: runtime.join_secret_file {message}"
+        assert res.stderr.startswith(said) and res.stderr.count("\n") == 1, res.stderr

@@ -287,6 +287,14 @@ BAD = [
         "runtime.accept_generators",
         "True",
     ),
+    # a join secret only for a run that takes joiners, and a file named
+    (["runtime.join_secret_file=/s"], "runtime.join_secret_file", "'/s'"),
+    (
+        ["runtime.mode=disaggregated", "runtime.accept_generators=true"]
+        + ["runtime.join_secret_file=' '"],
+        "runtime.join_secret_file",
+        "' '",
+    ),
     # C_gen below what must be generated before anything trains would deadlock the driver:
     # a GAP group (2 of 2 samples each), or the whole step with a batch-wide std
     (

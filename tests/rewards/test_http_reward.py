@@ -39,10 +39,13 @@ from digen.presets import preset
 from digen.rewards.builtin import jpeg_incompressibility
 from digen.rewards.hooks import load_hook
 from digen.rewards.http import HttpReward, RequestTooLarge, decode_request, encode_request
-from digen.rewards.server import GATE, ServerLimits, make_app
+from digen.rewards.server import GATE, ServerLimits, listen, make_app
 
 ROOT = Path(__file__).resolve().parents[2]
 JPEG = "jpeg_incompressibility"
+TOKEN = "a-reward-token-for-the-tests"
+TOKEN_VAR = "DIGEN_TEST_REWARD_TOKEN"
+"""The environment variable the tests' http rewards read the token from (``token_env``)."""
 
 
 def samples(batch: int = 6, frames: int = 1, size: int = 32, seed: int = 0) -> torch.Tensor:
@@ -60,13 +63,23 @@ def texts(batch: int) -> tuple[list[str], list[dict]]:
 
 @asynccontextmanager
 async def serving(app: web.Application) -> AsyncIterator[str]:
-    """``app`` on 127.0.0.1, a free port: yields its base URL."""
+    """``app`` on 127.0.0.1, a free port: yields its base URL. The server's own app (from
+    ``make_app``) is served as ``digen reward-server`` serves it (``listen``: each connection
+    held to its read timeout); any other app on a plain site."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
+    listening = None
     try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        if GATE in app:
+            listening = await listen(runner, "127.0.0.1", 0)
+            port = listening.sockets[0].getsockname()[1]
+        else:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            port = runner.addresses[0][1]
+        yield f"http://127.0.0.1:{port}"
     finally:
+        if listening is not None:
+            listening.close()
         await runner.cleanup()
 
 
@@ -223,6 +236,24 @@ def test_from_spec_needs_a_url_and_checks_its_options() -> None:
     assert r.max_response_bytes == 8 << 20
     r = HttpReward.from_spec(spec(max_response_bytes=4096, concurrency=None, batch_size=None))
     assert (r.max_response_bytes, r.concurrency, r.batch_size) == (4096, 4, None)
+
+
+def test_token_env_names_a_variable_that_holds_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    def spec(**options):
+        return SimpleNamespace(url="http://127.0.0.1:1/score", options=options)
+
+    monkeypatch.delenv(TOKEN_VAR, raising=False)
+    with pytest.raises(ConfigError) as err:
+        HttpReward.from_spec(spec(token_env=TOKEN_VAR), "rewards.0")
+    assert str(err.value) == (
+        f"config key 'rewards.0.options.token_env' names {TOKEN_VAR}, which is not set in this "
+        "process's environment; set it to the reward server's token."
+    )
+    with pytest.raises(ConfigError, match=r"token_env' has value 'a token'; name the environment"):
+        HttpReward.from_spec(spec(token_env="a token"), "rewards.0")
+    monkeypatch.setenv(TOKEN_VAR, f"  {TOKEN}\n")
+    assert HttpReward.from_spec(spec(token_env=TOKEN_VAR)).token_env == TOKEN_VAR
+    assert HttpReward.from_spec(spec(token_env=None)).token_env is None
 
 
 @pytest.mark.parametrize("value", [None, 0, -1.5, float("inf"), "5"])
@@ -420,6 +451,93 @@ async def test_an_answer_over_max_response_bytes_is_refused(streamed: bool) -> N
         assert small.statistics()["failed"] == 1
         roomy = HttpReward(url, max_response_bytes=6000, request_timeout_s=60)
         assert await roomy(samples(2), *texts(2)) == [1.0, 2.0]
+
+
+@pytest.mark.asyncio
+async def test_a_token_guards_scoring_and_is_checked_before_the_body_is_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = make_app(load_hook(JPEG), JPEG, token=TOKEN)
+    gate = app[GATE]
+    x = samples(2)
+    body = encode_request(x, *texts(2), "raw")
+    needs = (
+        "this reward server needs a bearer token: send Authorization: Bearer <token> (the "
+        "http reward's options.token_env names the variable that holds it)."
+    )
+    refused = [
+        ({}, needs),
+        ({"Authorization": f"Basic {TOKEN}"}, needs),
+        ({"Authorization": "Bearer "}, needs),
+        (
+            {"Authorization": f"Bearer {TOKEN}x"},
+            "the bearer token sent is not this reward server's.",
+        ),
+    ]
+    async with serving(app) as base, aiohttp.ClientSession() as http:
+        for headers, says in refused:
+            async with http.post(f"{base}/score", data=body, headers=headers) as r:
+                assert (r.status, r.headers["WWW-Authenticate"]) == (401, "Bearer")
+                assert (await r.json())["error"] == says
+        async with http.get(f"{base}/health") as r:  # health stays open
+            assert r.status == 200
+        # refused on its headers: the body it announces is never sent, nor waited for
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+        writer.write(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readline(), 60)).startswith(b"HTTP/1.1 401 ")
+        writer.close()
+        # the http reward sends the token its token_env names; without one it is refused
+        monkeypatch.setenv(TOKEN_VAR, TOKEN)
+        guarded = HttpReward(f"{base}/score", format="raw", token_env=TOKEN_VAR)
+        assert await guarded(x, *texts(2)) == jpeg_incompressibility(x, *texts(2)).tolist()
+        with pytest.raises(RewardError) as err:
+            await HttpReward(f"{base}/score", format="raw")(x, *texts(2))
+        assert str(err.value) == f"reward server {base}/score answered HTTP 401: {needs}"
+    stats = gate.statistics()
+    assert (stats["unauthorized"], stats["scored"]) == (len(refused) + 2, 1)
+
+
+async def _end_of(reader: asyncio.StreamReader) -> bytes:
+    """What the server sent on a connection until it ended it (a reset ends it too)."""
+    try:
+        return await asyncio.wait_for(reader.read(), 60)  # a backstop: the server ends it
+    except ConnectionResetError:
+        return b""
+
+
+@pytest.mark.asyncio
+async def test_a_client_too_slow_to_send_its_request_is_dropped_and_frees_its_slot() -> None:
+    """Headers that never end, then a body that never ends while it holds the only slot,
+    then a connection that sends nothing: the first two are dropped (the body with a 408)
+    and counted, the request waiting behind the slow body is scored, the idle one is closed
+    as a kept-alive one would be."""
+    app = make_app(load_hook(JPEG), JPEG, ServerLimits(max_concurrent=1, read_timeout_s=3))
+    gate = app[GATE]
+    x = samples(2)
+    async with serving(app) as base:
+        port = int(base.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /score HTTP/1.1\r\nHost: x\r\n")
+        assert await _end_of(reader) == b""
+        assert gate.statistics()["too_slow"] == 1
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        writer.write(head + b'{"format": ')
+        await _until(lambda: gate.statistics()["inside"] == 1, "the slow body to hold the slot")
+        behind = asyncio.create_task(HttpReward(f"{base}/score", format="raw")(x, *texts(2)))
+        await _until(lambda: gate.statistics()["waiting"] == 1, "a request to wait behind it")
+        answer = await _end_of(reader)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
+            "error": "the request body did not arrive within 3 s (--read-timeout-s)."
+        }
+        assert await behind == jpeg_incompressibility(x, *texts(2)).tolist()
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await _end_of(reader) == b""
+    stats = gate.statistics()
+    assert (stats["too_slow"], stats["scored"], stats["inside"]) == (2, 1, 0)
 
 
 def test_server_limits_are_checked_in_one_sentence() -> None:
@@ -658,11 +776,49 @@ def test_cli_bad_input_is_one_sentence_and_exit_2(cli_server: str) -> None:
         ("nope", "0", "reward 'nope' is neither a built-in"),
         (JPEG, "0", "max_samples (--max-samples) has value 0; use a whole", "--max-samples", "0"),
         (JPEG, "0", "max_body_mib (--max-body-mib) has value -1;", "--max-body-mib", "-1"),
+        (JPEG, "0", "read_timeout_s (--read-timeout-s) has value 0;", "--read-timeout-s", "0"),
     ):
         args = ["reward-server", "--reward", reward, "--port", port, *more]
         res = CliRunner().invoke(main, args)
         assert res.exit_code == 2 and says in res.stderr, res.output
         assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1
+
+
+def test_cli_bad_token_is_one_sentence_and_exit_2(tmp_path: Path) -> None:
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    for more, env, says in (
+        (["--token-file", str(tmp_path / "absent")], {}, "cannot be read: no such file"),
+        (["--token-file", str(short)], {}, f"--token-file '{short}' has 3 characters; use at"),
+        ([], {"DIGEN_REWARD_TOKEN": "short"}, "the environment variable DIGEN_REWARD_TOKEN has 5"),
+    ):
+        args = ["reward-server", "--reward", JPEG, "--port", "0", *more]
+        res = CliRunner().invoke(main, args, env=env)
+        assert res.exit_code == 2 and says in res.stderr, res.output
+        assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1
+
+
+@pytest.mark.asyncio
+async def test_the_cli_server_takes_a_token_file_and_drops_slow_clients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    x = samples(3)
+    want = jpeg_incompressibility(x, *texts(3)).tolist()
+    args = ["--reward", JPEG, "--token-file", str(token_file), "--read-timeout-s", "3"]
+    with cli_process(*args) as url:
+        monkeypatch.setenv(TOKEN_VAR, TOKEN)
+        assert await HttpReward(url, format="raw", token_env=TOKEN_VAR)(x, *texts(3)) == want
+        with pytest.raises(RewardError, match=r"HTTP 401: this reward server needs a bearer token"):
+            await HttpReward(url, format="raw")(x, *texts(3))
+        monkeypatch.setenv(TOKEN_VAR, TOKEN[::-1])
+        with pytest.raises(RewardError, match=r"HTTP 401: the bearer token sent is not this"):
+            await HttpReward(url, format="raw", token_env=TOKEN_VAR)(x, *texts(3))
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /score HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        assert await _end_of(reader) == b""
 
 
 _FAILING_HOOK = """

@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 import torch
 from actor_classes import Accumulator, Broken, echo, where_am_i
-from helpers import free_port
+from helpers import JOIN_SECRET, digen_join, free_port, said_one_line
 
 from digen.runtime.transport.actors import (
     ActorHandle,
@@ -35,6 +35,7 @@ from digen.runtime.transport.actors import (
 )
 from digen.runtime.transport.actors._system import Payload
 from digen.runtime.transport.actors._transport import payload_bytes
+from digen.runtime.transport.join_secret import SECRET_ENV
 
 
 def _gone(pid: int) -> bool:
@@ -393,7 +394,11 @@ import os, sys
 from digen.runtime.transport.actors import join_world
 wait = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
 name = join_world(
-    "127.0.0.1", int(sys.argv[1]), wait_s=wait, on_joined=lambda n: print(n, flush=True)
+    "127.0.0.1",
+    int(sys.argv[1]),
+    secret=os.environ["DIGEN_JOIN_SECRET"],
+    wait_s=wait,
+    on_joined=lambda n: print(n, flush=True),
 )
 print("served", name, flush=True)
 os._exit(0)
@@ -401,11 +406,11 @@ os._exit(0)
 
 
 def _start_joiner(port: int, wait_s: float = 60.0) -> subprocess.Popen:
-    """A process that joins the running world at ``port`` by itself (as one started by
-    hand on another machine would), with the test's classes importable."""
+    """A process that joins the running world at ``port`` by itself with the join secret (as
+    one started by hand on another machine would), with the test's classes importable."""
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, "PYTHONPATH": path, SECRET_ENV: JOIN_SECRET}
     cmd = [sys.executable, "-c", _JOINER_SCRIPT, str(port), str(wait_s)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -419,13 +424,20 @@ async def test_an_elastic_system_takes_workers_that_join_it_while_it_runs() -> N
     member left the world); stop ends the one left."""
     joiner = WorkerSpec("generator", env={"DIGEN_TEST_OFFER": "joined"})
     specs = [WorkerSpec("generator-0"), WorkerSpec("trainer-0")]
-    system = ActorSystem(specs, stop_timeout_s=1.0, elastic=True, joiners=joiner)
+    system = ActorSystem(
+        specs, stop_timeout_s=1.0, elastic=True, joiners=joiner, join_secret=JOIN_SECRET
+    )
     await system.start()
     procs: list[subprocess.Popen] = []
     try:
         keeper = system.actor("generator-0", Accumulator, 2)
         assert (await keeper.call("add", torch.ones(2))).tolist() == [1.0, 1.0]
         assert system.port is not None
+        # a wrong secret is refused in one sentence, and takes no name (the next is -1)
+        where = f"127.0.0.1:{system.port}"
+        wrong = {SECRET_ENV: "not-the-secret-of-this-world"}
+        done = await asyncio.to_thread(digen_join, where, env=wrong)
+        said_one_line(done, 1, f"error: the run at {where} refused this process: its join secret")
         for n in (1, 2):
             procs.append(_start_joiner(system.port))
             arrival = await asyncio.wait_for(system.next_arrival(), 300)
@@ -453,21 +465,51 @@ async def test_an_elastic_system_takes_workers_that_join_it_while_it_runs() -> N
     assert out.split() == ["generator-2", "served", "generator-2"]
 
 
+HAS_SECRET = {SECRET_ENV: JOIN_SECRET}
+
+
 @pytest.mark.parametrize(
-    ("args", "code", "said"),
+    ("args", "env", "code", "said"),
     [
-        (["nowhere"], 2, "error: 'nowhere' is not ADDRESS:PORT (e.g. 10.0.0.5:29400)"),
-        (["127.0.0.1:99999"], 2, "error: '127.0.0.1:99999' is not ADDRESS:PORT"),
-        (["127.0.0.1:{port}", "--threads", "0"], 2, "error: --threads must be at least 1"),
-        (["127.0.0.1:{port}", "--wait", "1"], 1, "error: no run is listening at 127.0.0.1:"),
+        (["nowhere"], HAS_SECRET, 2, "error: 'nowhere' is not ADDRESS:PORT (e.g. 10.0.0.5:29400)"),
+        (["127.0.0.1:99999"], HAS_SECRET, 2, "error: '127.0.0.1:99999' is not ADDRESS:PORT"),
+        (["127.0.0.1:{port}", "--threads", "0"], HAS_SECRET, 2, "error: --threads must be at"),
+        (["127.0.0.1:{port}", "--device", "gpu0"], HAS_SECRET, 2, "error: --device 'gpu0' is not"),
+        (["127.0.0.1:{port}", "--wait", "1"], HAS_SECRET, 1, "error: no run is listening at"),
+        (
+            ["127.0.0.1:{port}"],
+            {},
+            2,
+            "error: digen join needs the run's join secret: pass --secret-file FILE",
+        ),
+        (["127.0.0.1:{port}"], {SECRET_ENV: "  "}, 2, "error: digen join needs the run's join"),
+        (
+            ["127.0.0.1:{port}"],
+            {SECRET_ENV: "short"},
+            2,
+            f"error: {SECRET_ENV} holds a join secret of 5 characters; use at least 16",
+        ),
+        (
+            ["127.0.0.1:{port}", "--secret-file", "{dir}/absent"],
+            HAS_SECRET,  # a file named is read, whatever the environment holds
+            2,
+            "error: --secret-file '{dir}/absent' cannot be read: no such file or directory.",
+        ),
+        (
+            ["127.0.0.1:{port}", "--secret-file", "{dir}/short"],
+            {},
+            2,
+            "error: --secret-file '{dir}/short' holds a join secret of 3 characters",
+        ),
     ],
 )
-def test_digen_join_says_what_is_wrong_in_one_line(args: list[str], code: int, said: str) -> None:
+def test_digen_join_says_what_is_wrong_in_one_line(
+    tmp_path, args: list[str], env: dict[str, str], code: int, said: str
+) -> None:
+    (tmp_path / "short").write_text("abc\n")
     port = str(free_port())
-    cmd = [sys.executable, "-m", "cli.main", "join", *(a.replace("{port}", port) for a in args)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == code, done.stderr[-3000:]
-    assert done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr
+    fill = lambda a: a.replace("{port}", port).replace("{dir}", str(tmp_path))  # noqa: E731
+    said_one_line(digen_join(*map(fill, args), env=env), code, fill(said))
 
 
 @pytest.mark.slow
@@ -490,6 +532,11 @@ def test_worker_spec_checks_its_fields() -> None:
         WorkerSpec("generator-0", threads=0)
     with pytest.raises(ValueError, match="repeated"):
         ActorSystem([WorkerSpec("a"), WorkerSpec("a")])
+    joiners = WorkerSpec("generator")
+    with pytest.raises(ValueError, match="needs a join secret"):
+        ActorSystem([WorkerSpec("generator-0")], elastic=True, joiners=joiners)
+    with pytest.raises(ValueError, match="join_secret holds a join secret of 5 characters"):
+        ActorSystem([WorkerSpec("generator-0")], elastic=True, joiners=joiners, join_secret="short")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import process_alive, read_jsonl, run_config
+from helpers import digen_join, process_alive, read_jsonl, run_config, said_one_line
 from safetensors.torch import load_file
 
 # whole runs of worker processes, one of them killed: minutes in all
@@ -246,7 +246,11 @@ def test_a_generator_that_joins_a_running_run_ends_it_as_if_it_had_been_there_al
     two-generator run's size) pauses in generator 0's first scoring call; a second process
     joins it by hand (``digen join`` with the rendezvous from workers.json) and joins the
     pool at the next step boundary. The run ends with the parameters and metrics of the run
-    that had two generators all along, and the joiner ends with it."""
+    that had two generators all along, and the joiner ends with it.
+
+    Joining takes the run's join secret, which the run made, wrote to ``join-secret``
+    (readable by its owner only) and showed once: a process with another secret is refused
+    in one sentence and takes no name."""
     out, pause, paused = tmp_path / "run", tmp_path / "pause", tmp_path / "paused"
     pause.write_text("")
     env = {"PAUSE_IN": "generator-0", "PAUSE": str(pause), "PAUSED": str(paused)}
@@ -257,8 +261,13 @@ def test_a_generator_that_joins_a_running_run_ends_it_as_if_it_had_been_there_al
     )
     proc, workers = _start(hook, out, *extra, env=env, until=paused)
     rendezvous = workers["driver"]["rendezvous"]
+    secret_file = out / "join-secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    secret = secret_file.read_text().strip()
+    wrong = digen_join(rendezvous, env={"DIGEN_JOIN_SECRET": secret[::-1]})
+    said_one_line(wrong, 1, f"error: the run at {rendezvous} refused this process: its join")
     joiner = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "join", rendezvous],
+        [sys.executable, "-m", "cli.main", "join", rendezvous, "--secret-file", str(secret_file)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -274,7 +283,14 @@ def test_a_generator_that_joins_a_running_run_ends_it_as_if_it_had_been_there_al
         joiner.kill()
     assert joiner.returncode == 0, joined_err[-3000:]
     assert f"joined the run at {rendezvous} as generator-1" in joined_err
-    assert f"generators may join this run: digen join {rendezvous}" in err
+    how = f"generators may join this run: digen join {rendezvous} --secret-file {secret_file}"
+    assert how in err
+    assert err.count(secret) == 1 and f"the run's join secret is {secret} " in err
+    assert secret not in log.read_text()  # shown once, on the terminal; the log has its file
+    refusals = [
+        e["text"] for e in read_jsonl(log) if "without its join secret" in e.get("text", "")
+    ]
+    assert len(refusals) == 1, refusals
     assert "generator-1 joined. The run goes on with 2 generator(s)." in err
     rows = _as_uninterrupted(out, uninterrupted)
     # counted after each step's weight sync, where the joiner came in at the first

@@ -1,6 +1,7 @@
 """A local run listens on loopback only: the RPC rendezvous, TensorPipe, and every process
 group's store and transport (the trainers' group or device mesh, the weight-broadcast group,
-the colocated workers' group), in every mode.
+the colocated workers' group), in every mode. The transports bind to the interface that
+carries the run's address (:func:`interface_for`), not to the host name's.
 
 A reward hook looks while the run is under way: at its first call in a process, every
 group of the run has formed. It lists the listening TCP sockets of the test process and all
@@ -16,6 +17,15 @@ from pathlib import Path
 
 import pytest
 from helpers import run_config, tiny_config
+
+from digen.runtime.transport.sockets import (
+    INTERFACE_VARIABLES,
+    interface_addresses,
+    interface_env,
+    interface_for,
+    interface_toward,
+    loopback_interface,
+)
 
 _HOOK = '''
 import json, os
@@ -113,3 +123,55 @@ def test_only_loopback_listens(
     listening = [_address(a) for look in looks for a in look]
     assert len(listening) >= 2  # the stores of the run's groups, gloo's, TensorPipe's
     assert set(listening) == {"127.0.0.1"}, listening
+
+
+MACHINE = {
+    "lo": ["127.0.0.1", "::1"],
+    "eth0": ["10.0.0.5", "fe80::1", "fd00::2"],
+    "eth1": ["192.168.1.7", "192.168.1.8"],  # a secondary address
+    "docker0": ["172.17.0.1"],
+}
+
+
+@pytest.mark.parametrize(
+    ("address", "interface"),
+    [
+        ("10.0.0.5", "eth0"),
+        ("192.168.1.8", "eth1"),
+        ("172.17.0.1", "docker0"),
+        ("fd00:0:0::2", "eth0"),  # compared as addresses, not as text
+        ("::ffff:10.0.0.5", "eth0"),  # IPv4-mapped
+        ("fe80::1%eth0", "eth0"),  # with a zone
+        ("127.0.0.1", "lo"),
+        ("127.0.0.2", "lo"),  # all of 127/8 is loopback
+        ("0:0:0:0:0:0:0:1", "lo"),
+        ("10.0.0.6", None),  # not this machine's
+        ("localhost", None),  # a name, not an address
+        ("", None),
+    ],
+)
+def test_an_address_maps_to_the_interface_that_carries_it(address: str, interface: str) -> None:
+    assert interface_for(address, MACHINE) == interface
+
+
+def test_a_loopback_address_needs_a_loopback_interface_of_its_family() -> None:
+    assert interface_for("::1", {"lo": ["127.0.0.1"], "eth0": ["fd00::2"]}) is None
+    assert interface_for("127.0.0.3", {"eth0": ["10.0.0.5"]}) is None
+
+
+def test_this_machines_addresses_map_to_their_interfaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read from the kernel: each of this machine's IPv4 addresses is carried by the
+    interface that lists it; a loopback run pins every transport to loopback, whatever the
+    environment says."""
+    found = interface_addresses()
+    assert "127.0.0.1" in found[loopback_interface()]
+    for name, addresses in found.items():
+        for address in addresses:
+            if ":" not in address:  # IPv4: routed to itself, so found from the route
+                assert interface_toward(address) == name, (address, found)
+    monkeypatch.setenv("TP_SOCKET_IFNAME", "eth9")
+    assert interface_env("127.0.0.1") == dict.fromkeys(INTERFACE_VARIABLES, loopback_interface())
+    others = [a for n, a in found.items() if n != loopback_interface()]
+    for address in [a for group in others for a in group if ":" not in a][:1]:
+        env = interface_env(address)  # a user's own choice stands off loopback
+        assert "TP_SOCKET_IFNAME" not in env and env, env

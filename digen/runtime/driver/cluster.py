@@ -11,7 +11,6 @@ everything about sockets and processes stays here.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 from collections.abc import Collection, Coroutine, Sequence
@@ -41,6 +40,7 @@ from digen.runtime.transport.actors import (
 )
 from digen.runtime.transport.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.transport.groups import listen
+from digen.runtime.transport.sockets import local_address_toward
 from digen.sched.names import Pool, worker_names
 
 __all__ = ["Cluster", "ShardedTrainers"]
@@ -55,11 +55,14 @@ class Cluster:
         rewards: Sequence[Any] | None = None,
         resume: Checkpoint | None = None,
         notes: Path | None = None,
+        join_secret: str | None = None,
     ) -> None:
         """rewards: reward hooks as objects, sent to the generators as they are; None loads
         ``cfg.rewards`` by name in each generator. resume: a checkpoint every trainer loads
         before the generators get its weights. notes: the run's log, where the workers'
-        notes go (a prompt the text encoder truncates, ...), as the driver's do."""
+        notes go (a prompt the text encoder truncates, ...), as the driver's do.
+        join_secret: with ``runtime.accept_generators``, what a generator joining the run
+        must prove it knows (``digen join``)."""
         self.cfg = cfg
         self.resume = resume
         self.rewards = None if rewards is None else list(rewards)
@@ -101,6 +104,7 @@ class Cluster:
                 if rt.accept_generators
                 else None
             ),
+            join_secret=join_secret,
         )
         self.started_here = set(self.gen_names)
         """Generators this driver started (a lost one may be started again); the others
@@ -131,7 +135,7 @@ class Cluster:
         host, dp_port, sync_port = self.system.address, 0, 0
         if rt.trainers > 1 or rt.weight_sync == "broadcast":
             lead = self.trainer_names[0]
-            host = await self.system.run(lead, _reachable_host, self.system.address)
+            host = await self.system.run(lead, local_address_toward, self.system.address)
             # bound (on that address only) and held there until its store takes it over
             dp_port = await self.system.run(lead, listen, host)
             sync_port = await self.system.run(lead, listen, host)
@@ -373,24 +377,3 @@ def _check_placement(cfg: DigenConfig, devices: dict[str, str], hosts: dict[str,
     """Refuse a placement whose groups cannot work (one sentence), else log its notes."""
     for note in check_groups(cfg, run_groups(cfg, devices, hosts)):
         logging.getLogger("digen").info(note)
-
-
-def _reachable_host(peer: str) -> str:
-    """This machine's address on the route to ``peer`` (``peer`` itself when it is loopback).
-
-    Run on trainer 0, whose process-group stores the other members must reach; ``peer`` is
-    the RPC rendezvous address, which every process reaches.
-    """
-    try:
-        if ipaddress.ip_address(peer).is_loopback:
-            return peer
-    except ValueError:
-        if peer == "localhost":
-            return peer
-    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((peer, 9))  # a UDP connect sends nothing: it only picks the route
-            return s.getsockname()[0]
-    except OSError:
-        return peer

@@ -102,14 +102,16 @@ class Driver:
         clock: Callable[[], float] = time.time,
         resume: Checkpoint | None = None,
         notes: Path | None = None,
+        join_secret: str | None = None,
     ) -> None:
         """``cluster``: the actors (default: a :class:`Cluster` of worker processes; tests
         pass fakes with its methods); ``clock``: the clock task spans are read on;
         ``resume``: a checkpoint the trainers start from (the run continues at its step);
-        ``notes``: the run's log, where the workers write their notes."""
+        ``notes``: the run's log, where the workers write their notes; ``join_secret``:
+        with ``runtime.accept_generators``, what a joining generator must prove it knows."""
         self.cfg, self.clock = cfg, clock
         if cluster is None:
-            cluster = Cluster(cfg, rewards, resume=resume, notes=notes)
+            cluster = Cluster(cfg, rewards, resume=resume, notes=notes, join_secret=join_secret)
         self.cluster = cluster
         self.reward_weights = {r.name: r.weight for r in rewards or cfg.rewards}
         """Each reward's weight, by name (for ``algo.reward_weighting = advantage``)."""

@@ -11,6 +11,8 @@ socket is held, so nothing can take the port meanwhile).
 The group's backend follows :func:`digen.runtime.placement.group_backend`. On a loopback
 address the transports' interfaces (gloo, NCCL's bootstrap) are pinned to loopback for the
 group's creation only (:func:`loopback_env`): the caller's environment is left as it was.
+Off loopback they bind to the interface of the run's address, which a run's workers have in
+their environment from the start (:mod:`digen.runtime.transport.sockets`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ import torch
 import torch.distributed as dist
 
 from digen.runtime.placement import default_group_backend, group_backend
-from digen.runtime.transport.actors._transport import _is_loopback, _loopback_ifname
-from digen.runtime.transport.sockets import listening_socket
+from digen.runtime.transport.sockets import (
+    INTERFACE_VARIABLES,
+    is_loopback,
+    listening_socket,
+    loopback_interface,
+)
 
 __all__ = ["listen", "loopback_env", "make_group", "pinned_to_loopback", "tcp_store"]
 
@@ -36,11 +42,11 @@ _LISTENING: dict[int, socket.socket] = {}
 
 def loopback_env(address: str) -> dict[str, str]:
     """What keeps a process's gloo, NCCL and TensorPipe listeners on loopback when its run's
-    address is one (nothing otherwise: a multi-node run's network decides)."""
-    if not _is_loopback(address):
+    address is one (nothing otherwise: a run's workers start with the interface of its
+    address in their environment, :func:`~digen.runtime.transport.sockets.interface_env`)."""
+    if not is_loopback(address):
         return {}
-    lo = _loopback_ifname()
-    return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo, "TP_SOCKET_IFNAME": lo}
+    return dict.fromkeys(INTERFACE_VARIABLES, loopback_interface())
 
 
 @contextlib.contextmanager

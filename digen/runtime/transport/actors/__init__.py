@@ -7,7 +7,8 @@ runs an asyncio loop; each :class:`WorkerSpec` becomes one spawned process, or, 
 external launcher such as ``torchrun`` (:class:`ExternalLaunch`), one process that someone
 else started and that calls :func:`serve_worker`. An elastic system (a dynamic RPC world)
 can also start a lost worker again, and take workers that join it while it runs
-(:func:`join_world`, :meth:`ActorSystem.next_arrival`).
+(:func:`join_world`, :meth:`ActorSystem.next_arrival`): only those that prove they know
+its join secret, and they join only a driver that proves it knows it too.
 
 What this layer guarantees, so actor classes need not care:
 
@@ -36,15 +37,17 @@ arguments sent and results received, the tensors (sized as TensorPipe ships them
 from the pickled rest. It observes the calls from the event loop thread, after a message
 has left, and never stops one.
 
-The layer is four private modules, one layer each, importing only those above them:
+The layer is five private modules, one layer each, importing only those above them:
 
 - ``_remote``: what runs in every process: the actors' mailboxes and threads, and the
   functions sent by reference over RPC;
 - ``_transport``: rendezvous, backend options, the torch-to-asyncio bridge, payload sizing;
+- ``_join``: the join secret's handshake between the driver and a joining worker;
 - ``_worker``: the worker process (:func:`serve_worker`, :func:`join_world`);
 - ``_system``: the driver's view (:class:`ActorSystem`, handles, errors, payload counters).
 """
 
+from digen.runtime.transport.actors._join import JoinRefused
 from digen.runtime.transport.actors._system import (
     ActorHandle,
     ActorSystem,
@@ -58,7 +61,6 @@ from digen.runtime.transport.actors._system import (
     run_sync,
 )
 from digen.runtime.transport.actors._worker import (
-    JoinRefused,
     exit_with_parent,
     join_world,
     serve_worker,

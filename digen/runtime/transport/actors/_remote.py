@@ -272,18 +272,19 @@ def _ping() -> None:
     """Liveness probe: answered by RPC threads, so a busy actor does not delay it."""
 
 
-_ON_ARRIVAL: Callable[[str, str, int], str | None] | None = None
+_ON_ARRIVAL: Callable[[str, str, int, str], str | None] | None = None
 """In the driver of a world that takes workers joining it: what to do with one that just
 joined (set by the driver's system while it runs)."""
 
 
-def _arrive(name: str, host: str, pid: int) -> str | None:
-    """Sent to the driver by a worker that joined a running world (its ``init_rpc`` done):
-    None when the driver takes it, else why not (then the worker leaves)."""
+def _arrive(name: str, host: str, pid: int, proof: str) -> str | None:
+    """Sent to the driver by a worker that joined a running world (its ``init_rpc`` done),
+    with its proof that it is the joiner the name was given to: None when the driver takes
+    it, else why not (then the worker leaves)."""
     on_arrival = _ON_ARRIVAL
     if on_arrival is None:
         return "the run is not taking workers (it is starting, stopping, or does not take joins)"
-    return on_arrival(name, host, pid)
+    return on_arrival(name, host, pid, proof)
 
 
 def _unwrap(value: Any) -> Any:

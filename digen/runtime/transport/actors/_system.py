@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import dataclasses
 import itertools
-import json
 import multiprocessing
 import multiprocessing.util  # its atexit join must be registered before ours
 import os
@@ -28,6 +27,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from digen.runtime.transport.actors import _remote
+from digen.runtime.transport.actors._join import JoinDesk
 from digen.runtime.transport.actors._remote import (
     _PROBE_TIMEOUT_S,
     DRIVER,
@@ -42,15 +42,11 @@ from digen.runtime.transport.actors._remote import (
 from digen.runtime.transport.actors._spec import ExternalLaunch, WorkerSpec
 from digen.runtime.transport.actors._transport import (
     _LISTEN_FDS,
-    _NUMBERS_KEY,
-    _OFFER_KEY,
     _RANKS_KEY,
     _backend_options,
     _bridge,
     _forget_earlier_worlds,
-    _is_loopback,
     _joined,
-    _loopback_ifname,
     _quiet_rpc_init_warning,
     _rendezvous_url,
     _set_dynamic,
@@ -60,7 +56,8 @@ from digen.runtime.transport.actors._transport import (
 )
 from digen.runtime.transport.actors._worker import _has_joined, _worker_main
 from digen.runtime.transport.forkserver import patched_env
-from digen.runtime.transport.sockets import listening_socket
+from digen.runtime.transport.join_secret import check_secret
+from digen.runtime.transport.sockets import interface_env, listening_socket
 
 _WATCHDOG_PERIOD_S = 0.1
 _DEATH_GRACE_S = 0.5
@@ -372,6 +369,7 @@ class ActorSystem:
         preload: Sequence[str] = (),
         elastic: bool = False,
         joiners: WorkerSpec | None = None,
+        join_secret: str | None = None,
     ) -> None:
         names = [w.name for w in workers]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -399,6 +397,15 @@ class ActorSystem:
             )
         if joiners is not None and not elastic:
             raise ValueError("only an elastic world takes workers that join it while it runs.")
+        if joiners is not None and join_secret is None:
+            raise ValueError(
+                "a world that takes workers joining it needs a join secret (join_secret=): "
+                "without one anyone who reaches its address could join it."
+            )
+        if join_secret is not None:
+            check_secret(join_secret, "join_secret")
+        self.join_secret = join_secret
+        """What a joining worker must prove it knows (:mod:`._join`)."""
         self.elastic = elastic
         """A dynamic RPC world (``init_rpc`` without a world size): a lost worker can be
         evicted and a new process join under its name (:meth:`respawn`)."""
@@ -410,6 +417,7 @@ class ActorSystem:
         self._evictions: dict[str, asyncio.Task] = {}
         self._unlistings: dict[str, asyncio.Task] = {}
         self._arrivals: asyncio.Queue[Arrival] | None = None
+        self._desk: JoinDesk | None = None
         self._url: str | None = None
         self._env: dict[str, str] = {}
         self._heartbeats: dict[str, asyncio.Task] = {}
@@ -481,14 +489,31 @@ class ActorSystem:
         return await self._losses.get()
 
     def _open_to_joiners(self, template: WorkerSpec) -> None:
-        """Offer joiners ``template`` in the store (:func:`join_world` reads it) and take
-        the ones that arrive (:meth:`next_arrival`)."""
+        """Offer joiners ``template`` through the join desk (:mod:`._join`: only a process
+        that proves it knows the join secret gets a name, a rank and the offer) and take the
+        ones that arrive with their proof (:meth:`next_arrival`)."""
         self._arrivals = asyncio.Queue()
         loop = asyncio.get_running_loop()
         prefix = template.name
         taken = [w.name for w in self.workers if w.name.rsplit("-", 1)[0] == prefix]
-        store = _world_store()
-        store.add(_NUMBERS_KEY, len(taken) - 1)  # the next joiner is prefix-len(taken)
+        offer = {
+            "threads": template.threads,
+            "rpc_threads": template.rpc_threads,
+            "rpc_timeout_s": self.rpc_timeout_s,
+            # the interfaces a joiner binds to are its own machine's: it finds them itself
+            "env": template.env,
+            "local_paths": sorted(k for k, v in template.env.items() if os.path.isabs(v)),
+        }
+        assert self.port is not None and self.join_secret is not None
+        desk = JoinDesk(
+            self.address,
+            self.port,
+            self.join_secret,
+            pool=prefix,
+            first_number=len(taken),
+            offer=offer,
+        )
+        self._desk = desk
 
         def arrived(name: str, host: str, pid: int) -> None:
             if self._state != "running" or name in self._specs:
@@ -501,24 +526,17 @@ class ActorSystem:
             assert self._arrivals is not None
             self._arrivals.put_nowait(Arrival(name, host, pid))
 
-        def on_arrival(name: str, host: str, pid: int) -> str | None:  # on an RPC thread
+        def on_arrival(name: str, host: str, pid: int, proof: str) -> str | None:  # RPC thread
             if self._state != "running":
                 return f"the run is {self._state}"
-            if name.rsplit("-", 1)[0] != prefix or name in self._specs:
-                return f"{name!r} is not a name the run offers"
+            refused = desk.admit(name, proof)
+            if refused is not None:
+                return refused
             loop.call_soon_threadsafe(arrived, name, host, pid)
             return None
 
         _remote._ON_ARRIVAL = on_arrival
-        offer = {
-            "pool": prefix,
-            "threads": template.threads,
-            "rpc_threads": template.rpc_threads,
-            "rpc_timeout_s": self.rpc_timeout_s,
-            "env": {**self._env, **template.env},
-            "local_paths": sorted(k for k, v in template.env.items() if os.path.isabs(v)),
-        }
-        store.set(_OFFER_KEY, json.dumps(offer))
+        desk.open()
 
     async def next_arrival(self) -> Arrival:
         """Wait for the next worker that joined the running world by itself, in the order
@@ -552,12 +570,8 @@ class ActorSystem:
         self._url = url
         _set_dynamic(self.elastic)
 
-        env: dict[str, str] = {}
-        if _is_loopback(self.address):
-            env = {
-                key: _loopback_ifname()
-                for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-            }
+        # Every listener binds to the interface of the run's address, not the host name's.
+        env = interface_env(self.address)
         self._env = env
         if self.launch is None:
             self._spawn(env, url, world)
@@ -736,6 +750,8 @@ class ActorSystem:
         was_running = self._state == "running"
         self._state = "stopping"
         _remote._ON_ARRIVAL = None
+        if self._desk is not None:
+            self._desk.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):

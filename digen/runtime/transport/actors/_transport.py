@@ -1,7 +1,7 @@
 """The transport under the actor layer: ``torch.distributed.rpc`` over TensorPipe.
 
 Rendezvous through a ``digen-tcp://`` store that listens on the given address only, the
-backend's options, the environment that keeps listeners on loopback, the bridge from
+backend's options, the bridge from
 torch futures (completed on RPC threads) to asyncio, and :func:`payload_bytes`, which sizes
 a message the way TensorPipe ships it.
 """
@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import ipaddress
 import pickle
-import sys
 import warnings
 from collections.abc import Hashable, Iterator
 from datetime import timedelta
@@ -93,13 +91,9 @@ with contextlib.suppress(RuntimeError):  # already registered (module reloaded)
     dist.register_rendezvous_handler(_SCHEME, _rendezvous)
 
 
-# Keys of the rendezvous store by which processes join a running dynamic world: the last
-# rank taken (the driver's workers take 1..n, and each restart or joiner the next one), the
-# last number taken for a joining worker's name, and what the driver offers joiners (absent
-# while it takes none).
 _RANKS_KEY = "digen/last_rank"
-_NUMBERS_KEY = "digen/last_joiner"
-_OFFER_KEY = "digen/offer"
+"""The rendezvous store's counter of ranks in a dynamic world: the driver's workers take
+1..n, and each restart or joiner the next one (the joiners' handshake: :mod:`._join`)."""
 
 
 _SERVED_STORE: dist.Store | None = None
@@ -117,17 +111,6 @@ def _world_store() -> dist.Store:
 def _client_store(address: str, port: int, timeout_s: float) -> dist.Store:
     """A client of the rendezvous store the driver serves at ``address:port``."""
     return dist.TCPStore(address, port, -1, False, timedelta(seconds=timeout_s))
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
-def _loopback_ifname() -> str:
-    return "lo0" if sys.platform == "darwin" else "lo"
 
 
 def _url_host(address: str) -> str:

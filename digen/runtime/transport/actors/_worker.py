@@ -6,7 +6,6 @@ launcher (:func:`serve_worker`) pings the driver and stops when it stops answeri
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
@@ -20,6 +19,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from digen.runtime.transport.actors import _remote
+from digen.runtime.transport.actors._join import HELLO_KEY, JoinRefused, ask_to_join
 from digen.runtime.transport.actors._remote import (
     _EXIT,
     _PROBE_TIMEOUT_S,
@@ -31,18 +31,14 @@ from digen.runtime.transport.actors._remote import (
 )
 from digen.runtime.transport.actors._spec import WorkerSpec
 from digen.runtime.transport.actors._transport import (
-    _NUMBERS_KEY,
-    _OFFER_KEY,
-    _RANKS_KEY,
     _backend_options,
     _client_store,
-    _is_loopback,
-    _loopback_ifname,
     _quiet_rpc_init_warning,
     _rendezvous_url,
     _set_dynamic,
     wire,
 )
+from digen.runtime.transport.sockets import interface_env
 
 _EXIT_FLUSH_S = 0.1
 _CLOSE_TIMEOUT_S = 10.0
@@ -83,27 +79,24 @@ def serve_worker(
     apart (then with one line on stderr). RPC is shut down on return; exit soon after
     (``os._exit`` skips a teardown that can trip over RPC's native threads). Once per
     process. ``spec.env`` is applied to ``os.environ`` here, so variables read at import
-    time must come from the launcher. On a loopback address every listener stays on
-    loopback; otherwise set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` as the network needs.
+    time must come from the launcher. Its listeners bind to the interface that reaches
+    ``address`` (loopback on a loopback address), unless ``TP_SOCKET_IFNAME`` /
+    ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name one.
     """
     if not 0 < rank < world:
         raise ValueError(f"worker rank {rank} is outside 1..{world - 1} (rank 0 is the driver).")
     os.environ.update(spec.env)
-    _keep_on_loopback(address)
+    _bind_to_interface_toward(address)
     url = _rendezvous_url(address, port, start_timeout_s)
     _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=True)
     _said_driver_lost(spec.name, address, port)
-
-
-class JoinRefused(RuntimeError):
-    """A running world did not take this process (none at the address, or it takes no
-    joins, or it refused this one)."""
 
 
 def join_world(
     address: str,
     port: int,
     *,
+    secret: str,
     threads: int | None = None,
     wait_s: float = 60.0,
     on_joined: Callable[[str], None] | None = None,
@@ -111,48 +104,53 @@ def join_world(
     """Make this process a worker of the running dynamic world whose driver serves its
     rendezvous store at ``address:port``, and serve actor calls until the driver stops it.
 
-    The driver offers joiners a pool to join (``ActorSystem(joiners=...)``): this process
-    takes the next free name of that pool (``generator-2``, ...) and the next free rank,
-    joins the world, and tells the driver, which builds its actors. ``threads`` overrides
-    the offer's CPU threads. Waits up to ``wait_s`` for a run there to offer joins;
+    The driver offers a pool to join (``ActorSystem(joiners=...)``) to processes that know
+    its join ``secret``: this process proves it does, checks that the driver does too
+    (before anything from it is unpickled), gets the next free name of that pool
+    (``generator-2``, ...) and the next free rank, joins the world, and tells the driver,
+    which builds its actors (the handshake: :mod:`._join`). ``threads`` overrides the
+    offer's CPU threads. Waits up to ``wait_s`` for a run there to offer joins;
     ``on_joined(name)`` is called once the driver took it. Returns the name it served
     under, when the driver's stop handshake arrives or the driver stops answering. Ctrl-C
     and SIGTERM end it at once (the run makes again what it held).
-    Raises :class:`JoinRefused` when no run there takes it. Once per process.
+    Raises :class:`JoinRefused` (one sentence) when no run there takes it, the run refuses
+    the secret, or the process there cannot prove it knows the secret. Once per process.
     """
+    where = f"{address}:{port}"
     deadline = time.monotonic() + wait_s
     while not _answers(address, port):  # asked here: torch's own failure is pages long
         if time.monotonic() > deadline:
-            raise JoinRefused(f"no run is listening at {address}:{port} (waited {wait_s:g} s).")
+            raise JoinRefused(f"no run is listening at {where} (waited {wait_s:g} s).")
         time.sleep(0.2)
     store = _client_store(address, port, max(wait_s, 10.0))
-    while not store.check([_OFFER_KEY]):
+    while not store.check([HELLO_KEY]):
         if time.monotonic() > deadline:
             raise JoinRefused(
-                f"the run at {address}:{port} takes no joining workers (it must be started "
+                f"the run at {where} takes no joining workers (it must be started "
                 f"with runtime.accept_generators=true), or it is still starting: waited "
                 f"{wait_s:g} s."
             )
         time.sleep(0.2)
-    offer = json.loads(store.get(_OFFER_KEY).decode())
-    number = store.add(_NUMBERS_KEY, 1)
-    rank = store.add(_RANKS_KEY, 1)
+    answer_by = time.monotonic() + max(wait_s, 30.0)
+    slot = ask_to_join(store, secret, where, socket.gethostname(), os.getpid(), answer_by)
+    offer = slot.offer
     env = dict(offer["env"])
     for key in offer.get("local_paths", ()):  # paths of the driver's machine: kept if here
         if key in env and not os.path.isdir(os.path.dirname(env[key])):
             del env[key]
     spec = WorkerSpec(
-        f"{offer['pool']}-{number}",
+        slot.name,
         threads=threads or offer["threads"],
         env=env,
         rpc_threads=offer["rpc_threads"],
     )
     os.environ.update(spec.env)
-    _keep_on_loopback(address)
+    _bind_to_interface_toward(address)
     url = _rendezvous_url(address, port, wait_s)
 
     def announce() -> None:
-        refused = rpc.rpc_sync(DRIVER, _arrive, args=(spec.name, socket.gethostname(), os.getpid()))
+        me = (spec.name, socket.gethostname(), os.getpid(), slot.arrival_proof)
+        refused = rpc.rpc_sync(DRIVER, _arrive, args=me)
         if refused is not None:
             _REFUSED.append(refused)
             _request_exit()
@@ -160,9 +158,11 @@ def join_world(
             on_joined(spec.name)
 
     timeout_s = offer["rpc_timeout_s"]
-    _serve(spec, rank, None, url, timeout_s, watch_driver=True, joined=announce, own_signals=True)
+    _serve(
+        spec, slot.rank, None, url, timeout_s, watch_driver=True, joined=announce, own_signals=True
+    )
     if _REFUSED:
-        raise JoinRefused(f"the run at {address}:{port} did not take {spec.name}: {_REFUSED[0]}.")
+        raise JoinRefused(f"the run at {where} did not take {spec.name}: {_REFUSED[0]}.")
     _said_driver_lost(spec.name, address, port)
     return spec.name
 
@@ -179,10 +179,11 @@ def _answers(address: str, port: int) -> bool:
     return True
 
 
-def _keep_on_loopback(address: str) -> None:
-    if _is_loopback(address):
-        for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ.setdefault(key, _loopback_ifname())
+def _bind_to_interface_toward(address: str) -> None:
+    """Make this process's listeners bind to the interface that reaches the driver at
+    ``address`` (loopback for a loopback address), where the environment names none."""
+    for key, value in interface_env(address).items():
+        os.environ.setdefault(key, value)
 
 
 def _said_driver_lost(name: str, address: str, port: int) -> None:
