@@ -12,7 +12,10 @@ Prints a JSON report; with ``--out DIR`` also writes ``DIR/report.json`` and
 2. runs a few bf16 steps (``model.dtype=bfloat16``, LoRA in fp32) colocated and
    disaggregated with the shipped ``jpeg_compressibility`` reward: step times, and whether
    the reward rose;
-3. reports each role's peak memory, from the runs' ``memory/peak_gb/<pool>`` metrics;
+3. reports each role's peak memory, from the runs' ``memory/peak_gb/<pool>`` metrics, and
+   the log-prob drift of the bf16 disaggregated run (``logprob_drift``: the trainer's
+   recomputed log-probs against the generator's at the same weights, none beyond what
+   bf16's rounding allows);
 4. times generation against micro-batch size, and training against micro-batch size and TSP
    degree, on :class:`digen.runtime.worker.policy.Policy` directly after a warm-up (with each
    point's peak and activation memory on a GPU), and writes them as a profile: the costs at
@@ -256,7 +259,20 @@ def run_summary(metrics: Sequence[Mapping[str, Any]], wall_s: float) -> dict[str
             pool: max(m.get(f"memory/peak_gb/{pool}", 0.0) for m in metrics)
             for pool in ("generator", "trainer")
         },
+        # the trainers' recomputed log-probs against the generators' at the same weights
+        "logprob_drift_max": max(m.get("train/logprob_drift_max", 0.0) for m in metrics),
+        "logprob_drift_over": sum(m.get("train/logprob_drift_over", 0) for m in metrics),
         "wall_s": wall_s,
+    }
+
+
+def logprob_drift(run: Mapping[str, Any]) -> dict[str, Any]:
+    """Whether a run's trainers recomputed the generators' log-probs within rounding
+    (``train/logprob_drift_*``: docs/TRAINING.md, "Log-prob drift")."""
+    return {
+        "max": run["logprob_drift_max"],
+        "terms_over_bound": run["logprob_drift_over"],
+        "passed": run["logprob_drift_over"] == 0,
     }
 
 
@@ -485,6 +501,7 @@ def bf16_runs(plan: Plan, pools: list[str], work: Path, report: dict[str, Any]) 
         report["runs"][f"bf16_{mode}"] = run_summary(result.metrics, wall)
     rewards = report["runs"]["bf16_disaggregated"]["reward_mean"]
     report["learning"] = learning(rewards, checked=not plan.quick)
+    report["logprob_drift"] = logprob_drift(report["runs"]["bf16_disaggregated"])
     # one process per role in the disaggregated runs
     report["memory_peak_gb"] = {
         f"{dtype}/{pool}": report["runs"][f"{dtype}_disaggregated"]["peak_gb"][pool]
@@ -696,6 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = [report["profile"]["loaded_back"]]
     if not plan.curves_only:
         checks += [report["equality"]["passed"], report["learning"]["passed"]]
+        checks.append(report["logprob_drift"]["passed"])
         checks.append(report["collectives"]["passed"])
     report["passed"] = all(checks)
     text = json.dumps(report, indent=2)
