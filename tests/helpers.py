@@ -109,3 +109,26 @@ def said_one_line(done: subprocess.CompletedProcess, code: int, said: str) -> No
     """``done`` exited with ``code`` after one line on stderr, which starts with ``said``."""
     assert done.returncode == code, done.stderr[-3000:]
     assert done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr
+
+
+def wider_sd3(directory: Path, *, heads: int, head_dim: int, layers: int) -> int:
+    """The tiny SD3 pipeline, saved in ``directory`` with a wider transformer (``heads x
+    head_dim`` wide, ``layers`` blocks, random init with seed 0): one large beside a
+    process's own memory, so a copy of it shows in a measurement. Its size in bytes."""
+    import shutil
+
+    from diffusers import SD3Transformer2DModel
+
+    from digen.models import get_adapter_class
+
+    shutil.copytree(get_adapter_class("sd3").flavour_path("tiny"), directory)
+    config = json.loads((directory / "transformer" / "config.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    config.update(num_attention_heads=heads, attention_head_dim=head_dim, num_layers=layers)
+    config.update(caption_projection_dim=heads * head_dim)
+    shutil.rmtree(directory / "transformer")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = SD3Transformer2DModel(**config)
+        model.save_pretrained(str(directory / "transformer"))
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -10,39 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import read_jsonl
+from helpers import read_jsonl, wider_sd3
 
 ARGS = ["--model", "sd3", "--mode", "disaggregated", "--steps", "2", "--quiet"]
 ARGS += ["train.lora_rank=0", "runtime.trainers=2", "runtime.trainer_parallel=fsdp"]
 ARGS += ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=3"]
 ARGS += ["data.train_batch_size=1", "train.mini_batch_size=null", "save_every=0"]
 ARGS += ["runtime.sync_bucket_mb=16", "model.dtype=float32"]  # buckets: a small part of it
-
-
-def _wider_sd3(directory: Path) -> int:
-    """The tiny SD3 pipeline with a 63M-parameter transformer, saved; its size in bytes."""
-    from diffusers import SD3Transformer2DModel
-
-    from digen.models import get_adapter_class
-
-    shutil.copytree(get_adapter_class("sd3").flavour_path("tiny"), directory)
-    config = json.loads((directory / "transformer" / "config.json").read_text())
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
-    config.update(num_attention_heads=12, attention_head_dim=64, caption_projection_dim=768)
-    config.update(num_layers=3)
-    shutil.rmtree(directory / "transformer")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = SD3Transformer2DModel(**config)
-        model.save_pretrained(str(directory / "transformer"))
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _peaks(out: Path, *extra: str) -> dict[str, float]:
@@ -58,7 +37,7 @@ def _peaks(out: Path, *extra: str) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_the_driver_holds_no_weights_of_a_full_fine_tune(tmp_path: Path) -> None:
-    size_gb = _wider_sd3(tmp_path / "wider") / 1e9
+    size_gb = wider_sd3(tmp_path / "wider", heads=12, head_dim=64, layers=3) / 1e9
     tiny = _peaks(tmp_path / "tiny")
     wider = _peaks(tmp_path / "run", "--model-path", str(tmp_path / "wider"))
     grown = {k: (wider[k] - tiny[k]) / size_gb for k in tiny}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from datetime import timedelta
@@ -18,7 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMOOTH_REWARD, assert_trained_alike, free_port, run_config, tiny_config
+from helpers import (
+    SMOOTH_REWARD,
+    assert_trained_alike,
+    free_port,
+    run_config,
+    tiny_config,
+    wider_sd3,
+)
 
 from digen.models import load_adapter
 from digen.runtime.worker.fsdp import lockstep_chunks
@@ -41,21 +47,8 @@ def _moved(state: dict[str, torch.Tensor]) -> float:
 
 
 def _mid_size_sd3(directory: Path) -> Path:
-    """The tiny SD3 pipeline with a 150M-parameter transformer (570 MiB in fp32: large
-    beside a process's own memory, so a copy of it shows in a measurement), saved."""
-    from diffusers import SD3Transformer2DModel
-
-    from digen.models import get_adapter_class
-
-    shutil.copytree(get_adapter_class("sd3").flavour_path("tiny"), directory)
-    config = json.loads((directory / "transformer" / "config.json").read_text())
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
-    config.update(num_attention_heads=16, attention_head_dim=64, caption_projection_dim=1024)
-    config.update(num_layers=4)
-    shutil.rmtree(directory / "transformer")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        SD3Transformer2DModel(**config).save_pretrained(str(directory / "transformer"))
+    """The tiny SD3 pipeline with a 150M-parameter transformer (570 MiB in fp32), saved."""
+    wider_sd3(directory, heads=16, head_dim=64, layers=4)
     return directory
 
 
