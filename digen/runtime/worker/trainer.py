@@ -118,9 +118,8 @@ class TrainerActor(PolicyActor):
         lead = self.rank == 0
         self._full = full_tensors(named, keep=lead, into=self._full)
         if self.policy.old is not None:
-            # sent as the generators hold it (the kept copy is fp32 beside bf16 weights)
-            old = [(n, t) for n, t in self.policy.sampling_parameters()]
-            self._full_old = full_tensors(old, keep=lead, into=self._full_old)
+            named_old = self.policy.sampling_parameters()
+            self._full_old = full_tensors(named_old, keep=lead, into=self._full_old)
 
     def _synced(self) -> list[tuple[str, torch.Tensor]]:
         if self.sharded:
