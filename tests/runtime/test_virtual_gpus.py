@@ -1,0 +1,261 @@
+"""GPU launches on virtual GPUs (tests/vgpu.py): every process believes its host has N CUDA
+devices while tensors live on the CPU, so placement, process groups, device maps, FSDP and
+the actors run their GPU paths here, and a device mix-up fails as it would on GPUs.
+
+The mode's own checks first (each must bite), then three launches users run: a local
+8-device disaggregated run with sharded trainers and broadcast weight sync, a torchrun
+launch over 2 hosts x 4 devices with HSDP trainers, and (tests/runtime/test_elastic.py's
+hold) a run that loses a generator and takes it back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import vgpu
+from helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--flavour", "tiny", "--quiet", "model.device=cuda", "rollout.n=2"]
+SMALL += ["train.micro_batch_size=2", "rollout.num_inference_steps=3"]
+
+_CHECKS = r"""
+import json, torch
+import vgpu
+
+def refused(fn):
+    try:
+        fn()
+    except vgpu.VirtualDeviceError as e:
+        return str(e)
+    return None
+
+a = torch.ones(2, 3, device="cuda:1")
+lin = torch.nn.Linear(3, 3).to("cuda:1")
+torch.cuda.set_device(2)
+out = {
+    "count": torch.cuda.device_count(),
+    "device": str(a.device),
+    "moved": str(torch.zeros(2).to("cuda:3").device),
+    "current": str(torch.zeros(2, device="cuda").device),
+    "module": str(lin(a).device),
+    "grad": None,
+    "mix": refused(lambda: a + torch.ones(2, 3, device="cuda:0")),
+    "host": refused(lambda: a * torch.ones(2, 3).cpu()),
+    "other_module": refused(lambda: lin(torch.ones(2, 3, device="cuda:0"))),
+    "missing": refused(lambda: torch.ones(2, device="cuda:4")),
+    "scalar": refused(lambda: a * torch.tensor(2.0).cpu()),
+    "moved_back": str(a.cpu().device),
+    "left_alone": str(torch.ones(2).device),
+}
+lin(a).sum().backward()
+out["grad"] = str(lin.weight.grad.device)
+print(json.dumps(out))
+"""
+
+
+def _python(code: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def test_virtual_devices_answer_as_gpus_and_refuse_what_cuda_refuses() -> None:
+    done = _python(_CHECKS, vgpu.env(4))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["count"] == 4
+    assert (got["device"], got["moved"], got["current"]) == ("cuda:1", "cuda:3", "cuda:2")
+    assert got["module"] == got["grad"] == "cuda:1"
+    assert got["moved_back"] == got["left_alone"] == "cpu"
+    assert "cuda:0, cuda:1" in got["mix"]
+    assert "cpu, cuda:1" in got["host"]
+    assert "cuda:0, cuda:1" in got["other_module"]
+    assert "cuda:4 does not exist" in got["missing"]
+    assert got["scalar"] is None  # a 0-dim CPU tensor meets any device, as in torch
+
+
+_RPC = r"""
+import json, os, sys, torch
+import torch.distributed.rpc as rpc
+import vgpu
+
+def ones(device):
+    return torch.ones(2, device=device)
+
+def where(t):
+    return str(t.device)
+
+rank, port, case = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+names = ["a", "b"]
+opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60)
+if case == "mapped" and rank == 0:
+    opts.set_device_map("b", {"cuda:0": "cuda:1"})
+if case == "unknown" and rank == 0:
+    opts.set_device_map("c", {"cuda:0": "cuda:1"})
+torch.cuda.set_device(rank)
+try:
+    rpc.init_rpc(names[rank], rank=rank, world_size=2, rpc_backend_options=opts)
+except vgpu.VirtualDeviceError as e:
+    print(json.dumps({"init": str(e)}))
+    os._exit(0)
+out = {}
+if rank == 0:
+    try:
+        out["arrived"] = rpc.rpc_sync("b", where, args=(torch.ones(2, device="cuda:0"),))
+    except vgpu.VirtualDeviceError as e:
+        out["sent"] = str(e)
+    out["staged"] = rpc.rpc_sync("b", where, args=(torch.ones(2, device="cuda:0").cpu(),))
+    print(json.dumps(out))
+rpc.shutdown()
+"""
+
+
+@pytest.mark.parametrize("case", ["mapped", "none", "unknown"])
+def test_tensors_cross_rpc_only_where_a_device_map_says(tmp_path: Path, case: str) -> None:
+    """A GPU tensor sent over RPC lands on the device the sender's map names for it; with no
+    map it is refused (TensorPipe sends only CPU tensors then); a map naming a worker the
+    world does not know is refused when the world forms."""
+    script = tmp_path / "rpc_case.py"
+    script.write_text(_RPC)
+    port, env = str(free_port()), vgpu.env(2)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), port, case],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=180) for p in procs]
+    first = json.loads(outs[0][0].strip().splitlines()[-1])
+    if case == "unknown":
+        assert "name c, which the RPC world" in first["init"], outs[0][1][-2000:]
+        procs[1].kill()
+        return
+    assert all(p.returncode == 0 for p in procs), outs[1][1][-2000:]
+    assert first["staged"] == "cpu"
+    if case == "mapped":
+        assert first["arrived"] == "cuda:1" and "sent" not in first
+    else:
+        assert "a sends a tensor on cuda:0 to b with no device map" in first["sent"]
+
+
+def _by_worker(log: Path) -> dict[str, dict]:
+    """Each worker's host, devices it set, and the groups it asked for (from the log)."""
+    rows = vgpu.read_log(log)
+    names = {r["pid"]: r["name"] for r in rows if r["kind"] == "world"}
+    out: dict[str, dict] = defaultdict(lambda: {"hosts": set(), "devices": set(), "groups": []})
+    for r in rows:
+        name = names.get(r["pid"])
+        if name is None:
+            continue
+        out[name]["hosts"].add(r["host"])
+        if r["kind"] == "set_device":
+            out[name]["devices"].add(r["device"])
+        elif r["kind"] == "group":
+            out[name]["groups"].append(r["backend"])
+        elif r["kind"] == "world":
+            assert r["unknown"] == [], r  # every device map names a worker of the world
+    return dict(out)
+
+
+@pytest.mark.slow
+def test_eight_local_gpus_sharded_trainers_broadcast_sync(tmp_path: Path) -> None:
+    """4 generators and 4 FSDP trainers on 8 virtual GPUs of one host, weights broadcast:
+    each worker computes on the GPU placement gives it, GPU to GPU over device maps between
+    every pair, the sharded group and the broadcast on NCCL, and nothing meets a tensor of
+    another device."""
+    from digen import load_config
+    from digen.presets import preset
+    from digen.runtime.placement import all_devices
+
+    log, out = tmp_path / "virtual.jsonl", tmp_path / "out"
+    extra = ["runtime.generators=4", "runtime.trainers=4", "runtime.trainer_parallel=fsdp"]
+    extra += ["runtime.weight_sync=broadcast"]
+    args = [sys.executable, "-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "2"]
+    args += ["--out", str(out), *SMALL, *extra]
+    done = subprocess.run(
+        args, capture_output=True, text=True, env=vgpu.env(8, log), cwd=ROOT, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == 2
+
+    overrides = [a for a in SMALL + extra if "=" in a]
+    cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=overrides)
+    want = all_devices(cfg, visible_gpus=8)
+    assert sorted(set(want.values())) == [f"cuda:{i}" for i in range(8)]
+    got = _by_worker(log)
+    assert {w: info["devices"] for w, info in got.items() if w != "driver"} == {
+        w: {d} for w, d in want.items()
+    }
+    maps = [r for r in vgpu.read_log(log) if r["kind"] == "device_map"]
+    assert len(maps) == 8 * 7  # every worker to every other
+    # the sharded group (the trainers' default group), and the broadcast group of trainer 0
+    # (it sends) and the generators
+    for w in want:
+        sharded = ["cpu:gloo,cuda:nccl"] if w.startswith("trainer") else []
+        broadcast = ["nccl"] if w == "trainer-0" or w.startswith("generator") else []
+        assert sorted(got[w]["groups"]) == sorted(sharded + broadcast), (w, got[w])
+
+
+@pytest.mark.slow
+def test_torchrun_two_hosts_of_four_gpus_hsdp(tmp_path: Path) -> None:
+    """Two torchrun agents as two hosts of 4 virtual GPUs (8 ranks: the driver, 1 generator,
+    6 HSDP trainers sharded in pairs). Each rank takes its own node's ``cuda:LOCAL_RANK``:
+    the generator and trainers 0-1 on host 0, trainers 2-5 on host 1 (the same device
+    numbers on two hosts are two GPUs); the trainers' group is NCCL."""
+    log, out, port = tmp_path / "virtual.jsonl", tmp_path / "out", free_port()
+    extra = ["runtime.generators=1", "runtime.trainers=6", "runtime.trainer_parallel=hsdp"]
+    extra += ["runtime.shard_size=2"]
+    run = ["-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "1"]
+    run += ["--out", str(out), *SMALL, *extra]
+    env = vgpu.env(4, log, DIGEN_RPC_PORT=str(free_port()))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    nodes = []
+    for node in (0, 1):
+        agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        agent += ["--node-rank", str(node), "--nproc-per-node", "4", "--max-restarts", "0"]
+        agent += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        nodes.append(
+            subprocess.Popen(
+                [*agent, *run],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=ROOT,
+            )
+        )
+    try:
+        results = [p.communicate(timeout=900) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], results[0][1][-4000:]
+    assert json.loads(results[0][0].strip().splitlines()[-1])["steps"] == 1
+
+    got = _by_worker(log)
+    placed = {w: (min(info["hosts"]), info["devices"]) for w, info in got.items()}
+    assert placed == {
+        "driver": ("vhost-0", set()),
+        "generator-0": ("vhost-0", {"cuda:1"}),
+        "trainer-0": ("vhost-0", {"cuda:2"}),
+        "trainer-1": ("vhost-0", {"cuda:3"}),
+        "trainer-2": ("vhost-1", {"cuda:0"}),
+        "trainer-3": ("vhost-1", {"cuda:1"}),
+        "trainer-4": ("vhost-1", {"cuda:2"}),
+        "trainer-5": ("vhost-1", {"cuda:3"}),
+    }
+    assert all(len(info["hosts"]) == 1 for info in got.values())
+    for t in range(6):
+        assert got[f"trainer-{t}"]["groups"] == ["cpu:gloo,cuda:nccl"]
