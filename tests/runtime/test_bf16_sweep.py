@@ -1,0 +1,78 @@
+"""Every algorithm as users run it: a bf16 base, full fine-tuning, trainers replicated or
+sharded by FSDP2 (with the mixed precision the GPU path sets), TAG on, against the colocated
+trainer of the same config.
+
+Each disaggregated run must end with the colocated run's weights, trained alike
+(``assert_trained_alike``: the trainers sum gradients in another order, so weights differ by
+rounding, far below what a step moves them), and every term trained with the weights that
+sampled it must recompute the generator's log-prob within the bound rounding in bf16 allows
+(``train/logprob_drift_over`` is 0). NFT keeps its old policy and evaluation average in
+fp32 shards; it records no log-probs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SMOOTH_REWARD, assert_trained_alike, run_config, tiny_config
+
+from digen.models import load_adapter
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
+COMMON += ["train.mini_batch_size=null", "train.lr=1e-3", SMOOTH_REWARD]
+COMMON += ["model.dtype=bfloat16", "train.lora_rank=0"]
+
+ALGOS = {
+    # KL to a (sharded) reference and GRPO-Guard's normalised ratio on top of Flow-GRPO
+    "flowgrpo": ["algo.kl_coef=0.01", "algo.ratio_norm=true"],
+    "flowgrpo-fast": [],
+    "dancegrpo": [],
+    "mixgrpo": [],
+    "mixgrpo-flash": [],
+    "nft": ["algo.params.decay_rate=0.25"],
+}
+LAYOUTS = {
+    "replicated": ["runtime.trainers=2", "runtime.trainer_parallel=replicate"],
+    "fsdp": ["runtime.trainers=2", "runtime.trainer_parallel=fsdp"],
+}
+
+
+@pytest.fixture(scope="module")
+def start() -> dict[str, torch.Tensor]:
+    return dict(load_adapter("flux").transformer.named_parameters())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_bf16_full_finetuning_trains_as_the_colocated_trainer(
+    tmp_path: Path, algo: str, layout: str, start: dict[str, torch.Tensor]
+) -> None:
+    overrides = [*COMMON, *ALGOS[algo]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        colocated = run_config(tiny_config("flux", algo, overrides), tmp_path / "colocated")
+    finally:
+        torch.set_num_threads(threads)
+    # a TAG micro-batch made by the trainers; generation batches of the colocated trainer's
+    # size, so most samples are the colocated ones bit for bit
+    extra = [*LAYOUTS[layout], "runtime.tag=static", "runtime.tag_k=1"]
+    extra += ["runtime.samples_per_microbatch=2"]
+    cfg = tiny_config("flux", algo, [*overrides, *extra], mode="disaggregated")
+    split = run_config(cfg, tmp_path / layout)
+
+    assert split.metrics[-1]["tag_microbatches"] >= 1
+    assert_trained_alike(split.final_state, colocated.final_state, start)
+    bf16 = [n for n, v in split.final_state.items() if v.dtype == torch.bfloat16]
+    assert len(bf16) == len(split.final_state)  # trained in the base's dtype
+    for result in (colocated, split):
+        row = result.metrics[-1]
+        if algo == "nft":  # no recorded log-probs to recompute
+            assert "train/logprob_drift_max" not in row
+            continue
+        assert row["train/logprob_drift_over"] == 0, row
+        assert 0 <= row["train/logprob_drift_max"] < 1
