@@ -93,6 +93,9 @@ class Policy:
         self._cond_cache: OrderedDict[str, PromptEmbeds] = OrderedDict()
         self.encoded = 0
         """Prompts this copy ran through the text encoders (the rest came cached or shipped)."""
+        self.sampled = 0
+        """Training samples this copy sampled (rows of :meth:`generate`; a sharded member's
+        padding row included)."""
         self.reference: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[torch.nn.Parameter] = []
@@ -257,6 +260,7 @@ class Policy:
             )
         with torch.no_grad():
             pixels = self.adapter.decode(rollout.final.to(self.adapter.dtype)).cpu()
+        self.sampled += len(keys)
         return Generated(keys, rollout, pixels, self.version, time.perf_counter() - t0)
 
     def evaluate(self, keys: Sequence[tuple[int, int]], prompts: Sequence[str]) -> torch.Tensor:
