@@ -185,14 +185,19 @@ class PolicyActor(WorkerActor):
         keys: Sequence[SampleKey],
         prompt: str,
         keep_pixels: bool = True,
+        ahead: Sequence[str] = (),
     ) -> TimedResult:
         """Sample and decode one trajectory per key with the current weights; keep them here
         (``keep_pixels`` False: the rollout only, for a micro-batch already scored).
+        ``ahead``: the prompts this worker may sample next (the train step's); offloaded
+        text encoders encode them in the visit ``prompt`` makes
+        (:meth:`~digen.runtime.worker.policy.Policy.encode_ahead`).
 
         Returns the policy version that made them.
         """
         self.jitter()
         t0 = time.time()
+        self.policy.encode_ahead(prompt, ahead)
         out = self._sample(list(keys), prompt)
         pixels = out.pixels if self._scored_here and keep_pixels else None
         kept = out.rollout.for_training(final=self.policy.algorithm.trains_on == "final")
@@ -214,11 +219,12 @@ class PolicyActor(WorkerActor):
 
     def statistics(self) -> dict[str, Any]:
         """What this worker's store holds (micro-batches, bytes), how many prompts it
-        encoded itself, how many training samples it sampled, and its device and peak
-        memory."""
+        encoded itself (and in how many visits of offloaded text encoders to the device),
+        how many training samples it sampled, and its device and peak memory."""
         return {
             **self.store.statistics(),
             "encoded_prompts": self.policy.encoded,
+            "text_encoder_visits": self.policy.adapter.encoder_visits,
             "sampled_rows": self.policy.sampled,
             "device": self.device,
             "memory_gb": peak_memory_gb(self.device),
