@@ -314,7 +314,7 @@ class Algorithm:
         from digen.algos.rollout import score_step
 
         ro, r, pos = chunk.rollout, chunk.rows, chunk.positions
-        x_t, x_next = ro.latents[r, pos], ro.next_latents[r, pos]  # [R, *latent]
+        x_t, x_next = ro.transition(r, pos)  # [R, *latent]
         policy, spec = chunk.policy, chunk.spec
         out = score_step(policy.adapter, x_t, x_next, chunk.steps, chunk.cond, spec, chunk.neg)
         if cfg.algo.ratio_norm:

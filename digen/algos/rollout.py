@@ -8,7 +8,7 @@ same in any batch, on any worker.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,12 +73,18 @@ class SamplerSpec:
 
 @dataclass(frozen=True, slots=True)
 class Rollout:
-    """B sampled trajectories, kept only where training needs them."""
+    """B sampled trajectories, kept only where training needs them.
 
-    latents: torch.Tensor
-    """``[B, K, *latent]``: ``x_i`` at each of the K window steps."""
-    next_latents: torch.Tensor
-    """``[B, K, *latent]``: ``x_{i+1}`` drawn by the SDE step."""
+    The latents of the window's transitions are kept once each: the ``x_{i+1}`` a step draws
+    is the ``x_i`` the next step starts from, so a window of K consecutive steps keeps K + 1
+    latents a sample, not 2K (a window with gaps keeps one run of latents per stretch).
+    """
+
+    states: torch.Tensor
+    """``[B, S, *latent]``: the latents the kept transitions start or end at, in step order."""
+    starts: tuple[int, ...]
+    """Per kept transition ``k`` (K of them), where its ``x_i`` is in ``states`` dim 1; its
+    ``x_{i+1}`` is the one after it."""
     log_probs: torch.Tensor
     """``[B, K]``: log-prob of each drawn step under the sampling policy."""
     final: torch.Tensor | None = None
@@ -88,47 +94,91 @@ class Rollout:
     """``[B, K, *latent]``: each drawn step's mean under the sampling policy, where the loss
     reads it (``algo.ratio_norm``); else None."""
 
-    def _map(self, fn) -> Rollout:
+    @staticmethod
+    def from_pairs(
+        latents: torch.Tensor,
+        next_latents: torch.Tensor,
+        log_probs: torch.Tensor,
+        final: torch.Tensor | None = None,
+        means: torch.Tensor | None = None,
+    ) -> Rollout:
+        """A rollout from each transition's ``x_i`` and ``x_{i+1}`` (``[B, K, *latent]``
+        each), kept as given: 2K latents a sample."""
+        b, k = latents.shape[:2]
+        states = torch.stack([latents, next_latents], dim=2).reshape(
+            b, 2 * k, *latents.shape[2:]
+        )  # [B, 2K, *latent]: x_i, x_{i+1} of each transition in turn
+        return Rollout(states, tuple(range(0, 2 * k, 2)), log_probs, final, means)
+
+    @property
+    def _chained(self) -> bool:
+        """Whether every transition starts where the one before ended (one run of latents)."""
+        return self.starts == tuple(range(len(self.starts)))
+
+    @property
+    def latents(self) -> torch.Tensor:
+        """``[B, K, *latent]``: ``x_i`` of each kept transition (a view where chained)."""
+        if self._chained:
+            return self.states[:, : len(self.starts)]
+        return self.states[:, list(self.starts)]
+
+    @property
+    def next_latents(self) -> torch.Tensor:
+        """``[B, K, *latent]``: ``x_{i+1}`` of each kept transition (a view where chained)."""
+        if self._chained:
+            return self.states[:, 1 : len(self.starts) + 1]
+        return self.states[:, [s + 1 for s in self.starts]]
+
+    def transition(
+        self, rows: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x_i`` and ``x_{i+1}`` (``[R, *latent]`` each) of transition ``positions[j]`` of
+        row ``rows[j]``, read from the one stack."""
+        at = torch.tensor(self.starts, dtype=torch.long, device=positions.device)[positions]
+        return self.states[rows, at], self.states[rows, at + 1]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Rollout:
+        """``fn`` applied to each tensor kept (row-wise functions only)."""
         return Rollout(
-            *(fn(t) for t in (self.latents, self.next_latents, self.log_probs)),
+            fn(self.states),
+            self.starts,
+            fn(self.log_probs),
             *(None if t is None else fn(t) for t in (self.final, self.means)),
         )
 
     def select(self, rows: torch.Tensor | slice) -> Rollout:
         """The trajectories at ``rows`` (an index tensor or a slice)."""
-        return self._map(lambda t: t[rows])
+        return self.map(lambda t: t[rows])
 
     def to(self, device: torch.device | str) -> Rollout:
         """The same trajectories on ``device`` (no copy where they already are)."""
-        return self._map(lambda t: t.to(device))
+        return self.map(lambda t: t.to(device))
 
     def for_training(self, final: bool = False) -> Rollout:
         """What an update reads: the window's latents, log-probs (and means, where kept), and
         the final latent only when ``final`` (a forward-process algorithm trains on it alone)."""
         return Rollout(
-            self.latents,
-            self.next_latents,
-            self.log_probs,
-            self.final if final else None,
-            self.means,
+            self.states, self.starts, self.log_probs, self.final if final else None, self.means
         )
 
     @property
     def nbytes(self) -> int:
-        parts = (self.latents, self.next_latents, self.log_probs, self.final, self.means)
+        parts = (self.states, self.log_probs, self.final, self.means)
         return sum(t.nbytes for t in parts if t is not None)
 
     @staticmethod
     def cat(parts: Sequence[Rollout]) -> Rollout:
-        """Concatenate batches of trajectories (same window length)."""
+        """Concatenate batches of trajectories (same window)."""
+        if len({p.starts for p in parts}) > 1:
+            raise ValueError("rollouts of different windows cannot be concatenated")
 
         def joined(name: str) -> torch.Tensor | None:
             got = [getattr(p, name) for p in parts]
             return None if any(t is None for t in got) else torch.cat(got)
 
         return Rollout(
-            torch.cat([p.latents for p in parts]),
-            torch.cat([p.next_latents for p in parts]),
+            torch.cat([p.states for p in parts]),
+            parts[0].starts,
             torch.cat([p.log_probs for p in parts]),
             joined("final"),
             joined("means"),
@@ -195,7 +245,10 @@ def sample_rollout(
     x = adapter.initial_latents(initial).float()  # [B, *latent]
     kept, noisy = set(spec.window), set(spec.noisy)
     noises = _step_noise(generators, x, sorted(noisy))
-    xs, nexts, logps, means = [], [], [], []
+    states: list[torch.Tensor] = []  # one per latent kept: x_{i+1} of a step is x_i of the next
+    starts: list[int] = []
+    logps, means = [], []
+    last_kept = None
     x0_prev = None  # dpm2: the last step's clean prediction (None: the history restarts)
     post = spec.solver == "dpm2-post"
     last_noisy = max(noisy, default=-1)
@@ -208,8 +261,11 @@ def sample_rollout(
             if out.log_prob is None:
                 raise ValueError(f"step {i} of the SDE window has no noise; raise noise_level")
             if i in kept:
-                xs.append(x)
-                nexts.append(out.prev_sample)
+                if last_kept != i - 1:  # a new stretch of the window starts at x_i
+                    states.append(x)
+                starts.append(len(states) - 1)
+                states.append(out.prev_sample)
+                last_kept = i
                 logps.append(out.log_prob)
                 if spec.keep_means:
                     means.append(out.mean)
@@ -223,8 +279,8 @@ def sample_rollout(
     b = x.shape[0]
     empty = x.new_zeros((b, 0) + tuple(x.shape[1:]))
     return Rollout(
-        latents=torch.stack(xs, dim=1) if xs else empty,
-        next_latents=torch.stack(nexts, dim=1) if nexts else empty,
+        states=torch.stack(states, dim=1) if states else empty,  # [B, S, *latent]
+        starts=tuple(starts),
         log_probs=torch.stack(logps, dim=1) if logps else x.new_zeros((b, 0)),
         final=x,
         means=(torch.stack(means, dim=1) if means else empty) if spec.keep_means else None,

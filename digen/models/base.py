@@ -212,6 +212,8 @@ class DiffusionAdapter(ABC):
         self.num_frames = int(num_frames or self.tiny_num_frames) if self.is_video else 1
         self.max_sequence_length = max_sequence_length
         self._cut_noted = False  # a truncated prompt has been noted (once per adapter)
+        self.encoder_visits = 0
+        """How many times offloaded text encoders came to the device (two copies each)."""
         #: the text encoders live on the CPU and visit the model's device in encode_prompts
         self.offload_text_encoders = offload_text_encoders
         for comp in self.frozen_modules():
@@ -527,6 +529,7 @@ class DiffusionAdapter(ABC):
         so its bits do not depend on the other batches), with offloaded text encoders moved
         to the device once for all of them."""
         encoders = self.text_encoders() if self.offload_text_encoders else []
+        self.encoder_visits += bool(encoders)
         for encoder in encoders:
             encoder.to(self.device)
         try:

@@ -1,13 +1,19 @@
 """``digen run --mode auto``: time the run's tasks, ask the planner, run its choice.
 
-1. **Probe.** A short disaggregated run of the same config (one generator, one trainer,
-   :data:`PROBE_STEPS` steps, one trainer-assisted generation a step so generation on a
-   trainer is timed too) in a temporary directory. Its trace gives each task's seconds per
+1. **Probe.** A short disaggregated run of the same config (one generator and the fewest
+   trainers that hold the training state: one replicated trainer where a copy fits a
+   device's memory, else that many FSDP trainers, by the planner's memory model
+   (:func:`probe_trainers`); :data:`PROBE_STEPS` steps, one trainer-assisted generation a
+   step so generation on a trainer is timed too) in a temporary directory. Its trace gives each task's seconds per
    micro-batch (the median over the steps after the first, which warms up), and its metrics
    the calls' own overhead per kind (RPC, pickling, the driver's loop), added to the
-   disaggregated tasks as ``digen bench`` adds it to its predictions.
+   disaggregated tasks as ``digen bench`` adds it to its predictions. A sharded probe's
+   update and trainer-generation times are scaled to one device's (the planner deals them
+   over the trainers itself).
 2. **Plan.** :func:`digen.sched.planner.plan` ranks colocated over the devices and every
-   generator / trainer split with every TAG policy. Only layouts that train the same thing
+   generator / trainer split with every TAG policy; with a memory model of the devices
+   (:class:`RunMemory`: on GPUs, the GPU's memory and the backbone's published sizes) only
+   layouts whose state fits are ranked, replicated or sharded as the planner found they fit. Only layouts that train the same thing
    are candidates: TCSS (which trains on samples one version old) is considered only when
    the config already allows staleness (``runtime.max_staleness >= 1``), and the TSP degree
    is the config's.
@@ -34,6 +40,14 @@ from typing import Any
 from digen.config import DigenConfig, config_to_dict, load_config, schedule_plan
 from digen.errors import ConfigError, DigenError
 from digen.sched.costs import Costs, OnlineProfiler
+from digen.sched.hardware import (
+    DEVICE_DEFAULTS,
+    Hardware,
+    ModelSize,
+    load_hardware,
+    sampling_copy_bytes,
+    train_state_bytes,
+)
 from digen.sched.names import TaskKind
 from digen.sched.planner import COLOCATED, Candidate, Workload, explain, plan
 from digen.sched.trace import Trace, TraceEvent
@@ -41,12 +55,16 @@ from digen.sched.trace import Trace, TraceEvent
 __all__ = [
     "PROBE_STEPS",
     "AutoChoice",
+    "RunMemory",
     "apply_layout",
     "call_overhead",
     "choose_layout",
     "devices_given",
     "measured_costs",
     "probe_config",
+    "probe_trainers",
+    "rank_layouts",
+    "run_memory",
 ]
 
 PROBE_STEPS = 3
@@ -83,15 +101,63 @@ def call_overhead(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def probe_config(cfg: DigenConfig) -> DigenConfig:
-    """The probe: ``cfg`` disaggregated over one generator and one trainer, for a few steps,
-    with one trainer-assisted generation a step and nothing a probe needs not do."""
+@dataclass(frozen=True, slots=True)
+class RunMemory:
+    """What ``--mode auto`` plans memory with: the devices and the model's sizes."""
+
+    hardware: Hardware
+    model: ModelSize
+
+
+def run_memory(cfg: DigenConfig) -> RunMemory | None:
+    """The memory model of a run on GPUs with real weights (``model.path``): its GPU kind's
+    figures (the spec sheet's of the kind its name says, H100's otherwise) with the memory
+    the GPU reports, and the backbone's published sizes at ``train.lora_rank``. None where
+    there is nothing to fit (the CPU, or a random-init flavour)."""
+    if not cfg.model.device.startswith("cuda") or cfg.model.path is None:
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(cfg.model.device))
+    name = props.name.lower()
+    kinds = sorted(DEVICE_DEFAULTS, key=len, reverse=True)  # a100-40gb before a100
+    kind = next((k for k in kinds if k.split("-")[0] in name), "h100")
+    device = {"kind": kind, "memory_gb": props.total_memory / 1e9}
+    model = ModelSize.of(cfg.model.name, lora_rank=cfg.train.lora_rank)
+    return RunMemory(load_hardware({"device": device}), model)
+
+
+def probe_trainers(devices: int, memory: RunMemory | None) -> int:
+    """Trainers the probe needs: 1 (replicated) where a device holds the whole training
+    state, else the fewest FSDP trainers whose shards each fit, beside one generator that
+    holds a sampling copy. Raises :class:`DigenError` when no split of ``devices`` fits."""
+    if memory is None:
+        return 1
+    hw, m = memory.hardware, memory.model
+    if not hw.generator.fits(sampling_copy_bytes(m)):
+        raise DigenError(
+            f"--mode auto: a {hw.generator.kind} cannot hold a sampling copy of {m.name} "
+            f"({sampling_copy_bytes(m) / 1e9:.0f} GB in bf16)"
+        )
+    for trainers in range(1, devices):
+        if hw.trainer.fits(train_state_bytes(m, trainers)):
+            return trainers
+    raise DigenError(
+        f"--mode auto: {devices - 1} {hw.trainer.kind} trainers cannot hold the training state "
+        f"of {m.name} even sharded ({train_state_bytes(m) / 1e9:.0f} GB in all)"
+    )
+
+
+def probe_config(cfg: DigenConfig, trainers: int = 1) -> DigenConfig:
+    """The probe: ``cfg`` disaggregated over one generator and ``trainers`` trainers (one
+    replicated, or FSDP over several: :func:`probe_trainers`), for a few steps, with one
+    trainer-assisted generation a step and nothing a probe needs not do."""
     d = config_to_dict(cfg)
     d["runtime"].update(
         mode="disaggregated",
         generators=1,
-        trainers=1,
-        trainer_parallel="replicate",
+        trainers=trainers,
+        trainer_parallel="replicate" if trainers == 1 else "fsdp",
         tag="static",
         tag_k=1,
         max_staleness=0,
@@ -117,9 +183,13 @@ def measured_costs(events: Sequence[TraceEvent], rows: Sequence[dict[str, Any]])
 
 
 def apply_layout(cfg: DigenConfig, c: Candidate, size: int) -> DigenConfig:
-    """``cfg`` laid out as candidate ``c`` (raises :class:`ConfigError` if it does not fit)."""
+    """``cfg`` laid out as candidate ``c`` (raises :class:`ConfigError` if it does not fit):
+    with a memory model, its trainers replicated, or sharded where the planner found only
+    shards fit; without one, as the config says."""
     d = config_to_dict(cfg)
     rt = d["runtime"]
+    if c.strategy:  # the planner weighed memory: replicated where a copy fits, else shards
+        rt["trainer_parallel"] = "replicate" if c.strategy == "replicated" else "fsdp"
     if c.layout == COLOCATED:
         rt["mode"] = "colocated"
         d["train"]["num_devices"] = c.trainers
@@ -145,6 +215,46 @@ def apply_layout(cfg: DigenConfig, c: Candidate, size: int) -> DigenConfig:
     return load_config(base=d)
 
 
+def rank_layouts(
+    cfg: DigenConfig, probe: DigenConfig, costs: Costs, devices: int, memory: RunMemory | None
+) -> tuple[list[Candidate], int, list[str]]:
+    """The planner's ranking of ``devices`` for ``cfg``, timed by ``probe`` (``costs``), the
+    micro-batch size, and the layouts left out as not fitting ``memory``.
+
+    A sharded probe timed each update and trainer generation over its ``T`` trainers,
+    ``ceil(n / T)`` of a micro-batch's ``n`` samples each: those costs are scaled back to
+    one device's, which the planner deals over trainers itself."""
+    sp = schedule_plan(probe)
+    assert sp.layout is not None
+    rt, timed = cfg.runtime, probe.runtime.trainers
+    n = sp.layout.samples_per_microbatch
+    if timed > 1:
+        share = -(-n // timed) / n
+        costs = Costs(
+            **{**costs.to_dict(), "update": costs.update / share, "gen_tag": costs.gen_tag / share}
+        )
+    r = probe.rollout
+    work = Workload(
+        costs=costs,
+        microbatches=sp.microbatches,
+        samples_per_microbatch=n,
+        mbs_per_group=sp.update_group,
+        tsp_degree=rt.tsp_degree,
+        passes=r.num_inference_steps * (2 if r.guidance_scale > 1 else 1),
+        model=None if memory is None else memory.model,
+    )
+    ranked, skipped = plan(
+        work,
+        devices,
+        None if memory is None else memory.hardware,
+        steps=4,
+        max_staleness=rt.max_staleness,
+        staleness_ratio=rt.staleness_ratio,
+        tcss=rt.max_staleness >= 1,
+    )
+    return ranked, n, skipped
+
+
 @dataclass(frozen=True, slots=True)
 class AutoChoice:
     """What ``--mode auto`` found."""
@@ -158,19 +268,27 @@ class AutoChoice:
 
 
 async def choose_layout(
-    cfg: DigenConfig, *, devices: int | None = None, progress: bool = True
+    cfg: DigenConfig,
+    *,
+    devices: int | None = None,
+    progress: bool = True,
+    memory: RunMemory | None = None,
 ) -> AutoChoice:
     """Probe ``cfg``, plan ``devices`` (default :func:`devices_given`), and lay it out as the
-    fastest candidate its settings allow (see the module docstring)."""
+    fastest candidate its settings allow (see the module docstring). ``memory``: the
+    devices' and model's sizes (default :func:`run_memory`)."""
     from digen.run.runner import DigenRunner
 
     n = devices_given(cfg) if devices is None else devices
     if n < 2:
         raise DigenError(f"--mode auto needs at least 2 devices to choose among, got {n}")
-    probe = probe_config(cfg)
+    memory = memory or run_memory(cfg)
+    trainers = probe_trainers(n, memory)
+    probe = probe_config(cfg, trainers)
     if progress:
+        pool = "one trainer" if trainers == 1 else f"{trainers} FSDP trainers"
         print(
-            f"mode auto: timing {PROBE_STEPS} steps on one generator and one trainer, "
+            f"mode auto: timing {PROBE_STEPS} steps on one generator and {pool}, "
             f"then planning {n} devices",
             file=sys.stderr,
         )
@@ -181,28 +299,11 @@ async def choose_layout(
         result = await runner.run()
         events = Trace.load_jsonl(Path(tmp) / "trace.jsonl").events
     costs = measured_costs(events, result.metrics)
-    sp = schedule_plan(probe)
-    assert sp.layout is not None
-    rt = cfg.runtime
-    work = Workload(
-        costs=costs,
-        microbatches=sp.microbatches,
-        samples_per_microbatch=sp.layout.samples_per_microbatch,
-        mbs_per_group=sp.update_group,
-        tsp_degree=rt.tsp_degree,
-    )
-    ranked, _ = plan(
-        work,
-        n,
-        steps=4,
-        max_staleness=rt.max_staleness,
-        staleness_ratio=rt.staleness_ratio,
-        tcss=rt.max_staleness >= 1,
-    )
-    refused: list[str] = []
+    ranked, size, skipped = rank_layouts(cfg, probe, costs, n, memory)
+    refused: list[str] = list(skipped)
     for i, c in enumerate(ranked):
         try:
-            chosen = apply_layout(cfg, c, sp.layout.samples_per_microbatch)
+            chosen = apply_layout(cfg, c, size)
         except ConfigError as exc:
             refused.append(f"{c.label}: {exc}")
             continue
@@ -212,7 +313,7 @@ async def choose_layout(
             "line": line,
             "devices": n,
             "costs": costs.to_dict(),
-            "probe": {"steps": PROBE_STEPS, "generators": 1, "trainers": 1},
+            "probe": {"steps": PROBE_STEPS, "generators": 1, "trainers": trainers},
             "candidates": [x.to_dict() for x in ranked],
             "refused": refused,
         }

@@ -136,7 +136,7 @@ def test_the_loss_and_its_gradient_are_the_published_ones() -> None:
     shape = policy.adapter.initial_latents([torch.Generator().manual_seed(0)]).shape[1:]
     x0 = torch.randn((4, *shape), generator=torch.Generator().manual_seed(1))
     empty = x0.new_zeros((4, 0, *shape))
-    rollout = Rollout(empty, empty, x0.new_zeros((4, 0)), final=x0)
+    rollout = Rollout.from_pairs(empty, empty, x0.new_zeros((4, 0)), final=x0)
     advantages = torch.tensor([2.0, -1.0, 7.5, -0.5])  # 7.5 is clipped at 5 (r = 1)
     item = TrainItem(keys=keys, prompts=[prompt] * 4, rollout=rollout, advantages=advantages)
 

@@ -136,3 +136,59 @@ def test_mode_auto_does_not_resume(tmp_path: Path) -> None:
     (out / "config.yaml").write_text("steps: 2\n")
     res = CliRunner().invoke(main, ["run", "--resume", str(out), "--mode", "auto"])
     assert res.exit_code == 2 and "a resumed run keeps the one" in res.output
+
+
+def _memory(model: str, lora_rank: int):
+    from digen.run.auto import RunMemory
+    from digen.sched.hardware import ModelSize, load_hardware
+
+    hardware = load_hardware({"device": {"kind": "h100", "memory_gb": 80}})
+    return RunMemory(hardware, ModelSize.of(model, lora_rank=lora_rank))
+
+
+@pytest.mark.parametrize("lora_rank", [0, 64], ids=["full", "lora"])
+def test_auto_probes_and_plans_only_layouts_that_fit_the_devices_memory(lora_rank: int) -> None:
+    """FLUX.1 (12B) on 8 devices of 80 GB: a full fine-tune's training state (16 bytes a
+    parameter, 190 GB) fits no device, so the probe shards it over the fewest trainers whose
+    shards fit and the plan ranks no replicated trainer; a LoRA's (27 GB) fits one device,
+    so the probe is one replicated trainer and replicated layouts are ranked."""
+    from digen.errors import ConfigError
+    from digen.run.auto import probe_trainers, rank_layouts
+    from digen.sched.costs import Costs
+    from digen.sched.hardware import train_state_bytes
+
+    memory = _memory("flux", lora_rank)
+    fits = memory.hardware.trainer.fits
+    cfg = tiny_config("flux", "flowgrpo", [*SMALL, "steps=4", f"train.lora_rank={lora_rank}"])
+    trainers = probe_trainers(8, memory)
+    probe = probe_config(cfg, trainers)
+    costs = Costs(gen=2.0, gen_tag=2.0, score=0.1, update=1.0, step=0.2, sync=0.0)
+    ranked, _, skipped = rank_layouts(cfg, probe, costs, 8, memory)
+    assert ranked
+    layouts = []
+    for c in ranked:
+        try:
+            layouts.append(apply_layout(cfg, c, 4).runtime)
+        except ConfigError:  # a layout this small config does not divide into (so is skipped)
+            continue
+    assert layouts
+    if lora_rank == 0:
+        assert trainers > 1 and fits(train_state_bytes(memory.model, trainers))
+        assert not fits(train_state_bytes(memory.model, trainers - 1))
+        assert probe.runtime.trainers == trainers
+        assert probe.runtime.trainer_parallel == "fsdp"
+        assert all(c.strategy and c.strategy != "replicated" for c in ranked)
+        assert {rt.trainer_parallel for rt in layouts} == {"fsdp"}
+        assert any("cannot hold" in why for why in skipped)
+    else:
+        assert trainers == 1 and probe.runtime.trainer_parallel == "replicate"
+        assert any(c.strategy == "replicated" for c in ranked)
+        assert "replicate" in {rt.trainer_parallel for rt in layouts}
+
+
+def test_auto_refuses_a_model_no_split_of_the_devices_can_hold() -> None:
+    from digen.errors import DigenError
+    from digen.run.auto import probe_trainers
+
+    with pytest.raises(DigenError, match="cannot hold the training state"):
+        probe_trainers(2, _memory("qwenimage", 0))  # 327 GB of state on one 80 GB trainer

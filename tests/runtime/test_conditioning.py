@@ -44,3 +44,33 @@ def test_offloaded_text_encoders_visit_the_device_once_a_call_and_embed_as_alone
     moves.clear()
     policy.conditioning(prompts[:2])  # all cached: no visit at all
     assert moves == []
+
+
+@pytest.mark.asyncio
+async def test_offloaded_text_encoders_visit_a_generator_once_a_step() -> None:
+    """A generate call carries one prompt; with offloaded text encoders it also carries its
+    step's prompts, so a generator's encoders come to its device once a step (for the
+    prompts it has not met), not once a micro-batch of a new prompt."""
+    from helpers import tiny_config
+
+    from digen.prompts import PromptSet
+    from digen.runtime.driver.loop import Driver
+    from digen.sched.trace import Trace
+
+    over = ["steps=2", "data.train_batch_size=3", "rollout.n=2", "train.micro_batch_size=2"]
+    over += ["runtime.tag=none", "train.mini_batch_size=null"]
+    over += ["model.offload_text_encoders=true"]
+    cfg = tiny_config("sd3", "flowgrpo", over, mode="disaggregated")
+    prompts = PromptSet.builtin()
+    async with Driver(cfg, None, prompts, Trace()) as driver:
+        await driver.run(2)
+        stats = await driver.gens[0].call("statistics")
+    seen: set[str] = set()
+    visits = 0  # steps that bring a prompt not met before
+    for step in range(2):
+        texts = set(prompts.for_step(cfg.seed, step, 3)[0])
+        visits += not texts <= seen
+        seen |= texts
+    negative = int(cfg.rollout.guidance_scale > 1.0)
+    assert stats["encoded_prompts"] == len(seen) + negative
+    assert stats["text_encoder_visits"] == visits

@@ -295,3 +295,40 @@ def test_a_sharded_trainer_recomputes_the_generators_log_probs_in_bfloat16(
     assert report["drift_terms"] > 0  # the terms were measured
     assert report["drift_max"] == 0.0, report
     assert report["drift_over"] == 0
+
+
+@pytest.mark.slow
+def test_sharded_tag_deals_its_rows_over_the_members(tmp_path: Path) -> None:
+    """A TAG micro-batch on 2 FSDP trainers: each member samples half its rows (every other
+    key), the rows are put back together (trainer 0 scores them all, each member trains its
+    share), and the step ends with the weights one trainer making the same TAG micro-batch
+    reaches (samples compared through a reward smooth in them: a half batch may round its
+    last bits otherwise)."""
+    import asyncio
+
+    from digen.prompts import PromptSet
+    from digen.runtime.driver.loop import Driver
+    from digen.sched.trace import Trace
+
+    tag = ["runtime.tag=static", "runtime.tag_k=1", "runtime.samples_per_microbatch=4"]
+    sharded = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp"]
+    cfg = tiny_config("flux", "flowgrpo", [*COMMON, *tag, *sharded], mode="disaggregated")
+
+    async def run() -> tuple[list[dict], dict[str, torch.Tensor], Trace]:
+        trace = Trace()
+        async with Driver(cfg, None, PromptSet.builtin(), trace) as driver:
+            await driver.run(1)
+            members = driver.trainers[0].handles
+            stats = await asyncio.gather(*(h.call("statistics") for h in members))
+            state = await driver.trainers[0].call("trainable_state")
+        return stats, state, trace
+
+    stats, state, trace = asyncio.run(run())
+    tagged = [e for e in trace.events if e.kind == "tag"]
+    assert len(tagged) >= 1
+    rows = 4 * len(tagged)  # every micro-batch is one prompt's 4 samples
+    assert [s["sampled_rows"] for s in stats] == [rows // 2, rows // 2]
+    one = _run("disaggregated", tag, tmp_path / "one")
+    assert one.metrics[0]["tag_microbatches"] == len(tagged)
+    assert _moved(one.final_state) > 1e-4
+    assert_trained_alike(state, one.final_state)

@@ -130,7 +130,7 @@ def test_arrival_order_sums_in_place_and_ordered_mode_checks_its_use() -> None:
 
 def _rollout(b: int = 2) -> Rollout:
     x = torch.arange(b * 3 * 4, dtype=torch.float32).view(b, 3, 4)
-    return Rollout(x, x + 1, torch.ones(b, 3), final=torch.zeros(b, 4))
+    return Rollout.from_pairs(x, x + 1, torch.ones(b, 3), final=torch.zeros(b, 4))
 
 
 def test_store_hands_out_each_part_once_and_is_bounded() -> None:

@@ -122,3 +122,50 @@ def test_a_denoising_step_never_waits_and_a_loss_chunk_waits_once(case) -> None:
     assert sampling.total() == 0 and longer.total() == 0, sampling.where
     assert sum(longer.copies.values()) == sum(sampling.copies.values()) <= 1, longer.copies
     assert training.total() <= chunks, training.where
+
+
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on ``cuda:<index>`` (what a reply's walk reads)."""
+
+    index = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.index)
+
+
+def _on_gpu(index: int) -> torch.Tensor:
+    t = torch.Tensor._make_subclass(_OnGpu, torch.zeros(2))
+    t.index = index
+    return t
+
+
+def test_a_reply_waits_for_its_own_stream_not_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply holding GPU tensors waits for an event recorded on the current stream of each
+    device it holds tensors of (the stream that made them), never for a whole device; a
+    reply without any waits for nothing."""
+    from digen.runtime.transport.actors import _remote
+
+    waits: list[str] = []
+
+    class Event:
+        def record(self, stream: str) -> None:
+            self.stream = stream
+
+        def synchronize(self) -> None:
+            waits.append(self.stream)
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waits.append("device-wide"))
+    reply = {"a": _on_gpu(0), "b": [_on_gpu(0), (_on_gpu(1), torch.ones(1))], "c": 3}
+    assert _remote._finished(reply) is reply
+    assert sorted(waits) == ["stream of cuda:0", "stream of cuda:1"]
+    waits.clear()
+    _remote._finished({"a": torch.ones(2), "b": [1, 2]})  # host tensors only
+    assert waits == []

@@ -644,10 +644,19 @@ class Driver:
 
     async def _generate(self, actor: Any, mb: MicroBatch, kind: TaskKind) -> RolloutRef:
         keys = [SampleKey(mb.step, mb.prompt, s) for s in mb.samples]
-        call = actor.call("generate", mb.step, mb.mb, keys, self.prompts(mb.step)[0][mb.prompt])
+        texts = self.prompts(mb.step)[0]
+        call = actor.call(
+            "generate", mb.step, mb.mb, keys, texts[mb.prompt], True, self._ahead(texts)
+        )
         version = await self._call(actor, kind, mb.step, mb.mb, None, call)
         self.book.generated(mb, actor.worker, version)
         return RolloutRef(mb, actor.worker, version)
+
+    def _ahead(self, texts: list[str]) -> list[str]:
+        """What a generate call carries besides its prompt: with offloaded text encoders the
+        step's prompts, which the worker encodes in one visit of the encoders to its device
+        (not one a micro-batch); nothing otherwise."""
+        return texts if self.cfg.model.offload_text_encoders else []
 
     def _take_remake(self, i: int) -> Remake | None:
         if self._stopping:
@@ -661,8 +670,9 @@ class Driver:
         gen, s = self.gens[i], remake.step
         mb = self.book.record(s).mbs[remake.mb]
         keys = [SampleKey(s, mb.prompt, j) for j in mb.samples]
-        prompt = self.prompts(s)[0][mb.prompt]
-        call = gen.call("generate", s, mb.mb, keys, prompt, keep_pixels=not remake.scored)
+        texts = self.prompts(s)[0]
+        keep = not remake.scored
+        call = gen.call("generate", s, mb.mb, keys, texts[mb.prompt], keep, self._ahead(texts))
         t0 = self.clock()
         version = await self._call(gen, TaskKind.GENERATE, s, mb.mb, None, call)
         if remake.scored and version != remake.version:

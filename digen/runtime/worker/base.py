@@ -22,7 +22,7 @@ from digen.runtime.notes import notes_to_run_log
 from digen.runtime.placement import DEVICE_ENV, is_cuda, peak_memory_gb, worker_device
 from digen.runtime.transport.actors import run_sync
 from digen.runtime.transport.groups import make_group, pinned_to_loopback, tcp_store
-from digen.runtime.worker.policy import Policy
+from digen.runtime.worker.policy import Generated, Policy
 from digen.runtime.worker.store import fetch_weights, open_store
 from digen.sched.names import Pool, worker_name
 
@@ -185,24 +185,33 @@ class PolicyActor(WorkerActor):
         keys: Sequence[SampleKey],
         prompt: str,
         keep_pixels: bool = True,
+        ahead: Sequence[str] = (),
     ) -> TimedResult:
         """Sample and decode one trajectory per key with the current weights; keep them here
         (``keep_pixels`` False: the rollout only, for a micro-batch already scored).
+        ``ahead``: the prompts this worker may sample next (the train step's); offloaded
+        text encoders encode them in the visit ``prompt`` makes
+        (:meth:`~digen.runtime.worker.policy.Policy.encode_ahead`).
 
         Returns the policy version that made them.
         """
         self.jitter()
         t0 = time.time()
-        out = self.policy.generate(keys, [prompt] * len(keys))
+        self.policy.encode_ahead(prompt, ahead)
+        out = self._sample(list(keys), prompt)
         pixels = out.pixels if self._scored_here and keep_pixels else None
         kept = out.rollout.for_training(final=self.policy.algorithm.trains_on == "final")
         self.store.put((step, mb), kept, pixels, self.policy.cached_conditioning(prompt))
         return self.timed(out.version, t0)
 
+    def _sample(self, keys: list[SampleKey], prompt: str) -> Generated:
+        """Sample and decode ``keys`` (all of ``prompt``) with the current weights."""
+        return self.policy.generate(keys, [prompt] * len(keys))
+
     @property
     def _scored_here(self) -> bool:
         """Whether a generator fetches this worker's pixels (not so on sharded trainers
-        other than the first: they make the same samples, and keep only their rollout)."""
+        other than the first: they keep only the rollout)."""
         return True
 
     def version(self) -> int:
@@ -210,10 +219,13 @@ class PolicyActor(WorkerActor):
 
     def statistics(self) -> dict[str, Any]:
         """What this worker's store holds (micro-batches, bytes), how many prompts it
-        encoded itself, and its device and peak memory."""
+        encoded itself (and in how many visits of offloaded text encoders to the device),
+        how many training samples it sampled, and its device and peak memory."""
         return {
             **self.store.statistics(),
             "encoded_prompts": self.policy.encoded,
+            "text_encoder_visits": self.policy.adapter.encoder_visits,
+            "sampled_rows": self.policy.sampled,
             "device": self.device,
             "memory_gb": peak_memory_gb(self.device),
         }

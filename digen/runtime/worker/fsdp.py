@@ -16,6 +16,8 @@ pass on a copy of a row, with its loss scaled by zero). The pieces that follow f
 - :func:`shard_transformer` wraps a policy's transformer (before its optimizer is built, so
   the optimizer holds the sharded parameters: sharded optimizer state);
 - :func:`lockstep_chunks` splits a call's rows over the members into equal numbers of chunks;
+- :func:`gather_dealt` puts rows dealt over the members back together on every member (a
+  TAG micro-batch: each member samples ``1 / T`` of its rows);
 - :func:`full_tensors` gathers the trained weights in full (one parameter at a time) for
   the generators, for saving and for the final state.
 
@@ -46,6 +48,7 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 __all__ = [
     "block_modules",
     "full_tensors",
+    "gather_dealt",
     "local",
     "lockstep_chunks",
     "hsdp_shard_size",
@@ -231,6 +234,35 @@ def lockstep_chunks(rows: int, members: int, rank: int, size: int) -> list[list[
     count = -(-most // size)
     chunks: list[list[int] | None] = [mine[i : i + size] for i in range(0, len(mine), size)]
     return chunks + [None] * (count - len(chunks))
+
+
+def gather_dealt(mine: torch.Tensor, rows: int, lead_only: bool = False) -> torch.Tensor | None:
+    """The rows of a call dealt one chunk a member (:func:`lockstep_chunks` with ``size >=
+    rows``: member ``r`` holds rows ``r, r + T, ...``), back in the call's order.
+
+    ``mine``: ``[n_r, ...]`` this member's rows (``n_r`` may be 0; extra rows, a padding pass's,
+    are ignored). Every member calls; all get ``[rows, ...]``, or with ``lead_only`` member 0
+    does and the others get None. Moved as it is: a collective of the default group on the
+    tensor's device (NCCL for GPU tensors, gloo for CPU ones)."""
+    import torch.distributed as dist
+
+    members, rank = dist.get_world_size(), dist.get_rank()
+    most = -(-rows // members)  # the largest member's rows; every member sends as many
+    count = len(range(rank, rows, members))
+    padded = mine.new_zeros((most, *mine.shape[1:]))
+    padded[:count] = mine[:count]
+    if lead_only:
+        parts = [torch.empty_like(padded) for _ in range(members)] if rank == 0 else None
+        dist.gather(padded, parts, dst=0)
+        if rank != 0:
+            return None
+    else:
+        parts = [torch.empty_like(padded) for _ in range(members)]
+        dist.all_gather(parts, padded)
+    out = mine.new_empty((rows, *mine.shape[1:]))
+    for r, part in enumerate(parts):
+        out[r::members] = part[: len(range(r, rows, members))]
+    return out
 
 
 def map_params(

@@ -93,6 +93,9 @@ class Policy:
         self._cond_cache: OrderedDict[str, PromptEmbeds] = OrderedDict()
         self.encoded = 0
         """Prompts this copy ran through the text encoders (the rest came cached or shipped)."""
+        self.sampled = 0
+        """Training samples this copy sampled (rows of :meth:`generate`; a sharded member's
+        padding row included)."""
         self.reference: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[torch.nn.Parameter] = []
@@ -203,19 +206,36 @@ class Policy:
         once). The cache keeps the most recent :data:`_COND_CACHE_SIZE` prompts.
         """
         cache = self._cond_cache
-        missing = [p for p in dict.fromkeys(prompts) if p not in cache]
-        for p in dict.fromkeys(prompts):
-            if p in cache:
-                cache.move_to_end(p)
-        # one visit of offloaded text encoders to the device for all of them
-        embeds = self.adapter.encode_each([[p] for p in missing]) if missing else []
-        for p, e in zip(missing, embeds, strict=True):
-            cache[p] = e
-            self.encoded += 1
+        self._encode(prompts)
         held = {p: cache[p] for p in prompts}  # a long call may outgrow the cache
         while len(cache) > _COND_CACHE_SIZE:
             cache.popitem(last=False)
         return _cat_rows([held[p] for p in prompts])
+
+    def _encode(self, prompts: Sequence[str]) -> None:
+        """Cache the embeddings of ``prompts`` not cached yet, encoded in one visit of
+        offloaded text encoders to the device, and mark the others as just used."""
+        cache = self._cond_cache
+        missing = [p for p in dict.fromkeys(prompts) if p not in cache]
+        for p in dict.fromkeys(prompts):
+            if p in cache:
+                cache.move_to_end(p)
+        embeds = self.adapter.encode_each([[p] for p in missing]) if missing else []
+        for p, e in zip(missing, embeds, strict=True):
+            cache[p] = e
+            self.encoded += 1
+
+    def encode_ahead(self, prompt: str, ahead: Sequence[str]) -> None:
+        """Before sampling ``prompt``: with offloaded text encoders, when it is not cached,
+        encode it with the prompts ``ahead`` (those this copy may sample next: its train
+        step's) and the negative prompt, in one visit of the encoders to the device, not one
+        visit a prompt. Without offloading each prompt is encoded when first sampled (no
+        round trip to save, no encoding of prompts another worker samples)."""
+        if not self.adapter.offload_text_encoders or prompt in self._cond_cache:
+            return
+        negative = [self.cfg.rollout.negative_prompt] if self.cfg.rollout.guidance_scale > 1 else []
+        wanted = [prompt, *negative, *ahead]
+        self._encode(wanted[: max(_COND_CACHE_SIZE // 2, 1)])  # the cache keeps them all
 
     def cached_conditioning(self, prompt: str) -> PromptEmbeds | None:
         """The cached embedding of ``prompt``, if this copy has it (no encoding)."""
@@ -257,6 +277,7 @@ class Policy:
             )
         with torch.no_grad():
             pixels = self.adapter.decode(rollout.final.to(self.adapter.dtype)).cpu()
+        self.sampled += len(keys)
         return Generated(keys, rollout, pixels, self.version, time.perf_counter() - t0)
 
     def evaluate(self, keys: Sequence[tuple[int, int]], prompts: Sequence[str]) -> torch.Tensor:

@@ -6,6 +6,7 @@ new weights.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -25,8 +26,9 @@ from digen.runtime.transport.groups import (
     tcp_store,
 )
 from digen.runtime.worker.base import PolicyActor, pool_config
-from digen.runtime.worker.fsdp import full_tensors, lockstep_chunks, make_mesh
+from digen.runtime.worker.fsdp import full_tensors, gather_dealt, lockstep_chunks, make_mesh
 from digen.runtime.worker.grads import GradAccumulator
+from digen.runtime.worker.policy import Generated
 from digen.runtime.worker.store import fetch_rollout
 from digen.sched.names import Pool, worker_name
 
@@ -105,6 +107,22 @@ class TrainerActor(PolicyActor):
     @property
     def _scored_here(self) -> bool:
         return not self.sharded or self.rank == 0
+
+    def _sample(self, keys: list[SampleKey], prompt: str) -> Generated:
+        """Sharded (TAG): the rows are dealt over the members as an update's are, each
+        sampling every ``T``-th key (a member short of keys samples one only to keep in
+        step), then put back together: every member keeps the whole rollout (each trains
+        its own rows of it), trainer 0 the pixels too. Each key's noise is its own, so a
+        row is the sample one copy of the policy would draw for it."""
+        if not self.sharded:
+            return super()._sample(keys, prompt)
+        (rows,) = lockstep_chunks(len(keys), self.world, self.rank, len(keys))
+        made = super()._sample([keys[i] for i in rows or [0]], prompt)
+        n = len(keys)
+        part = made.rollout.for_training(final=self.policy.algorithm.trains_on == "final")
+        rollout = part.map(lambda t: gather_dealt(t, n))
+        pixels = gather_dealt(made.pixels, n, lead_only=True)
+        return dataclasses.replace(made, keys=keys, rollout=rollout, pixels=pixels)
 
     def _holds(self, holder: str) -> bool:
         """Whether ``holder``'s micro-batch is in this process (sharded trainers all made

@@ -217,14 +217,18 @@ def _run_function(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 def _finished(value: Any) -> Any:
     """``value`` once every GPU tensor in it is computed. A reply leaves on an RPC thread,
     whose CUDA stream is not the one the tensors were made on: without this, TensorPipe
-    could send a tensor its kernels have not finished writing. Waits for each device the
-    reply holds tensors of (nothing to do with no GPU tensor)."""
+    could send a tensor its kernels have not finished writing. For each device the reply
+    holds tensors of, waits for an event recorded on this thread's current stream there,
+    the stream that made them (not for the whole device: other actors' streams run on);
+    nothing to do with no GPU tensor."""
     if not torch.cuda.is_initialized():
         return value
     devices: set[torch.device] = set()
     _cuda_devices(value, devices, depth=4)
     for device in devices:
-        torch.cuda.synchronize(device)
+        made = torch.cuda.Event()
+        made.record(torch.cuda.current_stream(device))
+        made.synchronize()
     return value
 
 
