@@ -3,8 +3,12 @@ sharded by FSDP2 (with the mixed precision the GPU path sets), TAG on, against t
 trainer of the same config.
 
 Each disaggregated run must end with the colocated run's weights, trained alike
-(``assert_trained_alike``: the trainers sum gradients in another order, so weights differ by
-rounding, far below what a step moves them), and every term trained with the weights that
+(``assert_trained_alike``). In bf16 rounding alone moves weights apart far more than in fp32:
+the same colocated step with micro-batches of 1 instead of 2 (the same loss, summed in
+another order) ends about 12 % of the step's move away (0.5 % in fp32). That distance, the
+rounding floor of this very computation, is measured in each test; a disaggregated run may
+be at most twice as far (seen: 0.4 of it), while a real mismatch (a micro-batch trained
+twice, another old policy) moves it by a sizeable part of the step. Every term trained with the weights that
 sampled it must recompute the generator's log-prob within the bound rounding in bf16 allows
 (``train/logprob_drift_over`` is 0). NFT keeps its old policy and evaluation average in
 fp32 shards; it records no log-probs.
@@ -22,7 +26,7 @@ from digen.models import load_adapter
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
+COMMON = ["steps=1", "rollout.n=4", "rollout.num_inference_steps=4"]
 COMMON += ["train.mini_batch_size=null", "train.lr=1e-3", SMOOTH_REWARD]
 COMMON += ["model.dtype=bfloat16", "train.lora_rank=0"]
 
@@ -46,27 +50,59 @@ def start() -> dict[str, torch.Tensor]:
     return dict(load_adapter("flux").transformer.named_parameters())
 
 
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return sum(float((a[n].float() - b[n].float()).pow(2).sum()) for n in a) ** 0.5
+
+
+_COLOCATED: dict[str, tuple] = {}
+
+
+def _colocated(algo: str, out: Path, start: dict[str, torch.Tensor]) -> tuple:
+    """The colocated run of ``algo`` and its rounding floor (as a share of the step's move),
+    once per algorithm."""
+    if algo not in _COLOCATED:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            runs = [
+                run_config(
+                    tiny_config(
+                        "flux", algo, [*COMMON, *ALGOS[algo], f"train.micro_batch_size={mb}"]
+                    ),
+                    out / f"colocated-mb{mb}",
+                )
+                for mb in (2, 1)
+            ]
+        finally:
+            torch.set_num_threads(threads)
+        want = runs[0].final_state
+        floor = _distance(runs[1].final_state, want) / _distance(want, start)
+        _COLOCATED[algo] = (runs[0], floor)
+    return _COLOCATED[algo]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_bf16_full_finetuning_trains_as_the_colocated_trainer(
     tmp_path: Path, algo: str, layout: str, start: dict[str, torch.Tensor]
 ) -> None:
     overrides = [*COMMON, *ALGOS[algo]]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        colocated = run_config(tiny_config("flux", algo, overrides), tmp_path / "colocated")
-    finally:
-        torch.set_num_threads(threads)
+    colocated, floor = _colocated(algo, tmp_path, start)
+    assert 0 < floor < 0.3  # rounding, well below a step's move
     # a TAG micro-batch made by the trainers; generation batches of the colocated trainer's
     # size, so most samples are the colocated ones bit for bit
     extra = [*LAYOUTS[layout], "runtime.tag=static", "runtime.tag_k=1"]
     extra += ["runtime.samples_per_microbatch=2"]
-    cfg = tiny_config("flux", algo, [*overrides, *extra], mode="disaggregated")
+    cfg = tiny_config(
+        "flux", algo, [*overrides, "train.micro_batch_size=2", *extra], mode="disaggregated"
+    )
     split = run_config(cfg, tmp_path / layout)
 
     assert split.metrics[-1]["tag_microbatches"] >= 1
-    assert_trained_alike(split.final_state, colocated.final_state, start)
+    assert_trained_alike(split.final_state, colocated.final_state, start, rel=2 * floor)
+    print(
+        f"{algo} {layout}: {_distance(split.final_state, colocated.final_state) / _distance(colocated.final_state, start) / floor:.2f} of the floor {floor:.3f}"
+    )
     bf16 = [n for n, v in split.final_state.items() if v.dtype == torch.bfloat16]
     assert len(bf16) == len(split.final_state)  # trained in the base's dtype
     for result in (colocated, split):
