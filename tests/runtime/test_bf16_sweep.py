@@ -5,10 +5,10 @@ trainer of the same config.
 Each disaggregated run must end with the colocated run's weights, trained alike
 (``assert_trained_alike``). In bf16 rounding alone moves weights apart far more than in fp32:
 the same colocated step with micro-batches of 1 instead of 2 (the same loss, summed in
-another order) ends about 12 % of the step's move away (0.5 % in fp32). That distance, the
-rounding floor of this very computation, is measured in each test; a disaggregated run may
-be at most twice as far (seen: 0.4 of it), while a real mismatch (a micro-batch trained
-twice, another old policy) moves it by a sizeable part of the step. Every term trained with the weights that
+another order) ends 10-13 % of the step's move away (0.5 % in fp32). That distance, the
+rounding floor of this very computation, is measured once per algorithm; a disaggregated
+run may be at most twice as far (seen: 0.26-0.74 of it), where the same step on other
+samples (another seed) ends 1.4 moves away. Every term trained with the weights that
 sampled it must recompute the generator's log-prob within the bound rounding in bf16 allows
 (``train/logprob_drift_over`` is 0). NFT keeps its old policy and evaluation average in
 fp32 shards; it records no log-probs.
@@ -100,9 +100,6 @@ def test_bf16_full_finetuning_trains_as_the_colocated_trainer(
 
     assert split.metrics[-1]["tag_microbatches"] >= 1
     assert_trained_alike(split.final_state, colocated.final_state, start, rel=2 * floor)
-    print(
-        f"{algo} {layout}: {_distance(split.final_state, colocated.final_state) / _distance(colocated.final_state, start) / floor:.2f} of the floor {floor:.3f}"
-    )
     bf16 = [n for n, v in split.final_state.items() if v.dtype == torch.bfloat16]
     assert len(bf16) == len(split.final_state)  # trained in the base's dtype
     for result in (colocated, split):
