@@ -259,3 +259,51 @@ def test_torchrun_two_hosts_of_four_gpus_hsdp(tmp_path: Path) -> None:
     assert all(len(info["hosts"]) == 1 for info in got.values())
     for t in range(6):
         assert got[f"trainer-{t}"]["groups"] == ["cpu:gloo,cuda:nccl"]
+
+
+@pytest.mark.slow
+def test_an_elastic_run_loses_a_generator_and_takes_it_back(tmp_path: Path) -> None:
+    """``runtime.respawn_generators`` on virtual GPUs (2 generators and a trainer over 4
+    devices): generator 1, killed holding work, starts again on the device placement gives
+    it, joins, and the run ends; a dynamic world has no device maps, so every tensor crosses
+    through the CPU (a GPU tensor sent would be refused)."""
+    import os
+    import signal
+
+    import test_elastic
+    from test_elastic import _start_held, _wait_for
+
+    hook = tmp_path / "hold_in_hook.py"
+    hook.write_text(test_elastic._HOLD_HOOK)
+    log, out = tmp_path / "virtual.jsonl", tmp_path / "run"
+    pause, paused = tmp_path / "pause", tmp_path / "paused"
+    env = {k: v for k, v in vgpu.env(4, log).items() if os.environ.get(k) != v}
+    env |= {"PAUSE_IN": "generator-0", "PAUSE": str(pause), "PAUSED": str(paused)}
+    extra = ("model.device=cuda", "runtime.respawn_generators=true", "runtime.respawn_after_s=0.1")
+    proc, workers = _start_held(hook, out, *extra, hold_in="generator-1", hold_at=0, env=env)
+    pause.write_text("")
+    old = workers["generator-1"]["pid"]
+    os.kill(old, signal.SIGKILL)
+    _wait_for("generator 0 to pause", paused.is_file, proc)
+    trainer_log = out / "trainer.log"
+    _wait_for(
+        "generator 1 to start again", lambda: "started again" in trainer_log.read_text(), proc
+    )
+    pause.unlink()
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "generator-1 is back. The run goes on with 2 generator(s)." in err
+
+    rows = vgpu.read_log(log)
+    assert not [r for r in rows if r["kind"] == "device_map"]
+    worlds = {r["pid"]: r["name"] for r in rows if r["kind"] == "world"}
+    devices = defaultdict(list)  # logical worker -> the device each of its processes set
+    for r in rows:
+        if r["kind"] == "set_device" and r["pid"] in worlds:
+            name = worlds[r["pid"]]
+            devices[name.split(".")[0].replace("_", "-")].append((r["pid"], r["device"]))
+    gen1 = {pid: d for pid, d in devices["generator-1"]}
+    assert old in gen1 and len(gen1) == 2  # the lost process and the one started again
+    assert set(gen1.values()) == {"cuda:1"}  # both on the device placement gives it
+    assert {d for _, d in devices["generator-0"]} == {"cuda:0"}
+    assert {d for _, d in devices["trainer-0"]} == {"cuda:3"}
