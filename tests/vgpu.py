@@ -184,7 +184,10 @@ class VirtualCuda(TorchFunctionMode):
             target = _virtual(kwargs["device"])
             if target is not None and target != "cpu":
                 kwargs["device"] = "cpu"
-        known = {tag_of(t) for t in _tensors((args, kwargs)) if t.dim() > 0} - {None}
+        checked = (args, kwargs)
+        if name in ("__getitem__", "__setitem__") and args:  # indices may be on the CPU
+            checked = (args[0], args[2:])
+        known = {tag_of(t) for t in _tensors(checked) if t.dim() > 0} - {None}
         if name not in _CROSS and len(known) > 1:
             where = ", ".join(
                 f"{tuple(t.shape)} on {tag_of(t)}"

@@ -2,8 +2,9 @@
 
 Two runs that differ only in the transformer's size (the tiny SD3, and one 250 MB wider):
 what a process's peak grows by between them is what it holds of the model. The driver holds
-none of it: the weights go from trainer 0 to the generators and to the disk, and the final
-state a caller gets is read from the saved files when it is used.
+none of it: the weights and the evaluation's moving average go from trainer 0 to the
+generators and to the disk, and the final state a caller gets is read from the saved files
+when it is used.
 """
 
 from __future__ import annotations
@@ -25,8 +26,17 @@ ARGS += ["runtime.sync_bucket_mb=16", "model.dtype=float32"]  # buckets: a small
 
 
 def _peaks(out: Path, *extra: str) -> dict[str, float]:
-    """The run's largest peak of each process kind, in GB (the driver's to the run's end)."""
-    cmd = [sys.executable, "-m", "cli.main", "run", *ARGS, "--out", str(out), *extra]
+    """The run's largest peak of each process kind, in GB (the driver's to the run's end).
+    It evaluates the trainers' moving average before the first step and after the last."""
+    out.mkdir(parents=True)
+    (out / "eval.txt").write_text("a red apple\n")
+    evaluation = [
+        "eval.every=2",
+        "eval.ema=0.9",
+        "eval.samples=1",
+        f"eval.prompts={out / 'eval.txt'}",
+    ]
+    cmd = [sys.executable, "-m", "cli.main", "run", *ARGS, *evaluation, "--out", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]

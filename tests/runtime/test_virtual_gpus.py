@@ -50,6 +50,7 @@ out = {
     "other_module": refused(lambda: lin(torch.ones(2, 3, device="cuda:0"))),
     "missing": refused(lambda: torch.ones(2, device="cuda:4")),
     "scalar": refused(lambda: a * torch.tensor(2.0).cpu()),
+    "index": refused(lambda: a[torch.tensor([1, 0]).cpu()]),
     "moved_back": str(a.cpu().device),
     "left_alone": str(torch.ones(2).device),
 }
@@ -78,6 +79,7 @@ def test_virtual_devices_answer_as_gpus_and_refuse_what_cuda_refuses() -> None:
     assert "cuda:0, cuda:1" in got["other_module"]
     assert "cuda:4 does not exist" in got["missing"]
     assert got["scalar"] is None  # a 0-dim CPU tensor meets any device, as in torch
+    assert got["index"] is None  # and CPU indices index a GPU tensor
 
 
 _RPC = r"""
@@ -307,3 +309,37 @@ def test_an_elastic_run_loses_a_generator_and_takes_it_back(tmp_path: Path) -> N
     assert set(gen1.values()) == {"cuda:1"}  # both on the device placement gives it
     assert {d for _, d in devices["generator-0"]} == {"cuda:0"}
     assert {d for _, d in devices["trainer-0"]} == {"cuda:3"}
+
+
+_EVAL_COPY = r"""
+import json, torch
+import vgpu
+from digen.presets import preset
+from digen import load_config
+from digen.runtime.worker.policy import Policy
+
+cfg = load_config(base=preset("flux", "nft", mode="disaggregated"),
+                  overrides=["model.flavour=tiny", "model.device=cuda:1"])
+policy = Policy(cfg, trainable=False)
+named = policy.synced_parameters()
+live = {n: p.detach().cpu().clone() for n, p in named}
+average = {n: v + 1 for n, v in live.items()}
+policy.set_eval_weights(average)
+out = {"kept_on": sorted({str(vgpu.tag_of(t)) for t in policy.eval_weights})}
+with policy.evaluation_weights():
+    out["inside"] = all(torch.equal(p.detach().cpu(), average[n].to(p.dtype)) for n, p in named)
+    out["device"] = sorted({str(p.device) for _, p in named})
+out["after"] = all(torch.equal(p.detach().cpu(), live[n]) for n, p in named)
+print(json.dumps(out))
+"""
+
+
+def test_a_generator_keeps_the_evaluation_average_on_the_host() -> None:
+    """The moving average a generator evaluates with (``eval.ema``) waits on the host and is
+    copied into the weights for each evaluation batch, the weights aside on the host: the
+    GPU holds one copy of the model, not two; after the batch the weights are back, bit for
+    bit."""
+    done = _python(_EVAL_COPY, vgpu.env(2), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"kept_on": ["cpu"], "inside": True, "device": ["cuda:1"], "after": True}
