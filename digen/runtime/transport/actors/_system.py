@@ -299,7 +299,7 @@ def _said_if_failed(retirement: asyncio.Task) -> None:
     """Log a lost worker that could not be ended or unlisted (a later join may then fail)."""
     if not retirement.cancelled() and retirement.exception() is not None:
         logging.getLogger("digen").warning(
-            f"{retirement.exception()}; a process joining the world later may fail to."
+            f"{retirement.exception()}; a process joining the world later may fail to join."
         )
 
 
@@ -399,7 +399,8 @@ class ActorSystem:
             )
         if join_secret is not None:
             check_secret(join_secret, "join_secret")
-        mapped = [w.name for w in (*workers, *[joiners] * (joiners is not None)) if w.device_maps]
+        offered = [joiners] if joiners is not None else []
+        mapped = [w.name for w in [*workers, *offered] if w.device_maps]
         if elastic and mapped:
             raise ValueError(
                 f"an elastic world stages tensors through the CPU, so its workers take no "
