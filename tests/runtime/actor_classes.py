@@ -1,4 +1,5 @@
-"""Actor classes and functions for test_actors.py; a plain module so spawned workers import it."""
+"""Actor classes and functions for test_actors.py and test_elastic.py; a plain module so
+spawned workers import it."""
 
 from __future__ import annotations
 
@@ -78,3 +79,19 @@ def where_am_i(a: int, b: int) -> tuple[int, int]:
 
 def echo(x: object) -> object:
     return x
+
+
+def knows(wire_as: str) -> bool:
+    """Whether this process's RPC agent has tables for the member named ``wire_as``."""
+    import torch.distributed.rpc as rpc
+
+    try:
+        rpc.get_worker_info(wire_as)
+    except RuntimeError:
+        return False
+    return True
+
+
+def pid_of(worker: str) -> int:
+    """Worker-to-worker: the process id of ``worker`` as this process reaches it by name."""
+    return run_sync(worker, os.getpid)

@@ -353,7 +353,7 @@ class TestSharedSystem:
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_an_elastic_system_starts_a_lost_worker_again_under_its_name() -> None:
-    """A dynamic RPC world: a killed worker is evicted and a new process joins under its
+    """A dynamic RPC world: a killed worker is started again, a new process under its
     name, twice; the new one answers calls, the others keep their state, each loss is
     reported once, and stop leaves no process."""
     names = ["generator-0", "generator-1", "trainer-0"]

@@ -9,6 +9,8 @@ maybe more made behind it), and the run cannot end without remaking it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -19,8 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from actor_classes import Accumulator, knows, pid_of
 from helpers import digen_join, process_alive, read_jsonl, run_config, said_one_line
 from safetensors.torch import load_file
+
+from digen.runtime.transport.actors import ActorSystem, WorkerSpec
+from digen.runtime.transport.actors import _system as system_module
+from digen.runtime.transport.actors._transport import _TOKEN_KEY, wire
 
 # whole runs of worker processes, one of them killed: minutes in all
 pytestmark = pytest.mark.slow
@@ -191,8 +200,9 @@ def _wait_for(what: str, ready, proc: subprocess.Popen) -> None:
     ("sig", "extra"),
     [
         (signal.SIGKILL, ()),
-        # a hung generator, lost to its heartbeat: its process is ended before the new one
-        (signal.SIGSTOP, ("runtime.heartbeat_s=4",)),
+        # a hung generator, lost to its heartbeat: its process is ended before the new one.
+        # The heartbeat is generous: on a loaded machine a live worker can miss a short one.
+        (signal.SIGSTOP, ("runtime.heartbeat_s=30",)),
     ],
 )
 def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_happened(
@@ -309,3 +319,134 @@ def _marks(out: Path) -> list[tuple[str, str]]:
     doc = json.loads((out / "trace.json").read_text())["traceEvents"]
     lanes = {e["pid"]: e["args"]["name"] for e in doc if e["name"] == "process_name"}
     return [(e["name"], lanes[e["pid"]]) for e in doc if e["ph"] == "i"]
+
+
+# --------------------------------------------------------------------------------------
+# The elastic world under the runs
+# --------------------------------------------------------------------------------------
+
+GENERATORS = ["generator-0", "generator-1"]
+
+
+def _members() -> list[str]:
+    """The wire names on the dynamic world's list of members (what a joiner greets), as the
+    driver's agent (this process's) keeps it in its store."""
+    names = dist.PrefixStore("names", rpc.api._get_current_rpc_agent().store)
+    entries = names.get("_ALL_WORKER_INFOS").decode().split(",")
+    return sorted(entry.rsplit("-", 1)[0] for entry in entries if entry)
+
+
+@pytest.mark.asyncio
+async def test_each_process_of_a_worker_has_its_own_wire_name_and_none_is_forgotten() -> None:
+    """A killed worker started twice: each process joins under a wire name of its own, so
+    no name is taken again while a member still has tables for it; every member keeps the
+    tables of the lost processes (nothing takes the leave path that erases them), the lost
+    ones are off the list a joiner greets, and a worker's call by name reaches the newest."""
+    system = ActorSystem([WorkerSpec(n) for n in GENERATORS], stop_timeout_s=1.0, elastic=True)
+    await system.start()
+    try:
+        assert [wire(n) for n in GENERATORS] == ["generator_0:0", "generator_1:0"]
+        for again in (1, 2):
+            old, gone = system.pids()["generator-1"], wire("generator-1")
+            os.kill(old, signal.SIGKILL)
+            died = await asyncio.wait_for(system.next_loss(), 120)
+            assert (died.worker, died.pid) == ("generator-1", old)
+            await asyncio.wait_for(system.respawn("generator-1"), 300)
+            new = system.pids()["generator-1"]
+            assert wire("generator-1") == f"generator_1:{again}" != gone
+            acc = system.actor("generator-1", Accumulator, 2)
+            assert await acc.call("pid") == new != old
+            lost = [f"generator_1:{n}" for n in range(again)]
+            assert all(knows(name) for name in lost)  # the driver's tables
+            for name in lost:  # and a worker's
+                assert await system.run("generator-0", knows, name)
+            assert await system.run("generator-0", pid_of, "generator-1") == new
+            assert _members() == ["driver", "generator_0:0", f"generator_1:{again}"]
+    finally:
+        await system.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_hung_worker_leaves_the_list_only_once_its_process_is_reaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that stops answering (SIGSTOP) is lost to its heartbeat while its process
+    still exists: it is killed and reaped first, and only then taken off the list of
+    members; a restart then joins. The heartbeat is generous (the live worker is idle)."""
+    unlisted: list[tuple[str, bool]] = []
+    unlist = system_module._unlist
+
+    def recorded(gone: str) -> None:
+        unlisted.append((gone, process_alive(victim)))
+        unlist(gone)
+
+    monkeypatch.setattr(system_module, "_unlist", recorded)
+    specs = [WorkerSpec(n) for n in GENERATORS]
+    system = ActorSystem(specs, stop_timeout_s=1.0, elastic=True, heartbeat_s=10.0)
+    await system.start()
+    try:
+        victim = system.pids()["generator-1"]
+        os.kill(victim, signal.SIGSTOP)
+        died = await asyncio.wait_for(system.next_loss(), 300)
+        assert (died.worker, died.exitcode, died.silent_s) == ("generator-1", None, 10.0)
+        await asyncio.wait_for(system.respawn("generator-1"), 300)
+        assert unlisted == [("generator_1:0", False)]
+        assert not process_alive(victim)
+        acc = system.actor("generator-1", Accumulator, 2)
+        assert await acc.call("pid") == system.pids()["generator-1"] != victim
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+        await system.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_failure_while_holding_the_membership_token_releases_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The list of members is edited holding the world's membership token, which every
+    join takes too. An edit that fails (injected) is said by the restart that needed it,
+    and leaves the token free: the next restart unlists and joins."""
+    failing = True
+    without = system_module._without
+
+    def broken(members: str, gone: str) -> str:
+        if failing:
+            raise OSError("injected failure")
+        return without(members, gone)
+
+    monkeypatch.setattr(system_module, "_without", broken)
+    system = ActorSystem([WorkerSpec(n) for n in GENERATORS], stop_timeout_s=1.0, elastic=True)
+    await system.start()
+    try:
+        os.kill(system.pids()["generator-1"], signal.SIGKILL)
+        await asyncio.wait_for(system.next_loss(), 120)
+        with pytest.raises(RuntimeError, match=r"off the RPC world's list \(OSError: injected"):
+            await asyncio.wait_for(system.respawn("generator-1"), 300)
+        agent = rpc.api._get_current_rpc_agent()
+        assert agent.store.get(_TOKEN_KEY) == b""  # free: joins are not blocked
+        failing = False
+        await asyncio.wait_for(system.respawn("generator-1"), 300)
+        acc = system.actor("generator-1", Accumulator, 2)
+        assert await acc.call("pid") == system.pids()["generator-1"]
+        assert _members() == ["driver", "generator_0:0", "generator_1:1"]
+    finally:
+        await system.stop()
+
+
+def test_an_elastic_world_stages_tensors_through_the_cpu() -> None:
+    """Joins rewrite the agents' device tables while RPC threads read them, and a joiner
+    has no map: an elastic world takes no device maps, and a run's cluster sets none."""
+    from digen import load_config
+    from digen.runtime.driver.cluster import Cluster
+
+    mapped = WorkerSpec("generator-0", device_maps={"generator-1": {"cuda:0": "cuda:1"}})
+    with pytest.raises(ValueError, match=r"stages tensors through the CPU.*\['generator-0'\]"):
+        ActorSystem([mapped, WorkerSpec("generator-1")], elastic=True)
+    ActorSystem([mapped, WorkerSpec("generator-1")])  # a static world may map devices
+    for flag in ("runtime.respawn_generators=true", "runtime.accept_generators=true"):
+        overrides = ["runtime.generators=2", flag]
+        cfg = load_config(None, overrides, {}, model="sd3", mode="disaggregated")
+        cluster = Cluster(cfg, join_secret="0123456789abcdef")
+        assert cluster.direct is False and cluster.system.elastic
+        assert all(not w.device_maps for w in cluster.system.workers)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from digen.runtime.transport.actors._transport import _RANKS_KEY, _client_store
+from digen.runtime.transport.actors._transport import _RANKS_KEY, _client_store, wire_name
 from digen.runtime.transport.join_secret import SECRET_ENV, proof, proven
 
 HELLO_KEY = "digen/join/hello"
@@ -182,7 +182,8 @@ class JoinDesk:
             self._number += 1
             self._pending[name] = joiner
         rank = self._store.add(_RANKS_KEY, 1)
-        body = json.dumps({"name": name, "rank": rank, "offer": self._offer})
+        wire_as = wire_name(name, 0)  # a new name: its first incarnation
+        body = json.dumps({"name": name, "wire": wire_as, "rank": rank, "offer": self._offer})
         signed = proof(self._secret, "driver", self._nonce, joiner, body)
         return answer_key(joiner), json.dumps({"answer": body, "proof": signed})
 
@@ -206,10 +207,11 @@ class JoinDesk:
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """What the driver gave this joiner: its name and rank in the world, the offer, and the
-    proof its arrival call carries."""
+    """What the driver gave this joiner: its name, the name it joins the RPC world under
+    (``wire``) and its rank there, the offer, and the proof its arrival call carries."""
 
     name: str
+    wire: str
     rank: int
     offer: dict[str, Any]
     arrival_proof: str
@@ -253,6 +255,5 @@ def ask_to_join(store: Any, secret: str, where: str, host: str, pid: int, deadli
         )
     given = json.loads(body)
     name = given["name"]
-    return Slot(
-        name, int(given["rank"]), given["offer"], proof(secret, "arrive", driver, joiner, name)
-    )
+    arrival_proof = proof(secret, "arrive", driver, joiner, name)
+    return Slot(name, given["wire"], int(given["rank"]), given["offer"], arrival_proof)

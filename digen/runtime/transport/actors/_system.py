@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import dataclasses
 import itertools
+import logging
 import multiprocessing
 import multiprocessing.util  # its atexit join must be registered before ours
 import os
@@ -43,16 +44,20 @@ from digen.runtime.transport.actors._spec import ExternalLaunch, WorkerSpec
 from digen.runtime.transport.actors._transport import (
     _LISTEN_FDS,
     _RANKS_KEY,
+    _assign_wire,
     _backend_options,
     _bridge,
     _forget_earlier_worlds,
     _joined,
+    _membership_token,
     _quiet_rpc_init_warning,
+    _release_token_of,
     _rendezvous_url,
     _set_dynamic,
     _world_store,
     payload_bytes,
     wire,
+    wire_name,
 )
 from digen.runtime.transport.actors._worker import _has_joined, _worker_main
 from digen.runtime.transport.forkserver import patched_env
@@ -64,6 +69,8 @@ _DEATH_GRACE_S = 0.5
 """How long a failed RPC waits for its worker's exit status before calling it a live error."""
 _EXIT_RPC_TIMEOUT_S = 2.0
 _SHUTDOWN_TIMEOUT_S = 10.0
+_REAP_TIMEOUT_S = 10.0
+"""How long a lost worker's process may take to exit after SIGKILL before it counts as stuck."""
 _REMOTE_MARK = re.compile(r"^On WorkerInfo\(|^Error on Node |\n\nAt:\n")
 """Torch's wording for failures it caught in Python code (remote or local), as opposed to
 the transport's ("EOF: end of file (this error originated at tensorpipe/...)")."""
@@ -262,50 +269,38 @@ def _rebuild_handle(worker: str, actor_id: int, cls_name: str) -> ActorHandle:
     return ActorHandle(worker, actor_id, cls_name, ActorSystem._active)
 
 
-def _unlist(worker: str) -> tuple[Any, Any]:
-    """Take lost ``worker`` off the dynamic world's list of members (in the agent's store),
-    so that a process joining later does not greet it: a join greets every listed member,
-    and a dead one would fail it. Returns the agent and the lost member's info."""
-    from torch.distributed.rpc._utils import _group_membership_management
+def _without(members: str, gone: str) -> str:
+    """A dynamic world's list of members (``name-rank,`` entries) without ``gone``'s entry."""
+    kept = [entry for entry in members.split(",") if entry and entry.rsplit("-", 1)[0] != gone]
+    return "".join(f"{entry}," for entry in kept)
 
+
+def _unlist(gone: str) -> None:
+    """Take ``gone``, the wire name of a lost worker's process (reaped, or out of reach), off
+    the dynamic world's list of members in the agent's store, so that a process joining
+    later does not greet it: a join greets every listed member, and a gone one would fail
+    it. A process killed in the middle of its own join still holds the world's membership
+    token; it is released on its behalf first.
+
+    Only the list changes. Every agent keeps its tables of ``gone``: torch's leave path
+    (``updateGroupMembership`` with ``isJoin=false``) erases them without the lock the
+    agent's RPC threads take to read them, and wipes every reverse device map, so nothing
+    here calls it. Nothing addresses ``gone`` again either: a process that takes the lost
+    worker's place joins under a wire name of its own (:func:`wire_name`)."""
     agent = rpc.api._get_current_rpc_agent()
-    gone = agent.get_worker_info(wire(worker))
+    _release_token_of(agent.store, gone)
     names = torch.distributed.PrefixStore("names", agent.store)  # the agent's list of members
-    token = f"{DRIVER}-unlists-{worker}-{gone.id}"
-    with _group_membership_management(agent.store, token, True):
+    with _membership_token(agent.store, f"{DRIVER}-unlists-{gone}"):
         members = names.get("_ALL_WORKER_INFOS").decode()
-        names.set("_ALL_WORKER_INFOS", members.replace(f"{gone.name}-{gone.id},", ""))
-    return agent, gone
+        names.set("_ALL_WORKER_INFOS", _without(members, gone))
 
 
-def _evict(worker: str) -> None:
-    """Take lost ``worker`` out of this process's dynamic RPC world, as its own graceful leave
-    would have: off the list (:func:`_unlist`), and every live member (this one included)
-    forgets it, so that a process can join under its name again. Torch's dynamic groups have
-    no call for a member that died without leaving; this is what ``rpc.shutdown`` does on a
-    member's behalf (checked on the pinned torch by the tests).
-
-    Forgetting a member edits the agent's tables without the lock its own threads take to
-    read them, so it is done only when a process is about to take the name again
-    (:meth:`ActorSystem.respawn`), not at every loss: a loss only unlists."""
-    from torch.distributed.rpc._utils import _group_membership_management, _update_group_membership
-
-    agent, gone = _unlist(worker)
-    token = f"{DRIVER}-evicts-{worker}-{gone.id}"
-    with _group_membership_management(agent.store, token, True):
-        for peer in agent.get_worker_infos():
-            if peer.name == gone.name:
-                continue
-            if peer.id == agent.get_worker_info().id:
-                agent._update_group_membership(gone, [], {}, False)
-                continue
-            with contextlib.suppress(Exception):  # another lost one: evicted in its turn
-                rpc.rpc_sync(
-                    peer.name,
-                    _update_group_membership,
-                    args=(gone, [], {}, False),
-                    timeout=_PROBE_TIMEOUT_S,
-                )
+def _said_if_failed(retirement: asyncio.Task) -> None:
+    """Log a lost worker that could not be ended or unlisted (a later join may then fail)."""
+    if not retirement.cancelled() and retirement.exception() is not None:
+        logging.getLogger("digen").warning(
+            f"{retirement.exception()}; a process joining the world later may fail to join."
+        )
 
 
 def _kill(procs: Any) -> None:
@@ -404,18 +399,27 @@ class ActorSystem:
             )
         if join_secret is not None:
             check_secret(join_secret, "join_secret")
+        offered = [joiners] if joiners is not None else []
+        mapped = [w.name for w in [*workers, *offered] if w.device_maps]
+        if elastic and mapped:
+            raise ValueError(
+                f"an elastic world stages tensors through the CPU, so its workers take no "
+                f"device maps; {mapped} have some."
+            )
         self.join_secret = join_secret
         """What a joining worker must prove it knows (:mod:`._join`)."""
         self.elastic = elastic
         """A dynamic RPC world (``init_rpc`` without a world size): a lost worker can be
-        evicted and a new process join under its name (:meth:`respawn`)."""
+        started again (:meth:`respawn`), a new process under a wire name of its own
+        (:func:`wire_name`). Tensors travel through the CPU (no device maps)."""
         self.joiners = joiners
         """What a process joining the running world becomes (:func:`join_world`): this
         spec, named after it with the next free number (``generator`` -> ``generator-2``
         when ``generator-0`` and ``generator-1`` exist). None: no joins."""
         self._specs = {w.name: w for w in workers}
-        self._evictions: dict[str, asyncio.Task] = {}
-        self._unlistings: dict[str, asyncio.Task] = {}
+        self._retirements: dict[str, asyncio.Task] = {}
+        self._incarnations: dict[str, int] = {}  # worker -> number of its latest process
+        self._rejoining: set[str] = set()  # started again, not joined yet: no heartbeat
         self._arrivals: asyncio.Queue[Arrival] | None = None
         self._desk: JoinDesk | None = None
         self._url: str | None = None
@@ -469,8 +473,10 @@ class ActorSystem:
             self._open_to_joiners(self.joiners)
         if self._dead:  # lost between forming the world and now
             self._lost.set_result(next(iter(self._dead.values())))
-            for died in self._dead.values():
+            for name, died in self._dead.items():
                 self._losses.put_nowait(died)
+                if self.elastic:
+                    self._retired(name)
         self._watchdog = asyncio.create_task(self._watch(), name="digen-actor-watchdog")
 
     async def lost(self) -> WorkerDied:
@@ -519,6 +525,7 @@ class ActorSystem:
             if self._state != "running" or name in self._specs:
                 return
             spec = dataclasses.replace(template, name=name)
+            _assign_wire(name, wire_name(name, 0))  # what the join desk gave it
             self.workers += (spec,)
             self._specs[name] = spec
             self._pending[name] = set()
@@ -650,65 +657,66 @@ class ActorSystem:
             return False
 
     async def respawn(self, worker: str) -> None:
-        """Start lost ``worker`` again (elastic world only): the dead process's rank is
-        evicted from the world, and a new process joins under the same name with a fresh
-        rank. Returns once it has joined; its actors are gone with the old process."""
+        """Start lost ``worker`` again (elastic world only). Its old process is ended first
+        (killed if it still runs, hung) and reaped, and only then taken off the world's list
+        of members; a new process joins under the same worker name with a wire name and a
+        rank of its own. Returns once it has joined; its actors are gone with the old
+        process. Raises RuntimeError when the old process cannot be ended or unlisted (a
+        later call tries again)."""
         if not self.elastic:
             raise RuntimeError("only an elastic ActorSystem can start a worker again.")
         if worker not in self._dead:
             raise RuntimeError(f"worker {worker!r} is not lost; only a lost worker restarts.")
         if worker not in self._procs:
             raise RuntimeError(f"worker {worker!r} was not started here; it cannot restart here.")
-        await self._evicted(worker)
-        if _joined(worker):
-            raise RuntimeError(f"worker {worker!r} could not be evicted from the RPC world.")
         beat = self._heartbeats.pop(worker, None)
         if beat is not None:
             beat.cancel()
-        old = self._procs.pop(worker, None)
-        if old is not None:  # a hung one (lost to its heartbeat) still runs: end it first
-            if old.exitcode is None:
-                old.kill()
-                await asyncio.to_thread(old.join, 10.0)
-            with contextlib.suppress(ValueError):
-                old.close()
+        await self._retired(worker)
+        old = self._procs.pop(worker)
+        with contextlib.suppress(ValueError):
+            old.close()
         del self._dead[worker]
-        self._evictions.pop(worker, None)
-        self._unlistings.pop(worker, None)
+        self._retirements.pop(worker, None)
         self._pending[worker] = set()
         assert self._url is not None
         rank = _world_store().add(_RANKS_KEY, 1)
-        self._spawn_one(self._specs[worker], rank, None, self._url)
-        await self._joined_all([worker], time.monotonic() + self.start_timeout_s, self._url)
+        self._rejoining.add(worker)
+        try:
+            self._spawn_one(self._specs[worker], rank, None, self._url)
+            await self._joined_all([worker], time.monotonic() + self.start_timeout_s, self._url)
+        finally:
+            self._rejoining.discard(worker)
 
-    def _evicted(self, worker: str) -> asyncio.Task:
-        """Lost ``worker`` out of the dynamic world (:func:`_evict`), once, after it is off
-        the list (:meth:`_unlisted`)."""
-        task = self._evictions.get(worker)
-        if task is None:
-            listed = self._unlisted(worker)
+    def _retired(self, worker: str) -> asyncio.Task:
+        """Lost ``worker``'s process ended and off the world's list of members, once per loss
+        (again after a failure): killed if it still runs, reaped, and only then unlisted
+        (:func:`_unlist`); a worker started elsewhere has no process here to end."""
+        task = self._retirements.get(worker)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.ensure_future(self._retire(worker, wire(worker)))
+            task.add_done_callback(_said_if_failed)
+            self._retirements[worker] = task
+        return task
 
-            async def evict() -> None:
-                await listed
-                await self._in_thread(
-                    lambda: _evict(worker), self.start_timeout_s, f"evict-{worker}"
+    async def _retire(self, worker: str, gone: str) -> None:
+        proc = self._procs.get(worker)
+        if proc is not None:
+            if proc.exitcode is None:  # hung (lost to its heartbeat), or still on its way out
+                proc.kill()
+            await asyncio.to_thread(proc.join, _REAP_TIMEOUT_S)
+            if proc.exitcode is None:
+                raise RuntimeError(
+                    f"worker {worker!r} (pid {proc.pid}) did not exit within "
+                    f"{_REAP_TIMEOUT_S:g} s of SIGKILL, so it stays on the RPC world's list"
                 )
-
-            task = asyncio.ensure_future(evict())
-            self._evictions[worker] = task
-        return task
-
-    def _unlisted(self, worker: str) -> asyncio.Task:
-        """Lost ``worker`` off the world's list of members (:func:`_unlist`), once: a member
-        that died without leaving would fail every later join, which greets every listed
-        member."""
-        task = self._unlistings.get(worker)
-        if task is None:
-            task = asyncio.ensure_future(
-                self._in_thread(lambda: _unlist(worker), self.start_timeout_s, f"unlist-{worker}")
-            )
-            self._unlistings[worker] = task
-        return task
+        try:
+            await self._in_thread(lambda: _unlist(gone), self.start_timeout_s, f"unlist-{worker}")
+        except Exception as exc:
+            raise RuntimeError(
+                f"lost worker {worker!r} could not be taken off the RPC world's list "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
 
     def _spawn(self, env: dict[str, str], url: str, world: int | None) -> None:
         for rank, spec in enumerate(self.workers, start=1):
@@ -717,11 +725,16 @@ class ActorSystem:
     def _spawn_one(self, spec: WorkerSpec, rank: int, world: int | None, url: str) -> None:
         from digen.runtime.transport import forkserver
 
+        wire_as = spec.name
+        if self.elastic:  # each process of a worker under a name of its own
+            number = self._incarnations[spec.name] = self._incarnations.get(spec.name, -1) + 1
+            wire_as = wire_name(spec.name, number)
+            _assign_wire(spec.name, wire_as)
         env = self._env
         child_env = {**os.environ, **env, "OMP_NUM_THREADS": str(spec.threads), **spec.env}
         proc = forkserver.process(
             _worker_main,
-            (spec, rank, world, url, self.rpc_timeout_s),
+            (spec, rank, world, url, self.rpc_timeout_s, wire_as),
             env=child_env,
             name=f"digen-{spec.name}",
             # Not daemonic: daemonic processes may not start children (DataLoader
@@ -759,7 +772,7 @@ class ActorSystem:
         self._reap()
         for task in [*self._probes.values(), *self._heartbeats.values()]:
             task.cancel()
-        for task in [*self._evictions.values(), *self._unlistings.values()]:
+        for task in self._retirements.values():
             task.cancel()
         for futs in self._pending.values():
             for fut in futs:
@@ -774,9 +787,10 @@ class ActorSystem:
             # Answers only tell us the message was delivered; a stuck worker is killed below.
             await asyncio.gather(*asks, return_exceptions=True)
         if was_running:
-            await self._in_thread(
-                lambda: rpc.shutdown(graceful=False), _SHUTDOWN_TIMEOUT_S, "rpc-shutdown"
-            )
+            with contextlib.suppress(Exception):  # a stop goes on to kill what is left
+                await self._in_thread(
+                    lambda: rpc.shutdown(graceful=False), _SHUTDOWN_TIMEOUT_S, "rpc-shutdown"
+                )
         deadline = time.monotonic() + self.stop_timeout_s
         while any(p.exitcode is None for p in self._procs.values()):
             if time.monotonic() > deadline:
@@ -803,19 +817,31 @@ class ActorSystem:
 
     @staticmethod
     async def _in_thread(fn: Callable[[], None], timeout_s: float, name: str) -> None:
-        """Run ``fn`` on a daemon thread and stop waiting for it after ``timeout_s``."""
+        """Run ``fn`` on a daemon thread and wait for it: its exception is raised here, and
+        TimeoutError after ``timeout_s`` (it runs on, unwatched)."""
         loop = asyncio.get_running_loop()
-        out = loop.create_future()
+        out: asyncio.Future[None] = loop.create_future()
+        out.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if too late
+
+        def settle(error: BaseException | None) -> None:
+            if out.done():
+                return
+            if error is None:
+                out.set_result(None)
+            else:
+                out.set_exception(error)
 
         def run() -> None:
-            with contextlib.suppress(BaseException):
+            error = None
+            try:
                 fn()
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(lambda: out.done() or out.set_result(None))
+            except BaseException as exc:  # noqa: BLE001 (handed to the waiting loop)
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop may be closed by now
+                loop.call_soon_threadsafe(settle, error)
 
         threading.Thread(target=run, name=f"digen-{name}", daemon=True).start()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(out), timeout_s)
+        await asyncio.wait_for(asyncio.shield(out), timeout_s)
 
     # ---- watchdog -------------------------------------------------------------------
 
@@ -836,7 +862,7 @@ class ActorSystem:
         if first and self._state == "running" and self._losses is not None:
             self._losses.put_nowait(died)
             if self.elastic:
-                self._unlisted(worker)
+                self._retired(worker)
 
     async def _watch(self) -> None:
         next_beat = time.monotonic()
@@ -847,7 +873,9 @@ class ActorSystem:
                 next_beat = time.monotonic() + self.heartbeat_s / 4
                 for w in self.workers:
                     beat = self._heartbeats.get(w.name)
-                    if w.name not in self._dead and (beat is None or beat.done()):
+                    if w.name in self._dead or w.name in self._rejoining:
+                        continue
+                    if beat is None or beat.done():
                         self._heartbeats[w.name] = asyncio.create_task(
                             self._heartbeat(w.name), name=f"digen-heartbeat-{w.name}"
                         )

@@ -160,17 +160,106 @@ def _forget_earlier_worlds() -> None:
 _DYNAMIC = False
 """This process is in a dynamic RPC world (ranks join and leave: an elastic system)."""
 
+_WIRES: dict[str, str] = {}
+"""Worker name -> the wire name of the incarnation this process addresses under it: the
+driver's map (it sets an entry for every process it starts or takes in), and in a worker its
+own name."""
+
+_NEWEST: dict[str, tuple[int, str]] = {}
+"""Worker name -> (members this process knew, the newest incarnation among them): a cache."""
+
+
+def wire_name(name: str, incarnation: int) -> str:
+    """The RPC name of incarnation ``incarnation`` (0 for the first process) of worker
+    ``name`` in a dynamic world: ``generator-1`` -> ``generator_1:0``, ``generator_1:1``, ...
+
+    A dynamic world keeps its members as one string of ``name-rank,`` entries split at the
+    dashes, so dashes travel as underscores; and torch's agents keep a member's tables as
+    long as they run (they are never erased: see ``_system``), so a process that takes a
+    lost worker's place needs a name no agent has seen."""
+    return f"{name.replace('-', '_')}:{incarnation}"
+
 
 def wire(name: str) -> str:
-    """Worker ``name`` as the RPC world knows it. A dynamic world keeps its members as one
-    string of ``name-rank,`` entries split at the dashes, so there the dashes of digen's
-    names (``generator-1``) travel as underscores."""
-    return name.replace("-", "_") if _DYNAMIC else name
+    """Worker ``name`` as the RPC world knows it now: in a static world the name itself; in
+    a dynamic world the wire name of its incarnation this process addresses: the driver's
+    map, else the newest incarnation this process has met (the driver starts using an
+    incarnation only once every member has met it)."""
+    if not _DYNAMIC:
+        return name
+    known = _WIRES.get(name)
+    return known if known is not None else _newest_incarnation(name)
+
+
+def _assign_wire(name: str, wire_as: str) -> None:
+    """From now on, this process addresses worker ``name`` as ``wire_as``."""
+    _WIRES[name] = wire_as
+
+
+def _newest_incarnation(name: str) -> str:
+    infos = rpc.api._get_current_rpc_agent().get_worker_infos()
+    cached = _NEWEST.get(name)
+    if cached is not None and cached[0] == len(infos):  # members are never taken out
+        return cached[1]
+    prefix = wire_name(name, 0)[:-1]
+    found = [
+        (int(info.name[len(prefix) :]), info.name)
+        for info in infos
+        if info.name.startswith(prefix) and info.name[len(prefix) :].isdigit()
+    ]
+    newest = max(found)[1] if found else name  # none: torch names the unknown worker
+    _NEWEST[name] = (len(infos), newest)
+    return newest
 
 
 def _set_dynamic(on: bool) -> None:
     global _DYNAMIC
     _DYNAMIC = on
+    _WIRES.clear()
+    _NEWEST.clear()
+
+
+_TOKEN_KEY = "RpcGroupManagementToken"
+"""Torch's store key of a dynamic world's membership token: a process joins (and the driver
+edits the list of members) only while it holds it."""
+
+
+def _token(holder: str) -> str:
+    """The token ``holder`` puts under :data:`_TOKEN_KEY` (torch's spelling, as its joins
+    write it: ``holder`` is a joining process's wire name), and the key whose appearance
+    tells those waiting for it that it was released."""
+    return f"Token_for_{holder}_join"
+
+
+@contextlib.contextmanager
+def _membership_token(store: dist.Store, holder: str) -> Iterator[None]:
+    """Hold the dynamic world's membership token as ``holder`` (torch's protocol, so joins
+    wait for it and it waits for them) and release it however the block ends: torch's own
+    context manager keeps it when its block raises, and every later join then waits for it
+    forever."""
+    mine = _token(holder)
+    store.delete_key(mine)  # left "Done" by an earlier hold: waiters would not wait
+    while True:
+        held_by = store.compare_set(_TOKEN_KEY, "", mine).decode()
+        if held_by == mine:
+            break
+        store.wait([held_by])  # the holder sets this key when it releases the token
+    try:
+        yield
+    finally:
+        store.set(_TOKEN_KEY, "")
+        store.set(mine, "Done")
+
+
+def _release_token_of(store: dist.Store, holder: str) -> bool:
+    """Release the membership token if ``holder`` (a process known to be gone, killed in the
+    middle of its join) holds it; whether it did."""
+    theirs = _token(holder)
+    if not store.check([_TOKEN_KEY]) or store.get(_TOKEN_KEY).decode() != theirs:
+        return False
+    store.compare_set(_TOKEN_KEY, theirs, "")  # a gone holder's: nobody else takes it meanwhile
+    store.set(theirs, "Done")
+    return True
 
 
 def _joined(name: str) -> bool:

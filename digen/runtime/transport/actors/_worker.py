@@ -31,12 +31,12 @@ from digen.runtime.transport.actors._remote import (
 )
 from digen.runtime.transport.actors._spec import WorkerSpec
 from digen.runtime.transport.actors._transport import (
+    _assign_wire,
     _backend_options,
     _client_store,
     _quiet_rpc_init_warning,
     _rendezvous_url,
     _set_dynamic,
-    wire,
 )
 from digen.runtime.transport.sockets import interface_env
 
@@ -50,11 +50,12 @@ _DRIVER_MISSES = 3
 
 
 def _worker_main(
-    spec: WorkerSpec, rank: int, world: int | None, url: str, rpc_timeout_s: float
+    spec: WorkerSpec, rank: int, world: int | None, url: str, rpc_timeout_s: float, wire_as: str
 ) -> None:
-    """A started worker: serve until the driver says stop, or exit with the driver."""
+    """A started worker: serve as ``wire_as`` until the driver says stop, or exit with the
+    driver."""
     exit_with_parent()  # an orphaned worker must not outlive a killed driver
-    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=False)
+    _serve(spec, wire_as, rank, world, url, rpc_timeout_s, watch_driver=False)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: it adds time and can trip over RPC's native threads.
@@ -88,7 +89,7 @@ def serve_worker(
     os.environ.update(spec.env)
     _bind_to_interface_toward(address)
     url = _rendezvous_url(address, port, start_timeout_s)
-    _serve(spec, rank, world, url, rpc_timeout_s, watch_driver=True)
+    _serve(spec, spec.name, rank, world, url, rpc_timeout_s, watch_driver=True)
     _said_driver_lost(spec.name, address, port)
 
 
@@ -159,7 +160,15 @@ def join_world(
 
     timeout_s = offer["rpc_timeout_s"]
     _serve(
-        spec, slot.rank, None, url, timeout_s, watch_driver=True, joined=announce, own_signals=True
+        spec,
+        slot.wire,
+        slot.rank,
+        None,
+        url,
+        timeout_s,
+        watch_driver=True,
+        joined=announce,
+        own_signals=True,
     )
     if _REFUSED:
         raise JoinRefused(f"the run at {where} did not take {spec.name}: {_REFUSED[0]}.")
@@ -197,6 +206,7 @@ def _said_driver_lost(name: str, address: str, port: int) -> None:
 
 def _serve(
     spec: WorkerSpec,
+    wire_as: str,
     rank: int,
     world: int | None,
     url: str,
@@ -206,7 +216,7 @@ def _serve(
     joined: Callable[[], None] | None = None,
     own_signals: bool = False,
 ) -> None:
-    """Join the world as ``spec.name``, serve until asked to exit, shut RPC down locally;
+    """Join the world as ``spec.name`` (under the wire name ``wire_as``), serve until asked to exit, shut RPC down locally;
     ``joined``: run once the join is complete, before serving. ``own_signals``: Ctrl-C and
     SIGTERM end this process (a worker that joined by itself: its leaving is a loss the
     run goes on from), rather than being left to the driver."""
@@ -222,8 +232,10 @@ def _serve(
     torch.set_num_threads(spec.threads)
     _quiet_rpc_init_warning()
     _set_dynamic(world is None)
+    if world is None:
+        _assign_wire(spec.name, wire_as)
     rpc.init_rpc(
-        wire(spec.name),
+        wire_as,
         rank=rank,
         world_size=world,
         rpc_backend_options=_backend_options(
