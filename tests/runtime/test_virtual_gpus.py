@@ -303,7 +303,7 @@ def test_an_elastic_run_loses_a_generator_and_takes_it_back(tmp_path: Path) -> N
     for r in rows:
         if r["kind"] == "set_device" and r["pid"] in worlds:
             name = worlds[r["pid"]]
-            devices[name.split(".")[0].replace("_", "-")].append((r["pid"], r["device"]))
+            devices[name.split(":")[0].replace("_", "-")].append((r["pid"], r["device"]))
     gen1 = {pid: d for pid, d in devices["generator-1"]}
     assert old in gen1 and len(gen1) == 2  # the lost process and the one started again
     assert set(gen1.values()) == {"cuda:1"}  # both on the device placement gives it

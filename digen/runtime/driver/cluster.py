@@ -339,7 +339,7 @@ class ShardedTrainers:
         "write_checkpoint",
         "ping",
         "statistics",
-        "ema_state",  # gathered from every member's shards
+        "lend_ema",  # gathered from every member's shards
     )
 
     def __init__(self, trainers: Sequence[ActorHandle]) -> None:

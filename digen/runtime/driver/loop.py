@@ -615,10 +615,10 @@ class Driver:
                         raise
                     await self._lose(i, died)
 
-        async def lend(state: Any) -> None:
+        async def lend(buckets: int) -> None:  # generators pull it from trainer 0
             async def to(i: int) -> None:
                 try:
-                    await self.gens[i].call("set_eval_weights", state)
+                    await self.gens[i].call("pull_eval_weights", source, buckets)
                 except WorkerDied as died:
                     if died.worker != self.gens[i].worker:
                         raise
@@ -626,15 +626,18 @@ class Driver:
 
             await asyncio.gather(*(to(i) for i in self.book.alive))
 
-        ema = None
+        buckets, source = 0, self.trainers[0].worker
         if self.cfg.eval.ema > 0:  # the trainers' moving average, lent to the generators
-            ema = await self.trainers[0].call("ema_state")  # sharded: all gather, 0 returns
-            await lend(ema)
+            buckets = await self.trainers[0].call("lend_ema")  # sharded: all gather
+            try:
+                await lend(buckets)
+            finally:
+                await self.trainers[0].call("end_lend")
         try:
             done = await asyncio.gather(*(one(c, b) for c, b in enumerate(batches)))
         finally:
-            if ema is not None:
-                await lend(None)
+            if buckets:
+                await lend(0)
         versions = {v for v, _ in done}
         if len(versions) != 1:
             raise RuntimeError(f"an evaluation met several versions: {sorted(versions)}")

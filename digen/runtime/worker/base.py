@@ -246,8 +246,11 @@ class PolicyActor(WorkerActor):
         return self.policy.sampling_parameters()
 
     def _buckets(self) -> list[list[int]]:
-        max_numel = max(1, int(self.cfg.runtime.sync_bucket_mb * 1e6 / 4))
-        return weight_buckets([p for _, p in self._synced()], max_numel)
+        return self._buckets_of([p for _, p in self._synced()])
+
+    def _buckets_of(self, tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+        """Indices of ``tensors`` in buckets of at most ``runtime.sync_bucket_mb`` (fp32)."""
+        return weight_buckets(tensors, max(1, int(self.cfg.runtime.sync_bucket_mb * 1e6 / 4)))
 
     def broadcast_weights(self, version: int) -> TimedResult:
         """Enter the weight broadcast (every member at once, bucket by bucket): trainer 0

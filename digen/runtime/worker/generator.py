@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from digen.config import DigenConfig
 from digen.runtime.messages import TimedResult
+from digen.runtime.transport.actors import run_sync
 from digen.runtime.worker.base import PolicyActor, pool_config
 from digen.runtime.worker.scorer import EVAL_STEP, Scoring, reward_loop
+from digen.runtime.worker.store import fetch_lent
 from digen.sched.names import Pool, index_of, worker_name
 
 if TYPE_CHECKING:
@@ -54,9 +56,15 @@ class GeneratorActor(PolicyActor):
         self.store.put_pixels((EVAL_STEP, batch), self.policy.evaluate(keys, prompts))
         return self.timed(self.policy.version, t0)
 
-    def set_eval_weights(self, state: dict[str, torch.Tensor] | None) -> None:
-        """Evaluate with ``state`` (trainer 0's moving average, ``eval.ema``) until it is
-        set back to None."""
+    def pull_eval_weights(self, source: str, buckets: int) -> None:
+        """Evaluate with the moving average ``source`` (trainer 0) lends (``eval.ema``),
+        pulled in its ``buckets`` and kept on the host, until called with 0 buckets."""
+        if not buckets:
+            self.policy.set_eval_weights(None)
+            return
+        state: dict[str, torch.Tensor] = {}
+        for b in range(buckets):
+            state.update(run_sync(source, fetch_lent, b))
         self.policy.set_eval_weights(state)
 
     def score_eval(self, *args: Any) -> TimedResult:

@@ -440,13 +440,39 @@ class Policy:
         """The weights evaluation samples with, in place for the block: the moving average
         (``eval.ema``: this trainer's, or trainer 0's as a generator received it), else
         :meth:`sampling_weights`."""
-        kept = self.ema if self.ema is not None else self.eval_weights
-        if kept is None:
+        if self.ema is None and self.eval_weights is not None:
+            with self._host_weights_in_place(self.eval_weights):
+                yield
+            return
+        if self.ema is None:
             with self.sampling_weights():
                 yield
             return
-        with self._weights_in_place(kept):
+        with self._weights_in_place(self.ema):
             yield
+
+    @contextlib.contextmanager
+    def _host_weights_in_place(self, host: list[torch.Tensor]) -> Iterator[None]:
+        """``host`` (host tensors, in :meth:`synced_parameters` order) copied into the
+        weights for the block, the weights aside on the host meanwhile: the device holds
+        one copy of the model, not two."""
+        if self._swapped:
+            raise RuntimeError("weights already stand in for the trained ones")
+        self._swapped = True
+        params = [p for _, p in self.synced_parameters()]
+        try:
+            with torch.no_grad():
+                aside = [p.detach().to("cpu", copy=True) for p in params]
+                for p, h in zip(params, host, strict=True):
+                    p.copy_(h)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for p, a in zip(params, aside, strict=True):
+                        p.copy_(a)
+        finally:
+            self._swapped = False
 
     @contextlib.contextmanager
     def _weights_in_place(self, tensors: list[torch.Tensor] | None) -> Iterator[None]:
@@ -516,12 +542,13 @@ class Policy:
 
     def set_eval_weights(self, state: dict[str, torch.Tensor] | None) -> None:
         """Hold ``state`` (name -> tensor: trainer 0's moving average) as what evaluation
-        samples with, in this copy's device and dtype; None lets it go."""
+        samples with, on the host in this copy's dtype (copied in for each evaluation
+        batch: a generator's device holds one copy of the model); None lets it go."""
         if state is None:
             self.eval_weights = None
             return
         self._check_fits(state)
-        self.eval_weights = [state[n].to(p.device, p.dtype) for n, p in self.synced_parameters()]
+        self.eval_weights = [state[n].to("cpu", p.dtype) for n, p in self.synced_parameters()]
 
     def ema_state(self) -> dict[str, torch.Tensor] | None:
         """Name -> the moving average evaluation samples with (``eval.ema``), or None."""

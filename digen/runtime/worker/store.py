@@ -57,6 +57,7 @@ class Store:
         self.capacity = capacity
         self._items: dict[Key, _Held] = {}
         self._weights: Callable[[int, int, str | None], dict[str, torch.Tensor]] | None = None
+        self._lent: list[dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
 
     def put(
@@ -127,6 +128,19 @@ class Store:
         """Serve weights from ``source(version, bucket, wire)`` (trainer 0's live weights)."""
         with self._lock:
             self._weights = source
+
+    def lend(self, state: list[dict[str, torch.Tensor]] | None) -> None:
+        """Serve ``state`` (buckets of name -> tensor: trainer 0's moving average, for an
+        evaluation) until it is lent again; None: serve none."""
+        with self._lock:
+            self._lent = state
+
+    def lent(self, bucket: int) -> dict[str, torch.Tensor]:
+        with self._lock:
+            lent = self._lent
+        if lent is None:
+            raise RuntimeError("this worker lends no moving average now (trainer 0 does)")
+        return lent[bucket]
 
     def weights(self, version: int, bucket: int = 0, wire: str | None = None) -> dict[str, Any]:
         """Bucket ``bucket`` of the weights of ``version``, on ``wire`` (None: where they are)."""
@@ -218,6 +232,11 @@ def fetch_rollout(
 def fetch_weights(version: int, bucket: int = 0, wire: str | None = None) -> dict[str, Any]:
     """Run in trainer 0: bucket ``bucket`` of its weights of ``version``, on ``wire``."""
     return local_store().weights(version, bucket, wire)
+
+
+def fetch_lent(bucket: int) -> dict[str, torch.Tensor]:
+    """Run in trainer 0: bucket ``bucket`` of the moving average it lends (host tensors)."""
+    return local_store().lent(bucket)
 
 
 def _on(value: Any, wire: str | None) -> Any:

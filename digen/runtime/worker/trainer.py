@@ -145,17 +145,29 @@ class TrainerActor(PolicyActor):
             return list(full.items())
         return super()._synced()
 
-    def ema_state(self) -> dict[str, torch.Tensor] | None:
-        """Name -> CPU copy of the moving average evaluation samples with (``eval.ema``),
-        or None where none is kept. Sharded trainers all call at once, gathering it; trainer
-        0 returns it."""
+    def lend_ema(self) -> int:
+        """Lend the moving average evaluation samples with (``eval.ema``) to the generators,
+        which pull it from trainer 0 bucket by bucket (:func:`~digen.runtime.worker.store.fetch_lent`):
+        it never passes through the driver. Trainer 0 holds a host copy of it until
+        :meth:`end_lend` (the average moves on with training meanwhile); sharded trainers all
+        call at once, gathering it. Returns the bucket count (0: no average kept here)."""
         state = self.policy.ema_state()
         if state is None:
-            return None
+            return 0
         if self.sharded:
-            full = full_tensors(list(state.items()), keep=self.rank == 0)
-            return full if self.rank == 0 else None
-        return {k: v.detach().cpu().clone() for k, v in state.items()}
+            lent = full_tensors(list(state.items()), keep=self.rank == 0)
+            if self.rank != 0:
+                return 0
+        else:
+            lent = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        names = list(lent)
+        buckets = self._buckets_of([lent[n] for n in names])
+        self.store.lend([{names[i]: lent[names[i]] for i in b} for b in buckets])
+        return len(buckets)
+
+    def end_lend(self) -> None:
+        """The evaluation is over: drop the lent copy."""
+        self.store.lend(None)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         if self.sharded:
