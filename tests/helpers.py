@@ -132,3 +132,28 @@ def wider_sd3(directory: Path, *, heads: int, head_dim: int, layers: int) -> int
         model = SD3Transformer2DModel(**config)
         model.save_pretrained(str(directory / "transformer"))
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def torchrun_nodes(
+    run: list[str], *, nodes: int, per_node: int, env: Mapping[str, str], cwd: Path
+) -> list[subprocess.Popen]:
+    """Start ``nodes`` torchrun agents on this machine as the nodes of one launch, each
+    starting ``per_node`` ranks of ``python <run>`` (stdout and stderr piped)."""
+    port = free_port()
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    agents = []
+    for node in range(nodes):
+        agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
+        agent += ["--node-rank", str(node), "--nproc-per-node", str(per_node)]
+        agent += ["--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        agents.append(
+            subprocess.Popen(
+                [*agent, *run],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=cwd,
+            )
+        )
+    return agents

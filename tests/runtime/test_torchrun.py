@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import free_port, read_jsonl
+from helpers import free_port, read_jsonl, torchrun_nodes
 
 from digen import load_config
 from digen.errors import DigenError
@@ -110,26 +110,12 @@ def test_a_worker_killed_on_another_node_stops_both_nodes_leaving_no_process(
 
     from helpers import process_alive
 
-    out, port = tmp_path / "out", free_port()
+    out = tmp_path / "out"
     run = ["-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "200"]
     run += ["--out", str(out), "--quiet", *SMALL, "runtime.generators=2", "runtime.trainers=1"]
     run += ["save_every=1", "runtime.tag=none"]
     env = _env(DIGEN_RPC_PORT=str(free_port()))
-    nodes = []
-    for node in (0, 1):
-        agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
-        agent += ["--node-rank", str(node), "--nproc-per-node", "2", "--max-restarts", "0"]
-        agent += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-        nodes.append(
-            subprocess.Popen(
-                [*agent, *run],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-                cwd=ROOT,
-            )
-        )
+    nodes = torchrun_nodes(run, nodes=2, per_node=2, env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 240
         first = out / "checkpoints" / "step-000001"

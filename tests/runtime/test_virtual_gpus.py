@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import vgpu
-from helpers import free_port
+from helpers import free_port, torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--flavour", "tiny", "--quiet", "model.device=cuda", "rollout.n=2"]
@@ -219,29 +219,13 @@ def test_torchrun_two_hosts_of_four_gpus_hsdp(tmp_path: Path) -> None:
     6 HSDP trainers sharded in pairs). Each rank takes its own node's ``cuda:LOCAL_RANK``:
     the generator and trainers 0-1 on host 0, trainers 2-5 on host 1 (the same device
     numbers on two hosts are two GPUs); the trainers' group is NCCL."""
-    log, out, port = tmp_path / "virtual.jsonl", tmp_path / "out", free_port()
+    log, out = tmp_path / "virtual.jsonl", tmp_path / "out"
     extra = ["runtime.generators=1", "runtime.trainers=6", "runtime.trainer_parallel=hsdp"]
     extra += ["runtime.shard_size=2"]
     run = ["-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "1"]
     run += ["--out", str(out), *SMALL, *extra]
     env = vgpu.env(4, log, DIGEN_RPC_PORT=str(free_port()))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    nodes = []
-    for node in (0, 1):
-        agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
-        agent += ["--node-rank", str(node), "--nproc-per-node", "4", "--max-restarts", "0"]
-        agent += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-        nodes.append(
-            subprocess.Popen(
-                [*agent, *run],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-                cwd=ROOT,
-            )
-        )
+    nodes = torchrun_nodes(run, nodes=2, per_node=4, env=env, cwd=ROOT)
     try:
         results = [p.communicate(timeout=900) for p in nodes]
     finally:
