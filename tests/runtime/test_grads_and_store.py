@@ -241,6 +241,16 @@ def test_a_bf16_full_fine_tune_keeps_its_old_policy_and_average_in_fp32() -> Non
         torch.testing.assert_close(e - b, (1 - d) * m, rtol=1e-6, atol=atol)
     policy.finish_step()  # the old policy moves with its own decay (0 at the first steps)
     assert any(float((o - b).abs().max()) > 0 for o, b in zip(policy.old, before, strict=True))
+    # it stands in for the bf16 weights rounded as they are, in one buffer every swap reuses
+    stood = []
+    for _ in range(2):
+        with policy.sampling_weights():
+            named = policy.synced_parameters()
+            assert all(torch.equal(p, o.to(p.dtype)) for (_, p), o in zip(named, policy.old))
+            stood.append([p.data_ptr() for _, p in named])
+    assert stood[0] == stood[1]
+    named = policy.synced_parameters()  # and the trained weights are back
+    assert all(torch.equal(p.detach().float(), a) for (_, p), a in zip(named, after, strict=True))
 
 
 def test_a_pull_never_reads_an_old_policy_half_moved() -> None:

@@ -150,6 +150,9 @@ class Policy:
         self._spare: list[torch.Tensor] | None = None
         """Sharded: where :meth:`_weights_in_place` keeps the trained shards while others
         stand in (allocated once, not per swap)."""
+        self._rounded: list[torch.Tensor] | None = None
+        """Unsharded, low-precision weights: the fp32 kept copies rounded to stand in for
+        them (allocated once, not per swap)."""
         self._swapped = False
         self.eval_weights: list[torch.Tensor] | None = None
         """What evaluation samples with where the trainers keep it (a generator's copy of
@@ -491,10 +494,14 @@ class Policy:
                 return
             params = [p for _, p in self.synced_parameters()]
             live = [p.data for p in params]
+            if self._rounded is None and any(o.dtype != p.dtype for p, o in zip(params, tensors)):
+                self._rounded = [torch.empty_like(p) for p in params]
             try:
-                for p, o in zip(params, tensors, strict=True):
-                    # the kept copies are fp32 (a bf16 base's rounded as its own weights are)
-                    p.data = o if o.dtype == p.dtype else o.to(p.dtype)
+                with torch.no_grad():
+                    for i, (p, o) in enumerate(zip(params, tensors, strict=True)):
+                        # the kept copies are fp32: a bf16 base's are rounded as its own
+                        # weights are, into a buffer kept for it (no allocation per swap)
+                        p.data = o if o.dtype == p.dtype else self._rounded[i].copy_(o)
                 yield
             finally:
                 for p, t in zip(params, live, strict=True):
