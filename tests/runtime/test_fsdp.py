@@ -332,3 +332,38 @@ def test_sharded_tag_deals_its_rows_over_the_members(tmp_path: Path) -> None:
     assert one.metrics[0]["tag_microbatches"] == len(tagged)
     assert _moved(one.final_state) > 1e-4
     assert_trained_alike(state, one.final_state)
+
+
+@pytest.mark.slow
+def test_sharded_nft_trainer_0_keeps_one_full_copy(tmp_path: Path) -> None:
+    """DiffusionNFT, full fine-tuning on 2 FSDP trainers: between steps trainer 0 keeps one
+    gathered copy of the model in host memory, the old policy it serves the generators, and
+    no other; the trained weights are gathered only when asked for, and are the trained
+    ones (not the old policy)."""
+    import asyncio
+
+    from digen.prompts import PromptSet
+    from digen.runtime.driver.loop import Driver
+    from digen.sched.trace import Trace
+
+    over = [*COMMON, "train.lora_rank=0", "steps=2", "algo.params.decay_rate=0.25"]
+    over += ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
+    cfg = tiny_config("flux", "nft", over, mode="disaggregated")
+
+    async def run() -> tuple[list[dict], dict, list]:
+        async with Driver(cfg, None, PromptSet.builtin(), Trace()) as driver:
+            await driver.run(2)
+            members = driver.trainers[0].handles
+            stats = await asyncio.gather(*(h.call("statistics") for h in members))
+            state = await driver.trainers[0].call("trainable_state")
+            old = await members[0].call("_synced")
+        return stats, state, old
+
+    stats, state, old = asyncio.run(run())
+    assert [s["full_copies"] for s in stats] == [1, 0]
+    start = dict(load_adapter("flux").transformer.named_parameters())
+    old = dict(old)
+    assert state.keys() == old.keys() == start.keys()
+    # two steps at decay 0.25: the old policy lags the trained weights, both moved
+    assert max(float((state[n] - start[n]).abs().max()) for n in start) > 1e-4
+    assert max(float((state[n] - old[n]).abs().max()) for n in start) > 1e-6

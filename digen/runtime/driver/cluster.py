@@ -340,6 +340,8 @@ class ShardedTrainers:
         "ping",
         "statistics",
         "lend_ema",  # gathered from every member's shards
+        "save_weights",  # so are the trained weights beside an old policy
+        "trainable_state",
     )
 
     def __init__(self, trainers: Sequence[ActorHandle]) -> None:

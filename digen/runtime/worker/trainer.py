@@ -130,14 +130,24 @@ class TrainerActor(PolicyActor):
         return holder == self.name or (self.sharded and holder == worker_name(Pool.TRAINER, 0))
 
     def _gather_full(self) -> None:
-        """Sharded: every trainer gathers the trained weights in full, one tensor at a time;
-        trainer 0 keeps them (on the CPU: a full copy need not fit next to the shards)."""
-        named = self.policy.synced_parameters()
+        """Sharded: every trainer gathers, one tensor at a time, the weights generators
+        sample with (the trained ones, or the old policy where the algorithm keeps one);
+        trainer 0 keeps them (on the CPU: a full copy need not fit next to the shards). It
+        holds one full copy: trained weights kept beside an old policy are gathered only
+        when saved (:meth:`_trained_full`)."""
         lead = self.rank == 0
-        self._full = full_tensors(named, keep=lead, into=self._full)
-        if self.policy.old is not None:
+        if self.policy.old is None:
+            named = self.policy.synced_parameters()
+            self._full = full_tensors(named, keep=lead, into=self._full)
+        else:
             named_old = self.policy.sampling_parameters()
             self._full_old = full_tensors(named_old, keep=lead, into=self._full_old)
+
+    def _trained_full(self) -> dict[str, torch.Tensor]:
+        """Sharded: the trained weights in full on trainer 0 (every trainer calls at once)."""
+        if self.policy.old is None:
+            return self._full
+        return full_tensors(self.policy.synced_parameters(), keep=self.rank == 0)
 
     def _synced(self) -> list[tuple[str, torch.Tensor]]:
         if self.sharded:
@@ -169,10 +179,20 @@ class TrainerActor(PolicyActor):
         """The evaluation is over: drop the lent copy."""
         self.store.lend(None)
 
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        if self.sharded:
-            return {k: v.clone() for k, v in self._full.items()}
-        return super().trainable_state()
+    def statistics(self) -> dict[str, Any]:
+        """The worker's (:meth:`PolicyActor.statistics`), and how many full copies of the
+        model it keeps between steps (sharded: trainer 0's gathered one, what it serves)."""
+        return {**super().statistics(), "full_copies": sum(map(bool, (self._full, self._full_old)))}
+
+    def trainable_state(self) -> dict[str, torch.Tensor] | None:
+        """Name -> CPU copy of the trained weights: trainer 0's (sharded trainers all call
+        at once, gathering them; the others return None)."""
+        if not self.sharded:
+            return super().trainable_state()
+        state = self._trained_full()
+        if self.rank != 0:
+            return None
+        return {k: v.clone() for k, v in state.items()} if state is self._full else state
 
     def _weights_bucket(self, version: int, bucket: int, wire: str | None) -> dict[str, Any]:
         """A copy of bucket ``bucket`` of the weights of ``version`` (served on an RPC
@@ -259,9 +279,13 @@ class TrainerActor(PolicyActor):
         if self.sharded:
             self._gather_full()
 
-    def save_weights(self, out_dir: str) -> str:
-        state = self._full if self.sharded else None
-        return str(self.policy.save_weights(out_dir, state))
+    def save_weights(self, out_dir: str) -> str | None:
+        """Save the trained weights into ``out_dir``: trainer 0 (sharded trainers all call
+        at once, gathering them; the others return None)."""
+        if not self.sharded:
+            return str(self.policy.save_weights(out_dir))
+        state = self._trained_full()
+        return str(self.policy.save_weights(out_dir, state)) if self.rank == 0 else None
 
     def step(self, microbatches: range, last: bool = True) -> TimedResult:
         """Sum the gradients of ``microbatches`` (the train step's, or one mini-batch's)
