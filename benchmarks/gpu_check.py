@@ -1,4 +1,5 @@
-"""One-GPU check of digen: equivalence, bf16 learning, memory and the scheduler's cost curves.
+"""GPU check of digen: equivalence, bf16 learning, memory, the cost curves, and with two
+GPUs the sharded trainers.
 
     python benchmarks/gpu_check.py [--device cuda|cpu] [--quick] [--flavour tiny|medium]
                                    [--model flux] [--out DIR] [--set KEY=VALUE ...]
@@ -24,8 +25,12 @@ Prints a JSON report; with ``--out DIR`` also writes ``DIR/report.json`` and
 5. runs every collective path once on the device (``collectives``): a default process group
    carrying CPU and device tensors (NCCL with gloo beside it on a GPU), a full fine-tune
    policy loaded through a one-member FSDP mesh (its peak memory against the transformer's
-   size), a disaggregated run whose weight-broadcast group shares the GPU (gloo, said in
-   ``trainer.log``), and the generator's reward threads on the generator's device.
+   size; on a GPU its device peak counts in the verdict), a disaggregated run whose
+   weight-broadcast group shares the GPU (gloo, said in ``trainer.log``), and the
+   generator's reward threads on the generator's device;
+6. with two GPUs or more (``sharded``), one fp32 LoRA step on 2 FSDP trainers, each on a GPU
+   of its own (NCCL), against one trainer: trained alike (the L2 norm of the difference under
+   1 % of the step's move).
 
 Exit code 0 when every check passed, 1 otherwise (with ``--quick`` the learning check only
 reports its numbers), 2 on a usage error. ``--quick`` (tiny sizes, few steps) is the CI
@@ -489,6 +494,43 @@ def equality_runs(plan: Plan, pools: list[str], work: Path, report: dict[str, An
     )
 
 
+SHARDED_REL = 1e-2
+"""Two sharded trainers against one: the L2 norm of the weights' difference under this share
+of how far one step moved them (the runtime's tests' rule: AdamW lets an element whose
+gradient is within rounding of zero step either way, never the weights as a whole)."""
+
+
+def sharded_runs(plan: Plan, work: Path, report: dict[str, Any]) -> None:
+    """With two GPUs or more: one fp32 LoRA step on 2 FSDP trainers, each on a GPU of its
+    own (their group on NCCL), against one trainer; trained alike (:data:`SHARDED_REL`)."""
+    one_step = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "train.lr=1e-3"]
+    one_step += ["runtime.tag=none", "runtime.generator_devices=[cuda:0]"]
+    layouts = {
+        "one_trainer": ["runtime.trainers=1", "runtime.trainer_devices=[cuda:1]"],
+        "fsdp_2": [
+            "runtime.trainers=2",
+            "runtime.trainer_parallel=fsdp",
+            "runtime.trainer_devices=[cuda:0,cuda:1]",
+        ],
+    }
+    states = {}
+    for name, layout in layouts.items():
+        log(f"fp32 disaggregated, {name}: 1 step")
+        cfg = config(plan, "disaggregated", "float32", [*one_step, *layout])
+        result, wall = run(cfg, work / f"sharded_{name}", plan.device)
+        report["runs"][f"fp32_{name}"] = run_summary(result.metrics, wall)
+        states[name] = result.final_state
+    want, got = states["one_trainer"], states["fsdp_2"]
+    moved = sum(float(w.double().square().sum()) for n, w in want.items() if "lora_B" in n)
+    diff = sum(float((got[n].double() - w.double()).square().sum()) for n, w in want.items())
+    share = (diff / moved) ** 0.5 if moved > 0 else float("inf")
+    report["sharded"] = {
+        "trainers": 2,
+        "relative_difference": share,
+        "passed": got.keys() == want.keys() and share <= SHARDED_REL,
+    }
+
+
 def bf16_runs(plan: Plan, pools: list[str], work: Path, report: dict[str, Any]) -> None:
     """A few bf16 steps in each mode: step times, peak memory, and the reward rising."""
     bf16 = [f"steps={plan.steps}", f"rewards.0.name={REWARD}"]
@@ -571,6 +613,8 @@ def collective_checks(plan: Plan, pools: list[str], work: Path, report: dict[str
         # one member holds every shard: the transformer and its KL reference, nothing more on
         # the device; the host holds the other components and no copy of the transformer
         out["fsdp_load"] = {"transformer_gb": size / 1e9, **peak}
+        if "peak_gb" in peak:  # on a GPU: the transformer and its reference, little more
+            out["fsdp_load"]["passed"] = peak["peak_gb"] <= 2.2 * size / 1e9
         del policy
         _free(plan.device)
     finally:
@@ -597,6 +641,7 @@ def collective_checks(plan: Plan, pools: list[str], work: Path, report: dict[str
     )
     out["passed"] = bool(
         out["default_group"]["cpu_and_device_tensors"]
+        and out["fsdp_load"].get("passed", True)
         and out["reward_threads"]
         and out["rewards_on_the_generators_device"]
     )
@@ -707,6 +752,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             equality_runs(plan, pools, work, report)
             bf16_runs(plan, pools, work, report)
             collective_checks(plan, pools, work, report)
+            if gpus >= 2:
+                sharded_runs(plan, work, report)
         write_profile(plan, work, args.out or work, report)
     report["wall_s"] = time.perf_counter() - t0
     report["driver_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
@@ -715,6 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks += [report["equality"]["passed"], report["learning"]["passed"]]
         checks.append(report["logprob_drift"]["passed"])
         checks.append(report["collectives"]["passed"])
+        if "sharded" in report:
+            checks.append(report["sharded"]["passed"])
     report["passed"] = all(checks)
     text = json.dumps(report, indent=2)
     if args.out:

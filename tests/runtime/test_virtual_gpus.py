@@ -332,3 +332,22 @@ def test_a_generator_keeps_the_evaluation_average_on_the_host() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == {"kept_on": ["cpu"], "inside": True, "device": ["cuda:1"], "after": True}
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_its_gpu_paths_on_two_virtual_gpus(tmp_path: Path) -> None:
+    """``benchmarks/gpu_check.py --device cuda`` as on a 2-GPU machine: its generators and
+    trainers on GPUs of their own, the FSDP load's device peak in its verdict, and 2 FSDP
+    trainers on the two GPUs trained alike with one (what only 2 GPUs show)."""
+    args = [sys.executable, "benchmarks/gpu_check.py", "--quick", "--device", "cuda"]
+    args += ["--out", str(tmp_path / "check")]
+    done = subprocess.run(
+        args, capture_output=True, text=True, env=vgpu.env(2), cwd=ROOT, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "check" / "report.json").read_text())
+    assert report["passed"] is True
+    assert report["equality"]["passed"] and report["logprob_drift"]["terms_over_bound"] == 0
+    assert report["collectives"]["fsdp_load"]["passed"] is True
+    sharded = report["sharded"]
+    assert sharded["passed"] is True and 0 <= sharded["relative_difference"] <= 1e-2
