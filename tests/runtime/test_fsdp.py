@@ -335,11 +335,13 @@ def test_sharded_tag_deals_its_rows_over_the_members(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sharded_nft_trainer_0_keeps_one_full_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sharded_nft_trainer_0_keeps_one_full_copy(tmp_path: Path, dtype: str) -> None:
     """DiffusionNFT, full fine-tuning on 2 FSDP trainers: between steps trainer 0 keeps one
-    gathered copy of the model in host memory, the old policy it serves the generators, and
-    no other; the trained weights are gathered only when asked for, and are the trained
-    ones (not the old policy)."""
+    gathered copy of the model in host memory, the old policy it serves the generators, in
+    the dtype it travels in (bf16 for a bf16 model: the fp32 shards rounded as the
+    generators would round them), and no other; the trained weights are gathered only when
+    asked for, and are the trained ones (not the old policy)."""
     import asyncio
 
     from digen.prompts import PromptSet
@@ -348,7 +350,7 @@ def test_sharded_nft_trainer_0_keeps_one_full_copy(tmp_path: Path) -> None:
 
     over = [*COMMON, "train.lora_rank=0", "steps=2", "algo.params.decay_rate=0.25"]
     over += ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
-    cfg = tiny_config("flux", "nft", over, mode="disaggregated")
+    cfg = tiny_config("flux", "nft", [*over, f"model.dtype={dtype}"], mode="disaggregated")
 
     async def run() -> tuple[list[dict], dict, list]:
         async with Driver(cfg, None, PromptSet.builtin(), Trace()) as driver:
@@ -364,6 +366,11 @@ def test_sharded_nft_trainer_0_keeps_one_full_copy(tmp_path: Path) -> None:
     start = dict(load_adapter("flux").transformer.named_parameters())
     old = dict(old)
     assert state.keys() == old.keys() == start.keys()
+    assert {v.dtype for v in old.values()} == {getattr(torch, dtype)}
+    state, old = (
+        {n: v.float() for n, v in state.items()},
+        {n: v.float() for n, v in old.items()},
+    )
     # two steps at decay 0.25: the old policy lags the trained weights, both moved
     assert max(float((state[n] - start[n]).abs().max()) for n in start) > 1e-4
     assert max(float((state[n] - old[n]).abs().max()) for n in start) > 1e-6

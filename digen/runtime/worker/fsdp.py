@@ -205,21 +205,24 @@ def full_tensors(
     keep: bool,
     device: str = "cpu",
     into: dict[str, torch.Tensor] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``name -> full tensor`` of ``named``, gathered one at a time (every member must call,
-    in the same order); only a member with ``keep`` holds the result (on ``device``).
-    ``into``: the previous result, whose tensors are written over in place, so that a copy
-    gathered every step never lives twice (and is not reallocated)."""
+    in the same order); only a member with ``keep`` holds the result (on ``device``, in
+    ``dtypes``, one per tensor, where given). ``into``: the previous result, whose tensors
+    are written over in place, so that a copy gathered every step never lives twice (and is
+    not reallocated)."""
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, p in named:
+        for i, (name, p) in enumerate(named):
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             if keep:
+                dtype = full.dtype if dtypes is None else dtypes[i]
                 old = (into or {}).get(name)
-                if old is not None and old.shape == full.shape and old.dtype == full.dtype:
+                if old is not None and old.shape == full.shape and old.dtype == dtype:
                     out[name] = old.copy_(full)
                 else:
-                    out[name] = full.detach().to(device, copy=True)
+                    out[name] = full.detach().to(device, dtype, copy=True)
             del full
     return out
 

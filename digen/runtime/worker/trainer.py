@@ -139,9 +139,11 @@ class TrainerActor(PolicyActor):
         if self.policy.old is None:
             named = self.policy.synced_parameters()
             self._full = full_tensors(named, keep=lead, into=self._full)
-        else:
+        else:  # kept in fp32, served in the dtype it travels in: kept in that one
             named_old = self.policy.sampling_parameters()
-            self._full_old = full_tensors(named_old, keep=lead, into=self._full_old)
+            self._full_old = full_tensors(
+                named_old, keep=lead, into=self._full_old, dtypes=self._wire_dtypes
+            )
 
     def _trained_full(self) -> dict[str, torch.Tensor]:
         """Sharded: the trained weights in full on trainer 0 (every trainer calls at once)."""
