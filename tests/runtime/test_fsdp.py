@@ -141,8 +141,13 @@ def test_sharded_lora_trainers_equal_one_trainer_and_colocated(tmp_path: Path) -
     assert _moved(colocated.final_state) > 1e-4  # equality below says something
     for other in (one, sharded, coloc_fsdp):
         assert_trained_alike(other.final_state, colocated.final_state)
-    for key in ("reward_mean", "loss", "clip_fraction"):
-        assert sharded.metrics[0][key] == pytest.approx(colocated.metrics[0][key], abs=1e-6)
+    # The loss is not compared: at ratio 1 it is minus the mean advantage, a rounding residue
+    # of group-normalised rewards whose spread here is ~1e-3, so rewards that differ in their
+    # last bit (generators summing in another order) move it by ~1e-5 from run to run.
+    assert sharded.metrics[0]["reward_mean"] == pytest.approx(colocated.metrics[0]["reward_mean"])
+    for run in (sharded, colocated):  # nothing clips when recomputed log-probs drift less
+        assert run.metrics[0]["train/logprob_drift_max"] < 1e-4  # than the clip range
+        assert run.metrics[0]["clip_fraction"] == 0.0
     # the sharded pool is scheduled as one trainer, and it made the TAG micro-batch
     assert sharded.metrics[0]["tag_microbatches"] == 1
     lora = tmp_path / "fsdp" / "lora" / "pytorch_lora_weights.safetensors"
