@@ -288,6 +288,65 @@ def _flat_sharded(
     return flat, osd
 
 
+def _streaming_writer(path: Path) -> Any:
+    """``torch.distributed.checkpoint``'s safetensors writer (one file per member), writing
+    each file a tensor at a time with :func:`write_safetensors`. Its own writer moves every
+    tensor of the file to the host and then serialises them all into one buffer: two host
+    copies of the member's weights, optimizer state and kept tensors at once, where this
+    holds one tensor. The files are the same: its reader reads them."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._hf_utils import (
+        CUSTOM_METADATA_KEY,
+        DCP_VERSION_KEY,
+        FORMAT_KEY,
+        FORMAT_VALUE,
+        HF_DCP_VERSION,
+        _gen_file_name,
+    )
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class Writer(HuggingFaceStorageWriter):
+        def write_data(self, plan: Any, planner: Any) -> Future:
+            storage = plan.storage_data or {}
+            index = storage.get("fqn_to_index_mapping")
+            buckets = self._split_by_storage_plan(index, plan.items)
+            last = max(index.values()) if index is not None else 1
+            results: list[Any] = []
+            for number, items in buckets.items():
+                name = _gen_file_name(number, last, storage.get("shard_index"))
+                tensors: dict[str, torch.Tensor] = {}
+                offsets: dict[str, Any] = {}
+                for item in items:
+                    if item.type == WriteItemType.BYTE_IO:
+                        raise ValueError(
+                            f"{item.index.fqn}: a sharded checkpoint holds tensors only"
+                        )
+                    t = planner.resolve_data(item)  # this member's piece, where it lives
+                    tensors[item.index.fqn] = t
+                    offsets[item.index.fqn] = {
+                        "saved_offsets": list(item.tensor_data.chunk.offsets)
+                    }
+                    size = t.numel() * t.element_size()
+                    info = _StorageInfo(name, 0, size, transform_descriptors=None)
+                    results.append(
+                        WriteResult(index=item.index, size_in_bytes=size, storage_data=info)
+                    )
+                meta = {
+                    CUSTOM_METADATA_KEY: json.dumps(offsets),
+                    DCP_VERSION_KEY: str(HF_DCP_VERSION),
+                    FORMAT_KEY: FORMAT_VALUE,
+                }
+                write_safetensors(Path(self.path) / name, tensors, meta)
+            done: Future = Future()
+            done.set_result(results)
+            return done
+
+    return Writer(str(path), save_distributed=True)
+
+
 def write_sharded_state(
     directory: str | os.PathLike,
     model: torch.nn.Module,
@@ -299,11 +358,10 @@ def write_sharded_state(
     ``names`` of ``model``, of their optimizer state and of the tensors ``kept`` beside
     them (the old policy, the moving average: :data:`KEPT`) into ``directory/sharded``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     flat, _ = _flat_sharded(model, optimizer, names, kept)
     path = Path(directory) / SHARDED
-    dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True))
+    dcp.save(flat, storage_writer=_streaming_writer(path))
     for f in path.iterdir():  # every member's file is written once save returns
         _fsync(f)
     _fsync_dir(path)

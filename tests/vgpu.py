@@ -26,9 +26,15 @@ What it does in a process:
   agents on this machine are two hosts (``DIGEN_VIRTUAL_HOST`` names it outright).
 - With ``DIGEN_VIRTUAL_LOG=path`` every process appends what it saw (its devices, groups,
   device maps, errors) to ``path`` as JSON lines, for the test to read.
+- With ``DIGEN_VIRTUAL_MEMORY=seconds`` as well, a thread in every process tells its host
+  memory apart from its devices': device memory is the live storages that tensors tagged with
+  a virtual GPU use, host memory the resident memory less that; their peaks are logged as
+  ``host_memory`` rows.
 
-Limits: no kernel runs on a GPU, so nothing here measures GPU speed, memory, NCCL or CUDA
-streams' ordering; a tensor with no tag (made where the mode cannot see) is not checked.
+Limits: no kernel runs on a GPU, so nothing here measures GPU speed, NCCL or CUDA streams'
+ordering, nor the CUDA allocator's memory (its caching, fragmentation, workspaces); a tensor
+with no tag (made where the mode cannot see) is not checked, and its memory counts as the
+host's: autograd's gradients of activations, while a backward pass runs.
 """
 
 from __future__ import annotations
@@ -38,15 +44,18 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 ENV = "DIGEN_VIRTUAL_GPUS"
 HOST_ENV = "DIGEN_VIRTUAL_HOST"
 LOG_ENV = "DIGEN_VIRTUAL_LOG"
+MEMORY_ENV = "DIGEN_VIRTUAL_MEMORY"
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vgpu_site")
 
 _TAG = "_virtual_device"
@@ -131,6 +140,8 @@ def _set_tag(t: torch.Tensor, tag: str | None) -> None:
         return
     with contextlib.suppress(AttributeError, RuntimeError):  # subclasses without a dict
         setattr(t, _TAG, tag)
+        if _sampling and tag != "cpu":
+            _on_device(t)
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -658,6 +669,70 @@ def _check_world(maps: dict[str, dict[str, str]], name: str) -> None:
         )
 
 
+# ------------------------------------------------------------------------ host memory
+# Every tensor lives on the CPU here, so a process's resident memory is its host memory and
+# its virtual devices' memory together. With DIGEN_VIRTUAL_MEMORY=seconds a thread of each
+# process samples both: resident memory from /proc, device memory as the live storages that a
+# tensor tagged with a virtual GPU has used (each once, at its size now: FSDP frees unsharded
+# weights by resizing their storage to nothing). What is left is host memory; its peak goes
+# to the log as ``host_memory`` rows.
+
+_sampling: list[float] = []
+_device_storages: dict[int, StorageWeakRef] = {}  # a weak reference, which a swap allows
+_storages_lock = threading.Lock()
+
+
+def _on_device(t: torch.Tensor) -> None:
+    with torch._C.DisableTorchFunction():
+        try:  # a DTensor's memory is its shard's
+            ref = StorageWeakRef(getattr(t, "_local_tensor", t).untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+    with _storages_lock:
+        _device_storages.setdefault(ref.cdata, ref)
+
+
+def device_bytes() -> int:
+    """Bytes of the live storages that tensors on this process's virtual GPUs have used."""
+    total = 0
+    with _storages_lock:
+        for key, ref in list(_device_storages.items()):
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is None:
+                del _device_storages[key]
+            else:
+                total += storage.nbytes()
+    return total
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _sample_memory(every: float) -> None:
+    """Sample until the process ends; log the peaks whenever one has grown by 4 MB since
+    the last row. Resident memory is read before and after the device sum and the smaller
+    taken, so a device tensor freed meanwhile does not count as host memory."""
+    peak = {"host": 0, "resident": 0, "device": 0, "device_peak": 0}
+    logged = dict(peak)
+    while True:
+        before = _resident_bytes()
+        device = device_bytes()
+        resident = min(before, _resident_bytes())
+        if resident - device > peak["host"]:
+            peak.update(host=resident - device, resident=resident, device=device)
+        peak["device_peak"] = max(peak["device_peak"], device)
+        if any(peak[k] > logged[k] + (4 << 20) for k in ("host", "device_peak")):
+            log("host_memory", **{f"{k}_bytes": v for k, v in peak.items()})
+            logged = dict(peak)
+        time.sleep(every)
+
+
+def _start_sampler() -> None:
+    threading.Thread(target=_sample_memory, args=(_sampling[0],), daemon=True).start()
+
+
 # ------------------------------------------------------------------------------ install
 
 
@@ -714,3 +789,7 @@ def install() -> None:
     mode.__enter__()
     _state.on = True
     _installed.append(mode)
+    if os.environ.get(MEMORY_ENV):
+        _sampling.append(float(os.environ[MEMORY_ENV]))
+        _start_sampler()
+        os.register_at_fork(after_in_child=_start_sampler)  # a worker forked from a server

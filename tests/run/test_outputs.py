@@ -96,3 +96,53 @@ def test_safetensors_written_a_tensor_at_a_time_read_back_as_written(tmp_path) -
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     with safe_open(str(path), "pt") as f:
         assert f.metadata() == {"format": "pt"}
+
+
+def test_the_sharded_checkpoint_writer_writes_the_files_its_library_writes(tmp_path) -> None:
+    """A sharded checkpoint's files, written a tensor at a time, have the names, tensors and
+    header metadata of ``torch.distributed.checkpoint``'s own safetensors writer (which holds
+    every tensor of a file twice in memory), and its reader loads them back bit for bit."""
+    import json
+    import struct
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    from digen.checkpoint import _streaming_writer
+
+    def header(path):
+        raw = path.read_bytes()
+        (size,) = struct.unpack("<Q", raw[:8])
+        head = json.loads(raw[8 : 8 + size])
+        meta = head.pop("__metadata__")
+        tensors = {k: (v["dtype"], v["shape"]) for k, v in head.items()}
+        return tensors, {
+            k: json.loads(v) if k == "DCP_SHARDING_INFO" else v for k, v in meta.items()
+        }
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "weights::proj.weight": torch.randn(6, 4, generator=g),
+        "weights::norm": torch.randn(4, generator=g).bfloat16(),
+        "optimizer::proj.weight::step": torch.tensor(3.0),
+        "optimizer::proj.weight::exp_avg": torch.randn(6, 4, generator=g),
+        "ema::proj.weight": torch.randn(6, 4, generator=g),
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        library = HuggingFaceStorageWriter(str(tmp_path / "library"), save_distributed=True)
+        dcp.save(state, storage_writer=library, no_dist=True)
+        dcp.save(state, storage_writer=_streaming_writer(tmp_path / "ours"), no_dist=True)
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(
+            back, storage_reader=HuggingFaceStorageReader(str(tmp_path / "ours")), no_dist=True
+        )
+    names = sorted(p.name for p in (tmp_path / "library").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "ours").iterdir())
+    for name in names:
+        if name.endswith(".safetensors"):
+            assert header(tmp_path / "ours" / name) == header(tmp_path / "library" / name)
+    for key, value in state.items():
+        assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
