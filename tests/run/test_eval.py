@@ -76,10 +76,13 @@ def test_the_same_weights_evaluate_the_same_in_both_modes(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_nfts_moving_average_evaluates_the_same_in_both_modes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nfts_moving_average_evaluates_the_same_in_both_modes(tmp_path: Path, dtype: str) -> None:
     """DiffusionNFT evaluates the trainers' moving average (eval.ema): disaggregated, trainer 0
-    lends it to the generators for the evaluation; the numbers are the colocated run's."""
+    lends it to the generators for the evaluation (kept in fp32, lent in the model's dtype);
+    the numbers are the colocated run's."""
     over = [*SMALL, "steps=2", f"eval.prompts={_prompts(tmp_path)}", "eval.every=1"]
+    over.append(f"model.dtype={dtype}")
     # the micro-batches of two generators and one optimizer step a step: the same bits
     over += ["train.micro_batch_size=2", "train.mini_batch_size=null"]
     key = "eval/reward/jpeg_incompressibility"

@@ -161,17 +161,23 @@ class TrainerActor(PolicyActor):
         """Lend the moving average evaluation samples with (``eval.ema``) to the generators,
         which pull it from trainer 0 bucket by bucket (:func:`~digen.runtime.worker.store.fetch_lent`):
         it never passes through the driver. Trainer 0 holds a host copy of it until
-        :meth:`end_lend` (the average moves on with training meanwhile); sharded trainers all
-        call at once, gathering it. Returns the bucket count (0: no average kept here)."""
+        :meth:`end_lend` (the average moves on with training meanwhile), in the dtypes
+        weights travel in (kept in fp32, it lands in a bf16 model's weights as bf16: lent so,
+        the same bits at half the bytes); sharded trainers all call at once, gathering it.
+        Returns the bucket count (0: no average kept here)."""
         state = self.policy.ema_state()
         if state is None:
             return 0
+        dtypes = self._wire_dtypes  # the average's names are the synced ones, in order
         if self.sharded:
-            lent = full_tensors(list(state.items()), keep=self.rank == 0)
+            lent = full_tensors(list(state.items()), keep=self.rank == 0, dtypes=dtypes)
             if self.rank != 0:
                 return 0
         else:
-            lent = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            lent = {
+                k: v.detach().to("cpu", d, copy=True)
+                for (k, v), d in zip(state.items(), dtypes, strict=True)
+            }
         names = list(lent)
         buckets = self._buckets_of([lent[n] for n in names])
         self.store.lend([{names[i]: lent[names[i]] for i in b} for b in buckets])
