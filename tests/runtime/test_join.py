@@ -29,7 +29,12 @@ from digen.runtime.transport.actors._join import (
     answer_key,
     ask_to_join,
 )
-from digen.runtime.transport.actors._transport import _RANKS_KEY, _client_store
+from digen.runtime.transport.actors._transport import (
+    _RANKS_KEY,
+    _TOKEN_KEY,
+    _client_store,
+    _token,
+)
 from digen.runtime.transport.join_secret import SECRET_ENV, proof, proven
 
 OFFER = {"threads": 2, "rpc_threads": 4, "rpc_timeout_s": 60.0, "env": {}, "local_paths": []}
@@ -124,6 +129,35 @@ def test_an_ask_is_answered_once_and_garbage_not_at_all(desk: JoinDesk) -> None:
     }
     refused = desk.answer(json.dumps(stale).encode())
     assert refused is not None and json.loads(refused[1]) == {"refused": "secret"}
+
+
+def test_a_joiner_that_dies_holding_the_membership_token_does_not_block_later_joins(
+    store: dist.TCPStore, desk: JoinDesk
+) -> None:
+    """A joiner that takes the world's membership token (torch's join does, with the wire
+    name it was given) and dies there would make every later join wait for it: the desk
+    releases it once it has been held for over ``hold_s`` (120 s here; the clock is the
+    test's), and never a token it did not give out."""
+    client = _client(store)
+    slot = _ask(store, JOIN_SECRET)
+    held_by_joiner = _token(slot.wire)
+    assert client.compare_set(_TOKEN_KEY, "", held_by_joiner).decode() == held_by_joiner
+    t0 = time.monotonic()
+    assert desk.release_stuck_token(client, t0) is None  # seen held from now
+    assert desk.release_stuck_token(client, t0 + 60) is None  # a join may take a while
+    assert store.get(_TOKEN_KEY).decode() == held_by_joiner
+    assert desk.release_stuck_token(client, t0 + 10_000) == slot.name
+    assert store.get(_TOKEN_KEY) == b"" and store.get(held_by_joiner) == b"Done"  # waiters wake
+    later = _token("generator_2:0")
+    assert client.compare_set(_TOKEN_KEY, "", later).decode() == later  # the next join goes on
+    client.set(_TOKEN_KEY, "")
+    # the driver's own hold (editing the list of members) is not a joiner's: left alone
+    driver = _token("driver-unlists-generator_1:0")
+    client.compare_set(_TOKEN_KEY, "", driver)
+    t1 = time.monotonic()
+    assert desk.release_stuck_token(client, t1) is None
+    assert desk.release_stuck_token(client, t1 + 10_000) is None
+    assert store.get(_TOKEN_KEY).decode() == driver
 
 
 def _spoof(store: dist.TCPStore, answer: dict[str, Any] | str) -> threading.Thread:

@@ -41,7 +41,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from digen.runtime.transport.actors._transport import _RANKS_KEY, _client_store, wire_name
+from digen.runtime.transport.actors._transport import (
+    _RANKS_KEY,
+    _TOKEN_KEY,
+    _client_store,
+    _release_token_of,
+    _token,
+    wire_name,
+)
 from digen.runtime.transport.join_secret import SECRET_ENV, proof, proven
 
 HELLO_KEY = "digen/join/hello"
@@ -93,6 +100,11 @@ class JoinDesk:
     ``pool`` names the joiners (``pool-first_number``, then the next numbers); ``offer`` is
     what every one is told besides its name and rank (JSON-able). Ranks are taken from the
     store's counter of ranks, as the driver's own restarts take theirs.
+
+    A joiner that fails in the middle of torch's join keeps the world's membership token,
+    and every later join would wait for it: a thread of the desk watches the token, and
+    releases it on a joiner's behalf once that joiner has held it for ``hold_s`` (a join
+    holds it for the seconds it takes to greet the members).
     """
 
     def __init__(
@@ -104,6 +116,7 @@ class JoinDesk:
         pool: str,
         first_number: int,
         offer: Mapping[str, Any],
+        hold_s: float = 120.0,
     ) -> None:
         self._secret = secret
         self._nonce = _nonce()
@@ -117,6 +130,9 @@ class JoinDesk:
         self._address, self._port = address, port
         self._store: Any = None
         self._thread: threading.Thread | None = None
+        self._hold_s = hold_s
+        self._tokens: dict[str, str] = {}  # the token a given name's join holds -> the name
+        self._held: tuple[str, float] = ("", 0.0)  # the token seen held, and since when
 
     @property
     def nonce(self) -> str:
@@ -134,6 +150,10 @@ class JoinDesk:
             target=self._serve, args=(asks,), name="digen-join-desk", daemon=True
         )
         self._thread.start()
+        watch = _client_store(self._address, self._port, 60.0)
+        threading.Thread(
+            target=self._watch, args=(watch,), name="digen-join-token", daemon=True
+        ).start()
         self._store.set(HELLO_KEY, json.dumps({"nonce": self._nonce}))
 
     def close(self) -> None:
@@ -161,6 +181,32 @@ class JoinDesk:
             except Exception:  # noqa: BLE001 (one ask's failure must not close the desk)
                 logging.getLogger("digen").exception("a join ask could not be answered")
 
+    def _watch(self, store: Any) -> None:
+        while not self._closed.wait(1.0):
+            try:
+                self.release_stuck_token(store, time.monotonic())
+            except Exception:  # noqa: BLE001 (the store is gone: the run is stopping)
+                return
+
+    def release_stuck_token(self, store: Any, now: float) -> str | None:
+        """If a joiner has held the membership token for over ``hold_s`` by ``now`` (seen
+        by the calls so far), release it on its behalf and return its name."""
+        held = store.get(_TOKEN_KEY).decode() if store.check([_TOKEN_KEY]) else ""
+        if held != self._held[0]:
+            self._held = (held, now)
+            return None
+        with self._lock:
+            name = self._tokens.get(held)
+        if name is None or now - self._held[1] <= self._hold_s:
+            return None
+        if not _release_token_of(store, wire_name(name, 0)):
+            return None
+        logging.getLogger("digen").warning(
+            f"{name} held the run's membership token for over {self._hold_s:g} s without "
+            "finishing its join; it was released so that later joins go on."
+        )
+        return name
+
     def answer(self, raw: bytes) -> tuple[str, str] | None:
         """The answer to one ask, as ``(store key, value)``; None for what is not an ask, or
         an ask whose nonce was taken already (a replay: it gets nothing)."""
@@ -181,8 +227,9 @@ class JoinDesk:
             name = f"{self._pool}-{self._number}"
             self._number += 1
             self._pending[name] = joiner
+            wire_as = wire_name(name, 0)  # a new name: its first incarnation
+            self._tokens[_token(wire_as)] = name
         rank = self._store.add(_RANKS_KEY, 1)
-        wire_as = wire_name(name, 0)  # a new name: its first incarnation
         body = json.dumps({"name": name, "wire": wire_as, "rank": rank, "offer": self._offer})
         signed = proof(self._secret, "driver", self._nonce, joiner, body)
         return answer_key(joiner), json.dumps({"answer": body, "proof": signed})

@@ -518,6 +518,7 @@ class ActorSystem:
             pool=prefix,
             first_number=len(taken),
             offer=offer,
+            hold_s=self.start_timeout_s,
         )
         self._desk = desk
 
