@@ -230,7 +230,10 @@ def test_sharded_nft_trainers_keep_the_old_policy_and_its_average(
     for got, want in zip(kept["fsdp"], kept["colocated"], strict=True):
         assert all(w.dtype == torch.float32 for w in want)
         got_, want_ = dict(zip(names, got, strict=True)), dict(zip(names, want, strict=True))
-        assert_trained_alike(got_, want_, start)
+        # each is an average of the trained weights' iterates, so it differs between the runs
+        # by at most as much as they do; it moves less than they do (it lags), so its own
+        # move would shrink the scale (seen: 1.07e-2 of it under ATEN_CPU_CAPABILITY=default)
+        assert_trained_alike(got_, want_, start, scale=theta)
     old, ema = kept["colocated"]
     # neither is the trained weights: the old policy lags them, the average lags too
     assert max(float((o - theta[n]).abs().max()) for n, o in zip(names, old)) > 1e-5
