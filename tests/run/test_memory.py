@@ -6,7 +6,7 @@ wider): what a process's peak grows by between them is what it holds of the mode
 driver holds none of it: the weights and the evaluation's moving average go from trainer 0
 to the generators and to the disk, and the final state a caller gets is read from the saved
 files when it is used. Trainer 0 keeps on the host the one full copy it serves generators
-from, and, while they fetch it for an evaluation, the moving average.
+from, and lends them the moving average for an evaluation a bucket at a time.
 """
 
 from __future__ import annotations
@@ -67,16 +67,16 @@ def test_the_driver_holds_no_weights_and_trainer_0_one_copy_of_a_full_fine_tune(
     print(f"peak growth in copies of the {size_gb:.2f} GB transformer: {grown}")
     # one copy would be 1.0; allocator noise is a few MB of the 250 MB
     assert grown["driver"]["host"] < 0.25, grown
-    # trainer 0: the copy it serves, and the moving average while it is lent (seen: 2.2)
-    assert grown["trainer-0"]["host"] < 2.5, grown
     # a trainer that serves nothing holds no copy: it writes its checkpoint shards a tensor
     # at a time (torch's own writer held them twice: 2 copies); what it shows is autograd's
-    # gradients, which count as host memory here (seen: 0.6)
+    # gradients, which count as host memory here (seen: 0.5)
     assert grown["trainer-1"]["host"] < 1.0, grown
-    # the measurement sees a copy where there is one: the generator's model on its device,
-    # and trainer 0's served copy on the host
+    # trainer 0 computes as trainer 1 does, and holds one copy more: the weights it serves;
+    # the moving average it lends a bucket at a time (a whole copy of it made 2.0-2.2)
+    served = grown["trainer-0"]["host"] - grown["trainer-1"]["host"]  # seen: 0.98
+    assert 0.75 < served < 1.25, grown  # the measurement sees the copy that is there
+    # the measurement sees the generator's model on its device
     assert grown["generator-0"]["device"] > 0.9, grown
-    assert grown["trainer-0"]["host"] > 0.9, grown
     from digen.checkpoint import SavedWeights
 
     saved = SavedWeights(tmp_path / "run" / "transformer", ["proj_out.weight"])

@@ -615,29 +615,37 @@ class Driver:
                         raise
                     await self._lose(i, died)
 
-        async def lend(buckets: int) -> None:  # generators pull it from trainer 0
+        async def every_generator(method: str, *args: Any) -> None:
+            """Call the generators that took part from the lend's first bucket on."""
+
             async def to(i: int) -> None:
                 try:
-                    await self.gens[i].call("pull_eval_weights", source, buckets)
+                    await self.gens[i].call(method, *args)
                 except WorkerDied as died:
                     if died.worker != self.gens[i].worker:
                         raise
                     await self._lose(i, died)
 
-            await asyncio.gather(*(to(i) for i in self.book.alive))
+            await asyncio.gather(*(to(i) for i in self.book.alive if i in pulling))
 
-        buckets, source = 0, self.trainers[0].worker
+        lent, source, pulling = False, self.trainers[0].worker, set(self.book.alive)
         if self.cfg.eval.ema > 0:  # the trainers' moving average, lent to the generators
-            buckets = await self.trainers[0].call("lend_ema")  # sharded: all gather
-            try:
-                await lend(buckets)
+            try:  # a bucket at a time: trainer 0 never holds a second full copy
+                bucket, buckets = 0, 1
+                while bucket < buckets:
+                    buckets = await self.trainers[0].call("lend_ema", bucket)  # sharded: all
+                    if not buckets:  # gather it; 0: no average kept
+                        break
+                    last = bucket == buckets - 1
+                    await every_generator("pull_eval_weights", source, bucket, last)
+                    lent, bucket = last, bucket + 1
             finally:
                 await self.trainers[0].call("end_lend")
         try:
             done = await asyncio.gather(*(one(c, b) for c, b in enumerate(batches)))
         finally:
-            if buckets:
-                await lend(0)
+            if lent:
+                await every_generator("drop_eval_weights")
         versions = {v for v, _ in done}
         if len(versions) != 1:
             raise RuntimeError(f"an evaluation met several versions: {sorted(versions)}")

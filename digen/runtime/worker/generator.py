@@ -39,6 +39,8 @@ class GeneratorActor(PolicyActor):
         cfg = pool_config(cfg, Pool.GENERATOR, max(index_of(name), 0))
         super().__init__(cfg, name, trainable=False, devices=devices, direct=direct, hosts=hosts)
         self.scoring = None
+        self._eval_pulled: dict[str, torch.Tensor] = {}  # the lent average's buckets so far
+        self._eval_next = 0  # the bucket it pulls next
         if not cfg.runtime.score_overlap:
             self.scoring = Scoring(self, reward_loop(cfg, rewards))
 
@@ -56,16 +58,27 @@ class GeneratorActor(PolicyActor):
         self.store.put_pixels((EVAL_STEP, batch), self.policy.evaluate(keys, prompts))
         return self.timed(self.policy.version, t0)
 
-    def pull_eval_weights(self, source: str, buckets: int) -> None:
-        """Evaluate with the moving average ``source`` (trainer 0) lends (``eval.ema``),
-        pulled in its ``buckets`` and kept on the host, until called with 0 buckets."""
-        if not buckets:
-            self.policy.set_eval_weights(None)
-            return
-        state: dict[str, torch.Tensor] = {}
-        for b in range(buckets):
-            state.update(run_sync(source, fetch_lent, b))
-        self.policy.set_eval_weights(state)
+    def pull_eval_weights(self, source: str, bucket: int, last: bool) -> None:
+        """Pull bucket ``bucket`` of the moving average ``source`` (trainer 0) lends
+        (``eval.ema``: it lends one at a time) and keep it on the host; after the ``last``
+        one, evaluate with it until :meth:`drop_eval_weights`."""
+        if bucket == 0:
+            self._eval_pulled, self._eval_next = {}, 0
+        if bucket != self._eval_next:
+            raise RuntimeError(
+                f"{self.name} was lent bucket {bucket} of the moving average without the "
+                "ones before it"
+            )
+        self._eval_pulled.update(run_sync(source, fetch_lent, bucket))
+        self._eval_next += 1
+        if last:
+            state, self._eval_pulled = self._eval_pulled, {}
+            self.policy.set_eval_weights(state)
+
+    def drop_eval_weights(self) -> None:
+        """Evaluate with the generator's own weights again."""
+        self._eval_pulled = {}
+        self.policy.set_eval_weights(None)
 
     def score_eval(self, *args: Any) -> TimedResult:
         """Rewards of an evaluation batch (:meth:`~digen.runtime.worker.scorer.Scoring.evaluate`),

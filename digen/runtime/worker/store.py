@@ -57,7 +57,7 @@ class Store:
         self.capacity = capacity
         self._items: dict[Key, _Held] = {}
         self._weights: Callable[[int, int, str | None], dict[str, torch.Tensor]] | None = None
-        self._lent: list[dict[str, torch.Tensor]] | None = None
+        self._lent: dict[int, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
 
     def put(
@@ -129,9 +129,9 @@ class Store:
         with self._lock:
             self._weights = source
 
-    def lend(self, state: list[dict[str, torch.Tensor]] | None) -> None:
-        """Serve ``state`` (buckets of name -> tensor: trainer 0's moving average, for an
-        evaluation) until it is lent again; None: serve none."""
+    def lend(self, state: dict[int, dict[str, torch.Tensor]] | None) -> None:
+        """Serve ``state`` (bucket number -> name -> tensor: trainer 0's moving average, a
+        bucket at a time, for an evaluation) until it is lent again; None: serve none."""
         with self._lock:
             self._lent = state
 
@@ -140,6 +140,8 @@ class Store:
             lent = self._lent
         if lent is None:
             raise RuntimeError("this worker lends no moving average now (trainer 0 does)")
+        if bucket not in lent:
+            raise RuntimeError(f"bucket {bucket} of the moving average is not lent now")
         return lent[bucket]
 
     def weights(self, version: int, bucket: int = 0, wire: str | None = None) -> dict[str, Any]:

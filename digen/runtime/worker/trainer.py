@@ -157,30 +157,32 @@ class TrainerActor(PolicyActor):
             return list(full.items())
         return super()._synced()
 
-    def lend_ema(self) -> int:
-        """Lend the moving average evaluation samples with (``eval.ema``) to the generators,
-        which pull it from trainer 0 bucket by bucket (:func:`~digen.runtime.worker.store.fetch_lent`):
-        it never passes through the driver. Trainer 0 holds a host copy of it until
-        :meth:`end_lend` (the average moves on with training meanwhile), in the dtypes
-        weights travel in (kept in fp32, it lands in a bf16 model's weights as bf16: lent so,
-        the same bits at half the bytes); sharded trainers all call at once, gathering it.
-        Returns the bucket count (0: no average kept here)."""
+    def lend_ema(self, bucket: int) -> int:
+        """Lend bucket ``bucket`` of the moving average evaluation samples with
+        (``eval.ema``) to the generators, which pull it from trainer 0
+        (:func:`~digen.runtime.worker.store.fetch_lent`; it never passes through the
+        driver), one bucket after another: trainer 0 holds one bucket of it on the host at a
+        time, beside the full copy it serves, until :meth:`end_lend`. Sharded trainers all
+        call at once, gathering the bucket. It is lent in the dtypes weights travel in (kept
+        in fp32, it lands in a bf16 model's weights as bf16: lent so, the same bits at half
+        the bytes). Returns the bucket count (0: no average kept here)."""
         state = self.policy.ema_state()
         if state is None:
             return 0
-        dtypes = self._wire_dtypes  # the average's names are the synced ones, in order
+        named = list(state.items())  # the synced parameters' names, in their order
+        buckets = self._buckets_of([t for _, t in named])  # by the whole tensors' sizes
+        picked = buckets[bucket]
+        dtypes = [self._wire_dtypes[i] for i in picked]
         if self.sharded:
-            lent = full_tensors(list(state.items()), keep=self.rank == 0, dtypes=dtypes)
+            lent = full_tensors([named[i] for i in picked], keep=self.rank == 0, dtypes=dtypes)
             if self.rank != 0:
-                return 0
+                return len(buckets)
         else:
             lent = {
-                k: v.detach().to("cpu", d, copy=True)
-                for (k, v), d in zip(state.items(), dtypes, strict=True)
+                named[i][0]: named[i][1].detach().to("cpu", d, copy=True)
+                for i, d in zip(picked, dtypes, strict=True)
             }
-        names = list(lent)
-        buckets = self._buckets_of([lent[n] for n in names])
-        self.store.lend([{names[i]: lent[names[i]] for i in b} for b in buckets])
+        self.store.lend({bucket: lent})
         return len(buckets)
 
     def end_lend(self) -> None:
