@@ -57,7 +57,7 @@ class Store:
         self.capacity = capacity
         self._items: dict[Key, _Held] = {}
         self._weights: Callable[[int, int, str | None], dict[str, torch.Tensor]] | None = None
-        self._lent: dict[int, dict[str, torch.Tensor]] | None = None
+        self._lent: tuple[int, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
 
     def put(
@@ -129,20 +129,20 @@ class Store:
         with self._lock:
             self._weights = source
 
-    def lend(self, state: dict[int, dict[str, torch.Tensor]] | None) -> None:
-        """Serve ``state`` (bucket number -> name -> tensor: trainer 0's moving average, a
-        bucket at a time, for an evaluation) until it is lent again; None: serve none."""
+    def lend(self, bucket: int = 0, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Serve ``tensors`` as bucket ``bucket`` of trainer 0's moving average (lent a bucket
+        at a time, for an evaluation) until something else is lent; None: serve none."""
         with self._lock:
-            self._lent = state
+            self._lent = None if tensors is None else (bucket, tensors)
 
     def lent(self, bucket: int) -> dict[str, torch.Tensor]:
         with self._lock:
             lent = self._lent
         if lent is None:
             raise RuntimeError("this worker lends no moving average now (trainer 0 does)")
-        if bucket not in lent:
+        if lent[0] != bucket:
             raise RuntimeError(f"bucket {bucket} of the moving average is not lent now")
-        return lent[bucket]
+        return lent[1]
 
     def weights(self, version: int, bucket: int = 0, wire: str | None = None) -> dict[str, Any]:
         """Bucket ``bucket`` of the weights of ``version``, on ``wire`` (None: where they are)."""

@@ -182,12 +182,12 @@ class TrainerActor(PolicyActor):
                 named[i][0]: named[i][1].detach().to("cpu", d, copy=True)
                 for i, d in zip(picked, dtypes, strict=True)
             }
-        self.store.lend({bucket: lent})
+        self.store.lend(bucket, lent)
         return len(buckets)
 
     def end_lend(self) -> None:
         """The evaluation is over: drop the lent copy."""
-        self.store.lend(None)
+        self.store.lend()
 
     def statistics(self) -> dict[str, Any]:
         """The worker's (:meth:`PolicyActor.statistics`), and how many full copies of the
