@@ -15,6 +15,9 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# a process the tests start that dies of a signal (an abort in native code) prints its Python
+# stack, so a failure seen once says where it happened
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

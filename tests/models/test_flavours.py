@@ -299,6 +299,7 @@ def test_offloaded_text_encoders_are_never_placed_on_the_device(name: str) -> No
 
 
 _BUILD_AS_RANK = """
+import os
 import sys
 from datetime import timedelta
 
@@ -313,6 +314,8 @@ if rank == 1:  # only rank 1 builds: transformers writes weights on rank 0 alone
     print(get_adapter_class("sd3").flavour_path("tiny", cache))
 dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # as digen's workers exit: the interpreter's teardown can abort on gloo's threads
 """
 
 

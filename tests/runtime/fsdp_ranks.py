@@ -12,6 +12,7 @@ writes the counts, the modules sharded (blocks and root) and the trained timeste
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -71,6 +72,16 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         with open(out, "w") as fh:
             json.dump(report, fh)
     dist.destroy_process_group()
+    end_rank()
+
+
+def end_rank() -> None:
+    """Exit as digen's worker processes do: flushed, skipping the interpreter's teardown,
+    whose static destructors can abort on a native thread gloo still holds ("terminate called
+    without an active exception", seen once in a suite's run)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

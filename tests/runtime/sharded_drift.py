@@ -18,6 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from fsdp_ranks import end_rank
 
 
 def main(model: str, lora_rank: int, out: str) -> None:
@@ -52,6 +53,7 @@ def main(model: str, lora_rank: int, out: str) -> None:
     report["drift_over"] = stats.drift_over
     with open(out, "w") as f:
         json.dump(report, f)
+    end_rank()
 
 
 if __name__ == "__main__":
