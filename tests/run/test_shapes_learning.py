@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 from helpers import read_jsonl, run_config
 
-from cli.main import _run_flavour, main
+from cli.main import main
+from cli.run import _run_flavour
 from digen import load_config
 from digen.presets import preset
 from digen.shapes import CATEGORIES

@@ -1,0 +1,430 @@
+"""``digen simulate``: the schedule on modelled costs, and the layout ``--recommend`` plans."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from digen.models.registry import MODEL_NAMES
+
+
+@click.command()
+@click.option(
+    "--microbatches",
+    "-b",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Micro-batches per train step.",
+)
+@click.option(
+    "--generators", "-g", type=int, default=4, show_default=True, help="Generator workers."
+)
+@click.option("--trainers", "-t", type=int, default=4, show_default=True, help="Trainer workers.")
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Costs from a run's profile.json (overrides the cost flags).",
+)
+@click.option(
+    "--gen",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds to generate a micro-batch on a generator.",
+)
+@click.option(
+    "--update-gen-ratio",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="Update time as a multiple of --gen.",
+)
+@click.option(
+    "--gen-tag", type=float, help="Seconds to generate on a trainer (TAG) [default: --gen]."
+)
+@click.option(
+    "--score", type=float, default=0.02, show_default=True, help="Seconds to score a micro-batch."
+)
+@click.option(
+    "--step-cost", type=float, default=0.0, show_default=True, help="Seconds of one optimizer step."
+)
+@click.option(
+    "--sync-cost", type=float, default=0.0, show_default=True, help="Seconds of one weight sync."
+)
+@click.option("--steps", type=int, default=4, show_default=True, help="Train steps to simulate.")
+@click.option("--static-k", type=int, help="k of the static-k policy [default: --trainers].")
+@click.option(
+    "--mbs-per-group", type=int, default=1, show_default=True, help="Micro-batches per group (GAP)."
+)
+@click.option(
+    "--max-staleness", type=int, default=1, show_default=True, help="TCSS W for the +tcss rows."
+)
+@click.option(
+    "--staleness-ratio",
+    type=float,
+    default=0.25,
+    show_default=True,
+    help="TCSS ratio for the +tcss rows.",
+)
+@click.option(
+    "--recommend",
+    is_flag=True,
+    help="Rank colocated and every generator/trainer split of --devices, by time and cost.",
+)
+@click.option("--devices", type=int, help="Devices to lay out (with --recommend).")
+@click.option(
+    "--hardware",
+    "hardware_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With --recommend: a YAML/JSON description of the devices (kinds, memory, links, "
+    "prices; see docs/RUNTIME.md), to add the GPU costs of each layout.",
+)
+@click.option(
+    "--device",
+    "device_kind",
+    help="With --recommend: every device of this kind (h100, h200, a100, a100-40gb, l40s, "
+    "l4), with its spec-sheet defaults.",
+)
+@click.option(
+    "--model",
+    "model_name",
+    type=click.Choice(MODEL_NAMES),
+    help="With --hardware/--device: the backbone whose published sizes are moved and stored.",
+)
+@click.option(
+    "--lora-rank",
+    type=int,
+    default=8,
+    show_default=True,
+    help="With --model: the LoRA rank trained (0: full fine-tuning).",
+)
+@click.option(
+    "--reward-params",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="With --model: parameters of a reward model that sits beside the sampler.",
+)
+@click.option(
+    "--sampling-passes",
+    type=int,
+    default=10,
+    show_default=True,
+    help="With --model: denoiser passes to sample one micro-batch (sampling steps).",
+)
+@click.option(
+    "--update-tsp",
+    type=float,
+    help="With --recommend: seconds of an update with TSP, to rank layouts with and without.",
+)
+@click.option(
+    "--tsp-degree", type=int, default=4, show_default=True, help="The TSP degree of --update-tsp."
+)
+@click.option(
+    "--samples-per-microbatch",
+    type=int,
+    default=1,
+    show_default=True,
+    help="With --recommend: samples in one micro-batch (for the cost per 1,000 samples).",
+)
+@click.option(
+    "--by",
+    type=click.Choice(["time", "cost"]),
+    default="time",
+    show_default=True,
+    help="With --recommend: rank by step time or by cost per 1,000 samples.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Draw the BTS schedule to this PNG.",
+)
+@click.option(
+    "--score-overlap/--no-score-overlap",
+    default=True,
+    show_default=True,
+    help="Score beside generation on a lane per generator, as runs do by default.",
+)
+@click.option(
+    "--loss-rate",
+    type=float,
+    help="Losses of each generator per hour (preemptions): price generators that come and go.",
+)
+@click.option(
+    "--rejoin-s",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="With --loss-rate: seconds until a lost generator is back, on average.",
+)
+@click.option(
+    "--generator-price", type=float, default=0.0, show_default=True, help="Per device-hour."
+)
+@click.option(
+    "--preemptible-price",
+    type=float,
+    help="Per device-hour of a generator that comes and goes [default: --generator-price].",
+)
+@click.option(
+    "--trainer-price", type=float, default=0.0, show_default=True, help="Per device-hour."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr (--recommend).")
+def simulate(
+    microbatches: int,
+    generators: int,
+    trainers: int,
+    profile_path: Path | None,
+    gen: float,
+    update_gen_ratio: float,
+    gen_tag: float | None,
+    score: float,
+    step_cost: float,
+    sync_cost: float,
+    steps: int,
+    static_k: int | None,
+    mbs_per_group: int,
+    max_staleness: int,
+    staleness_ratio: float,
+    recommend: bool,
+    devices: int | None,
+    hardware_path: Path | None,
+    device_kind: str | None,
+    model_name: str | None,
+    lora_rank: int,
+    reward_params: float,
+    sampling_passes: int,
+    update_tsp: float | None,
+    tsp_degree: int,
+    samples_per_microbatch: int,
+    by: str,
+    plot_path: Path | None,
+    score_overlap: bool,
+    loss_rate: float | None,
+    rejoin_s: float,
+    generator_price: float,
+    preemptible_price: float | None,
+    trainer_price: float,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Predict step times of TAG / TCSS policies (none, static-k, BTS) before renting a cluster.
+
+    Costs come from the flags (seconds per micro-batch) or from a run's profile.json.
+    """
+    from digen.sched import simulate_cli as sc
+
+    try:
+        if profile_path is not None:
+            if not profile_path.is_file():
+                raise ValueError(f"profile file '{profile_path}' does not exist")
+            costs = sc.load_costs(profile_path)
+        else:
+            from digen.sched.costs import Costs
+
+            costs = Costs(
+                gen=gen,
+                update=gen * update_gen_ratio,
+                gen_tag=gen_tag,
+                score=score,
+                step=step_cost,
+                sync=sync_cost,
+            )
+        for name, value, low in (
+            ("--microbatches", microbatches, 1),
+            ("--generators", generators, 1),
+            ("--trainers", trainers, 1),
+            ("--steps", steps, 1),
+            ("--mbs-per-group", mbs_per_group, 1),
+            ("--max-staleness", max_staleness, 0),
+        ):
+            if value < low:
+                raise ValueError(f"{name} = {value} is not allowed: it must be at least {low}")
+        kw = dict(
+            steps=steps,
+            static_k=static_k,
+            mbs_per_group=mbs_per_group,
+            max_staleness=max_staleness,
+            staleness_ratio=staleness_ratio,
+            score_overlap=score_overlap,
+        )
+        if loss_rate is not None:
+            got = sc.with_losses(
+                costs,
+                microbatches,
+                generators,
+                trainers,
+                loss_rate_per_h=loss_rate,
+                rejoin_s=rejoin_s,
+                generator_price=generator_price,
+                trainer_price=trainer_price,
+                preemptible_price=preemptible_price,
+                steps=steps,
+                mbs_per_group=mbs_per_group,
+                score_overlap=score_overlap,
+            )
+            if as_json:
+                click.echo(json.dumps(got))
+                return
+            click.echo(sc.format_losses(got, generators, trainers, loss_rate, rejoin_s))
+            return
+        if recommend:
+            _recommend(
+                costs,
+                microbatches,
+                devices,
+                hardware=hardware_path if device_kind is None else {"device": device_kind},
+                model_name=model_name,
+                lora_rank=lora_rank,
+                reward_params=reward_params,
+                passes=sampling_passes,
+                update_tsp=update_tsp,
+                tsp_degree=tsp_degree,
+                samples=samples_per_microbatch,
+                by=by,
+                prices=(generator_price, trainer_price),
+                as_json=as_json,
+                quiet=quiet,
+                kw=kw,
+            )
+            return
+        table = sc.compare_policies(costs, microbatches, generators, trainers, **kw)
+        if plot_path is not None:
+            from digen.sched.simulator import simulate as run_sim
+            from digen.sched.tag import BTS
+
+            res = run_sim(
+                costs,
+                microbatches,
+                generators,
+                trainers,
+                BTS(),
+                steps=steps,
+                mbs_per_group=mbs_per_group,
+                score_overlap=score_overlap,
+            )
+            sc.plot_simulation(
+                res, plot_path, title=f"simulated BTS: G={generators} T={trainers} B={microbatches}"
+            )
+    except ValueError as exc:
+        click.echo(f"error: {str(exc).rstrip('.')}.", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps(table))
+    else:
+        click.echo(sc.format_table(table))
+
+
+def _recommend(
+    costs: Any,
+    microbatches: int,
+    devices: int | None,
+    *,
+    hardware: Path | dict[str, str] | None,
+    model_name: str | None,
+    lora_rank: int,
+    reward_params: float,
+    passes: int,
+    update_tsp: float | None,
+    tsp_degree: int,
+    samples: int,
+    by: str,
+    prices: tuple[float, float],
+    as_json: bool,
+    quiet: bool,
+    kw: dict[str, Any],
+) -> None:
+    """``simulate --recommend``: every layout ranked, with its GPU terms when hardware is given."""
+    from digen.sched import planner
+    from digen.sched.hardware import ModelSize, describe, load_hardware
+
+    hw = None
+    if hardware is not None:
+        if isinstance(hardware, Path) and not hardware.is_file():
+            raise ValueError(f"hardware file '{hardware}' does not exist")
+        hw = load_hardware(hardware)
+        if model_name is None:
+            raise ValueError("--hardware and --device need --model, whose sizes they move")
+    elif model_name is not None:
+        raise ValueError("--model needs --hardware or --device, the devices it runs on")
+    if devices is None and (hw is None or hw.generators is None):
+        raise ValueError("--recommend needs --devices N, the number of devices to lay out")
+    for name, value in (("--sampling-passes", passes), ("--tsp-degree", tsp_degree)):
+        if value < 1:
+            raise ValueError(f"{name} = {value} is not allowed: it must be at least 1")
+    if lora_rank < 0:
+        raise ValueError(f"--lora-rank = {lora_rank} is not allowed: it must be at least 0")
+    model = None
+    if model_name is not None:
+        model = ModelSize.of(model_name, lora_rank=lora_rank, reward_params=reward_params)
+    work = planner.Workload(
+        costs=costs,
+        microbatches=microbatches,
+        samples_per_microbatch=samples,
+        mbs_per_group=kw["mbs_per_group"],
+        update_tsp=update_tsp,
+        tsp_degree=tsp_degree,
+        passes=passes,
+        model=model,
+    )
+    n = hw.generators + hw.trainers if hw is not None and hw.generators else devices
+    if not quiet and n and n >= 2:
+        where = f" ({describe(hw)})" if hw is not None else ""
+        click.echo(f"simulating colocated and the splits of {n} devices{where}", err=True)
+    ranked, skipped = planner.plan(
+        work,
+        devices,
+        hw,
+        steps=kw["steps"],
+        static_k=kw["static_k"],
+        max_staleness=kw["max_staleness"],
+        staleness_ratio=kw["staleness_ratio"],
+        score_overlap=kw["score_overlap"],
+        prices=prices,
+        on_split=None if quiet else _split_done(),
+    )
+    if by == "cost":
+        ranked = planner.by_cost(ranked)
+    if as_json:
+        out = {
+            "candidates": [c.to_dict() for c in ranked],
+            "left_out": skipped,
+            "choice": planner.explain(ranked),
+        }
+        click.echo(json.dumps(out))
+        return
+    if not ranked:
+        raise ValueError("no layout fits: " + "; ".join(skipped))
+    where = f" on {describe(hw)}" if hw is not None else ""
+    click.echo(f"{n} devices{where}, {microbatches} micro-batches a step, best {by} first:")
+    click.echo(planner.format_plan(ranked, skipped))
+    click.echo(f"choice: {planner.explain(ranked)}")
+    if ranked[0].terms:
+        terms = ", ".join(f"{k} {v:.3f} s" for k, v in ranked[0].terms.items())
+        click.echo(f"its GPU terms a step: {terms}")
+
+
+def _split_done():
+    """Progress of ``simulate --recommend`` on stderr: one line per split as it is done."""
+    last = time.perf_counter()
+
+    def report(generators: int, trainers: int, done: list[Any]) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        best = min(done, key=lambda c: c.step_time)
+        click.echo(
+            f"G={generators} T={trainers}: best {best.label} at "
+            f"{best.step_time:.3f} s a step ({now - last:.1f} s to simulate)",
+            err=True,
+        )
+        last = now
+
+    return report
