@@ -1,10 +1,13 @@
 """What the commands share: quiet imports and progress bars, the event loop a command
-runs on, and how choices and summaries are written."""
+runs on, how choices and summaries are written, and the check that an output folder can be
+written."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
 
@@ -40,3 +43,23 @@ def run_async(coro):
 def pretty(summary: dict[str, Any]) -> str:
     width = max(map(len, summary), default=0)
     return "\n".join(f"{k:>{width}}: {v}" for k, v in summary.items())
+
+
+def check_writable(out_dir: Path, flag: str) -> None:
+    """``out_dir`` can be made and written here: said before anything starts (the folders
+    this makes to find out are removed again)."""
+    import tempfile
+
+    from digen.errors import DigenError
+
+    missing = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out_dir).close()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise DigenError(f"{flag} '{out_dir}' cannot be written ({why.lower()}).") from None
+    finally:
+        for p in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()

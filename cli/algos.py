@@ -1,19 +1,50 @@
-"""``digen algos``: the registered algorithms and their settings."""
+"""``digen algos``: the registered algorithms, their settings and their presets."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
+from cli._shared import one_of
 from digen.algos.registry import ALGO_NAMES, get_algorithm
+from digen.models.registry import MODEL_NAMES, get_backbone
 
 
 @click.command()
-def algos() -> None:
-    """The registered algorithms: their step kinds, KL convention and own settings."""
+@click.option(
+    "--model",
+    default="flux",
+    show_default=True,
+    type=click.Choice(MODEL_NAMES),
+    help=f"The backbone whose published presets are shown: {one_of(MODEL_NAMES)}.",
+)
+def algos(model: str) -> None:
+    """The registered algorithms: their sampling, KL convention, own settings and the
+    settings of their published preset (what --model-path starts from)."""
+    backbone = get_backbone(model)
     for name in ALGO_NAMES:
         algo = get_algorithm(name)
         click.echo(f"{name}: {algo.title}")
-        click.echo(f"  rollout.sde_type: {', '.join(algo.sde_types)} (default {algo.sde_types[0]})")
+        if algo.stochastic_sampling:
+            kinds = ", ".join(algo.sde_types)
+            click.echo(f"  rollout.sde_type: {kinds} (default {algo.sde_types[0]})")
+        else:
+            click.echo("  sampling: deterministic (ODE); rollout.sde_type does not apply")
         click.echo(f"  algo.kl_type default: {algo.kl_type}")
         for key, param in algo.params.items():
             click.echo(f"  algo.params.{key} = {param.default!r}: {param.doc}")
+        published = _dotted(algo.preset(backbone, True))
+        shown = ", ".join(f"{k}={v}" for k, v in published.items())
+        click.echo(f"  preset for {model} with --model-path: {shown or 'the defaults'}")
+
+
+def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"rollout": {"n": 8}}`` -> ``{"rollout.n": 8}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from cli._shared import one_of, quiet_imports, quiet_progress_bars
+from cli._shared import check_writable, one_of, quiet_imports, quiet_progress_bars
 from digen.algos.registry import ALGO_NAMES
 from digen.models.registry import MODEL_NAMES
 
@@ -121,7 +121,17 @@ def bench(
 
     try:
         settings = _bench_settings(
-            quick, model, algo, size, steps, repeats, workers, json_path, plot_path, overrides
+            quick,
+            model,
+            algo,
+            size,
+            steps,
+            repeats,
+            workers,
+            json_path,
+            plot_path,
+            overrides,
+            out_dir,
         )
         from digen.run import bench as b
 
@@ -209,6 +219,18 @@ def _bench_quality(
             raise DigenError(f"--steps {steps} is not allowed: it must be at least 1")
         if eval_every < 1:
             raise DigenError(f"--eval-every {eval_every} is not allowed: it must be at least 1")
+        if not 0 < target <= 1:
+            raise DigenError(
+                f"--target {target} is not allowed: it is a held-out accuracy, above 0 and at "
+                "most 1"
+            )
+        if workers < 2:
+            raise DigenError(
+                f"--workers {workers} is not allowed: disaggregation needs at least 2 "
+                "(a generator and a trainer)"
+            )
+        if out_dir is not None:
+            check_writable(out_dir, "--out")
         for flag, path in (("--json", json_path), ("--plot", plot_path)):
             if path is not None and not path.parent.is_dir():
                 raise DigenError(f"{flag} {path}: the directory '{path.parent}' does not exist")
@@ -281,7 +303,7 @@ def _write_report(
 
 
 def _bench_settings(
-    quick, model, algo, size, steps, repeats, workers, json_path, plot_path, overrides
+    quick, model, algo, size, steps, repeats, workers, json_path, plot_path, overrides, out_dir
 ):
     """The bench's settings from its options, or one sentence (DigenError) on bad input."""
     from digen.errors import DigenError
@@ -310,6 +332,8 @@ def _bench_settings(
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
         if path is not None and not path.parent.is_dir():
             raise DigenError(f"{flag} {path}: the directory '{path.parent}' does not exist")
+    if out_dir is not None:
+        check_writable(out_dir, "--out")
     if plot_path is not None and plot_path.suffix.lower() != ".png":
         raise DigenError(f"--plot {plot_path} must name a .png file")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -34,7 +34,7 @@ import click
 @click.option(
     "--wait",
     "wait_s",
-    type=float,
+    type=click.FloatRange(min=0),
     default=60.0,
     show_default=True,
     help="Seconds to wait for the run to be there and take joins.",
@@ -99,6 +99,11 @@ def join(
         sys.exit(2)
 
     from digen.runtime.transport.actors import JoinRefused, join_world
+
+    click.echo(
+        f"joining the run at {rendezvous} (waiting up to {wait_s:g} s for it to take joins)",
+        err=True,
+    )
 
     def joined(name: str) -> None:
         click.echo(f"joined the run at {rendezvous} as {name}; serving until it ends", err=True)

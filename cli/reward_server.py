@@ -15,7 +15,13 @@ import click
 @click.option(
     "--reward", required=True, help="A built-in, module:function or path/to/file.py:function."
 )
-@click.option("--port", type=int, default=8000, show_default=True, help="Port; 0 picks a free one.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8000,
+    show_default=True,
+    help="Port; 0 picks a free one.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option(
     "--options",

@@ -16,7 +16,14 @@ from typing import Any
 
 import click
 
-from cli._shared import one_of, pretty, quiet_imports, quiet_progress_bars, run_async
+from cli._shared import (
+    check_writable,
+    one_of,
+    pretty,
+    quiet_imports,
+    quiet_progress_bars,
+    run_async,
+)
 from digen.algos.registry import ALGO_NAMES
 from digen.models.registry import MODEL_NAMES
 
@@ -65,9 +72,8 @@ from digen.models.registry import MODEL_NAMES
     "--out",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=Path("runs/latest"),
-    show_default=True,
-    help="Output directory.",
+    default=None,
+    help="Output directory  [default: a new runs/<date>_<time>, with runs/latest a link to it]",
 )
 @click.option(
     "--sample-every",
@@ -123,8 +129,19 @@ def run(
     quiet_imports()
     if flavour is not None:  # an override like any other, so a later one still wins
         overrides = (f"model.flavour={flavour}", *overrides)
+    if resume_dir is not None and overwrite:
+        _refuse("--resume continues the run in its folder and --overwrite replaces it; give one.")
+    if sample_every < 1:
+        _refuse(f"--sample-every = {sample_every} is not allowed: it must be at least 1.")
+    if resume_dir is not None and out_dir is not None and out_dir != resume_dir:
+        _refuse("--resume continues the run in the folder it names; leave --out out.")
+    dated = resume_dir is None and out_dir is None
     if resume_dir is not None:
         out_dir = resume_dir
+    elif out_dir is None:
+        from digen.checkpoint import new_run_dir
+
+        out_dir = new_run_dir()
     try:
         result = _run(
             model,
@@ -143,6 +160,7 @@ def run(
             resume=resume_dir is not None,
             overwrite=overwrite,
             devices=devices,
+            dated=dated,
         )
     except KeyboardInterrupt:
         click.echo("interrupted; outputs written so far are in place.", err=True)
@@ -231,7 +249,10 @@ def _run(
     resume=False,
     overwrite=False,
     devices=None,
+    dated=False,
 ):
+    """``dated``: ``out_dir`` is a new folder of its own under ``runs/``, which
+    ``runs/latest`` points at once the run starts."""
     from digen.config import load_config
     from digen.errors import DigenError
 
@@ -320,11 +341,15 @@ def _run(
                 "--mode auto starts its own workers; under torchrun give the layout "
                 "(--mode colocated or disaggregated)."
             )
-        return _run_torchrun(cfg, out_dir, quiet, sample_every)
+        return _run_torchrun(cfg, out_dir, quiet, sample_every, dated)
     from digen.checkpoint import check_out_dir
 
     # a previous run in --out, or a checkpoint of other weights: said before torch loads
     check_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite, checksums=False)
+    check_writable(out_dir, "--out")
+    from digen.runtime.placement import check_devices_here
+
+    check_devices_here(cfg)  # a GPU this machine does not have: before anything is written
     if cfg.runtime.mode == "disaggregated" or auto:
         from digen.runtime.transport.forkserver import start_fork_server
 
@@ -340,6 +365,8 @@ def _run(
         cfg, record = choice.cfg, choice.record
         click.echo(f"mode auto: {choice.line}", err=True)
 
+    if dated:
+        _say_latest(out_dir)
     runner = DigenRunner(
         cfg,
         out_dir=out_dir,
@@ -355,7 +382,7 @@ def _run(
 # --- torchrun: one command on every rank ------------------------------------------------
 
 
-def _run_torchrun(cfg, out_dir, quiet, sample_every):
+def _run_torchrun(cfg, out_dir, quiet, sample_every, dated=False):
     """Rank 0: the usual driver, joining workers torchrun started. Others: serve as one."""
     from digen.run.runner import DigenRunner
     from digen.runtime.transport.actors import (
@@ -369,6 +396,8 @@ def _run_torchrun(cfg, out_dir, quiet, sample_every):
     rank, world, address, port = torchrun_world(os.environ, cfg)
     rt = cfg.runtime
     if rank == 0:
+        if dated:
+            _say_latest(out_dir)
         runner = DigenRunner(cfg, out_dir=out_dir, progress=not quiet, sample_every=sample_every)
         with external_launch(ExternalLaunch(address, port, world)):
             return run_async(runner.run())
@@ -377,6 +406,20 @@ def _run_torchrun(cfg, out_dir, quiet, sample_every):
     )
     serve_worker(spec, rank, world, address, port, rpc_timeout_s=rt.rpc_timeout_s)
     return None
+
+
+def _refuse(text: str) -> None:
+    """Bad input on the command line: one sentence, exit 2."""
+    click.echo(f"error: {text}", err=True)
+    sys.exit(2)
+
+
+def _say_latest(out_dir: Path) -> None:
+    from digen.checkpoint import point_latest
+
+    note = point_latest(out_dir)
+    if note is not None:
+        click.echo(f"note: {note}.", err=True)
 
 
 def _run_flavour(model, model_path, config_path, prompts, overrides) -> str | None:

@@ -238,6 +238,12 @@ def simulate(
                 step=step_cost,
                 sync=sync_cost,
             )
+        if plot_path is not None and not plot_path.parent.is_dir():
+            raise ValueError(
+                f"--plot {plot_path}: the directory '{plot_path.parent}' does not exist"
+            )
+        if plot_path is not None and plot_path.suffix.lower() != ".png":
+            raise ValueError(f"--plot {plot_path} must name a .png file")
         for name, value, low in (
             ("--microbatches", microbatches, 1),
             ("--generators", generators, 1),

@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ __all__ = [
     "RUN_OUTPUTS",
     "SavedWeights",
     "check_out_dir",
+    "new_run_dir",
+    "point_latest",
     "previous_outputs",
     "Checkpoint",
     "CheckpointWriter",
@@ -562,6 +565,7 @@ JOIN_SECRET_FILE = "join-secret"
 
 RUN_OUTPUTS = (
     "metrics.jsonl",
+    "eval.jsonl",
     "checkpoints",
     "samples",
     "lora",
@@ -578,6 +582,40 @@ RUN_OUTPUTS = (
 )
 """What a run writes into its ``out_dir``: any of them there means an earlier run, and
 ``--overwrite`` removes exactly these."""
+
+
+RUNS = Path("runs")
+"""Where ``digen run`` puts a run that names no ``--out``: a folder per run, named by its
+start time, and ``runs/latest`` a link to the newest."""
+LATEST = "latest"
+
+
+def new_run_dir(root: Path = RUNS, now: float | None = None) -> Path:
+    """A folder name under ``root`` for a new run, from its start time in local time
+    (``2026-12-05_13-02-11``; ``-2``, ``-3``, ... after it when that one is taken). Creates
+    nothing."""
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
+    path, n = root / stamp, 1
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = root / f"{stamp}-{n}"
+    return path
+
+
+def point_latest(run_dir: Path) -> str | None:
+    """Create ``run_dir`` and make ``latest`` beside it a link to it (relative, swapped in
+    whole), so ``runs/latest`` is always the newest run. Returns a note instead when
+    ``latest`` there is a folder, not a link (a run of an earlier digen): it is left as it
+    is."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    latest = run_dir.parent / LATEST
+    if latest.exists() and not latest.is_symlink():
+        return f"{latest} is a folder, not a link, so it keeps its run; this run is in {run_dir}"
+    staged = run_dir.parent / f".{LATEST}-{os.getpid()}"
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(run_dir.name, target_is_directory=True)
+    os.replace(staged, latest)
+    return None
 
 
 def previous_outputs(out_dir: str | os.PathLike) -> list[str]:
@@ -598,7 +636,10 @@ def check_out_dir(
     (``resume``), or None for a new run; one sentence (:class:`DigenError`) where it may
     not. Imports nothing heavy, so a command line is answered before torch loads
     (``checksums=False``: sizes only, for that quick answer), and deletes nothing but what
-    an earlier run left unfinished (:func:`tidy_out_dir`), where this run may go ahead."""
+    an earlier run left unfinished (:func:`tidy_out_dir`), where this run may go ahead.
+
+    A new run may replace, without ``overwrite``, what a run that trained no step left (it
+    failed to start: ``warn`` says so); ``--resume`` is advised only where a checkpoint is."""
     out = Path(out_dir)
     if resume:
         tidy_out_dir(out)  # first: a checkpoint a crash left aside is back in place
@@ -613,13 +654,32 @@ def check_out_dir(
             )
         return ckpt
     previous = previous_outputs(out)
-    if previous and not overwrite:
-        raise DigenError(
-            f"'{out}' holds a previous run ({', '.join(previous)}); continue it with "
-            f"--resume {out}, replace it with --overwrite, or choose another --out."
-        )
+    if previous and not overwrite:  # what it says touches nothing
+        root = out / "checkpoints"
+        aside = root.is_dir() and any(p.name.startswith(_ASIDE) for p in root.iterdir())
+        if aside or latest_checkpoint(out, checksums=False) is not None:
+            raise DigenError(
+                f"'{out}' holds a previous run ({', '.join(previous)}); continue it with "
+                f"--resume {out}, replace it with --overwrite, or choose another --out."
+            )
+        if _trained_something(out):
+            raise DigenError(
+                f"'{out}' holds a previous run ({', '.join(previous)}) with no checkpoint to "
+                "resume from; replace it with --overwrite, or choose another --out."
+            )
+        if warn is not None:  # it stopped before its first step: nothing of it to keep
+            warn(f"replacing what a run that trained no step left in '{out}'")
     tidy_out_dir(out)
     return None
+
+
+def _trained_something(out: Path) -> bool:
+    """Whether the run in ``out`` left a result: a step's or an evaluation's row, or final
+    weights (a run that failed to start leaves only its log, config and trace)."""
+    rows = [out / "metrics.jsonl", out / "eval.jsonl"]
+    return any(f.is_file() and f.stat().st_size > 0 for f in rows) or any(
+        (out / name).exists() for name in ("lora", "transformer")
+    )
 
 
 def check_identity(ckpt: Checkpoint, cfg: Any) -> None:

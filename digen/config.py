@@ -48,6 +48,12 @@ __all__ = [
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"cpu|meta|cuda(:\d+)?|mps|xpu(:\d+)?")
+LORA_INITS = (
+    "gaussian", "true", "false", "eva", "olora", "pissa", "pissa_niter_<n>", "corda", "loftq",
+    "orthogonal",
+)  # fmt: skip
+"""``train.lora_init``: peft's ``init_lora_weights`` (true: its default Kaiming-uniform A)."""
+_LORA_INIT_RE = re.compile("|".join(v.replace("<n>", r"\d+") for v in LORA_INITS))
 SDE_TYPES: tuple[str, ...] = tuple(STEP_KINDS)
 ADV_NORMS = ("group", "none")
 ADV_STDS = ("group", "global")
@@ -198,6 +204,9 @@ _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
     "bool": _as_bool,
     "int | None": _optional(_as_int),
     "str | None": _optional(_as_str),
+    "str | bool": lambda value, key: (
+        str(value).lower() if isinstance(value, bool) else _as_str(value, key)
+    ),
     "tuple[int, int] | None": _optional(_as_pair),
     "list[str] | None": _optional(_as_str_list),
     "Devices": _optional(_as_device_list),
@@ -255,8 +264,10 @@ class ModelConfig:
 
     def _check_values(self, p: str) -> None:
         _choice(_key(p, "dtype"), self.dtype, DTYPES)
-        if not self.device:
-            raise _bad(_key(p, "device"), self.device, "name a torch device such as cpu or cuda:0")
+        if not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device):
+            raise _bad(
+                _key(p, "device"), self.device, "name a torch device such as cpu, cuda or cuda:1"
+            )
         for side in ("height", "width"):
             value = getattr(self, side)
             if value is not None and (value < 16 or value % 16):
@@ -455,7 +466,7 @@ class TrainConfig:
     """LoRA alpha."""
     lora_targets: list[str] | None = None
     """LoRA target modules (peft names); None uses the backbone's defaults."""
-    lora_init: str = "gaussian"
+    lora_init: str | bool = "gaussian"
     """LoRA initialisation passed to peft (gaussian, true, ...)."""
     lora_dtype: str | None = None
     """dtype the LoRA parameters are cast to (float32, bfloat16); None keeps the model dtype."""
@@ -487,8 +498,12 @@ class TrainConfig:
         _at_least(p, "max_grad_norm", self.max_grad_norm, 0.0, " (0 turns clipping off)")
         _at_least(p, "lora_rank", self.lora_rank, 0, " (0 means full fine-tuning)")
         _positive(p, "lora_alpha", self.lora_alpha)
-        if not self.lora_init:
-            raise _bad(_key(p, "lora_init"), self.lora_init, "name a peft initialisation")
+        if not _LORA_INIT_RE.fullmatch(str(self.lora_init).lower()):
+            raise _bad(
+                _key(p, "lora_init"),
+                self.lora_init,
+                f"name one of peft's initialisations: {', '.join(LORA_INITS)}",
+            )
         if self.lora_dtype is not None:
             _choice(_key(p, "lora_dtype"), self.lora_dtype, DTYPES)
         if self.mini_batch_size is not None:
@@ -1010,7 +1025,8 @@ def load_config(
 
     The preset layer (:func:`digen.presets.preset`, the recipe of a model x algorithm x mode)
     is used when ``preset`` is True, or when it is None and ``model``, ``algo`` or ``mode`` is
-    given. Those three name the preset and win over every other layer; when not given, each
+    given. Those three name the preset and win over ``base`` and the file; an override of
+    the same key that says otherwise is refused (:class:`ConfigError`). When not given, each
     is read from the overrides, ``base``, the file, then the defaults (flux, flowgrpo,
     colocated). A set ``model.path`` selects the real-weight recipe. ``base`` holds settings
     that win over the file (the CLI's own flags). Choosing a preset imports nothing heavy.
@@ -1021,17 +1037,31 @@ def load_config(
     field of one reward, and the index one past the end appends a reward. With
     ``algo.name=dancegrpo`` and no ``rollout.sde_type`` given, the SDE type becomes ``dance``.
     """
+    if isinstance(overrides, str):
+        raise ConfigError(
+            f"overrides must be a list of key=value strings, not one string ({overrides!r}); "
+            "write [" + repr(overrides) + "]."
+        )
     data: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
     if base:
         data = _merge(data, base)
+    said: dict[str, Any] = {}  # what the overrides alone set
     for item in overrides:
         _apply_override(data, item)
-    for section, key, given in (
-        ("model", "name", model),
-        ("algo", "name", algo),
-        ("runtime", "mode", mode),
+        if item.partition("=")[0].strip() in ("model.name", "algo.name", "runtime.mode"):
+            _apply_override(said, item)
+    for section, key, given, flag in (
+        ("model", "name", model, "--model"),
+        ("algo", "name", algo, "--algo"),
+        ("runtime", "mode", mode, "--mode"),
     ):
-        if given is not None:  # flags win over every layer
+        told = said.get(section)
+        if given is not None and isinstance(told, dict) and key in told and told[key] != given:
+            raise ConfigError(
+                f"{flag} {given} and the override {section}.{key}={told[key]} disagree; "
+                "give one of them."
+            )
+        if given is not None:  # flags name the preset; an override saying the same is fine
             if not isinstance(data.get(section), dict):
                 data[section] = {}
             data[section][key] = given

@@ -142,6 +142,9 @@ class Algorithm:
     sde_types: ClassVar[tuple[str, ...]]
     """The stochastic step kinds it samples with (``rollout.sde_type``); the first is its
     default."""
+    stochastic_sampling: ClassVar[bool] = True
+    """It samples with stochastic steps of a ``rollout.sde_type``; False: deterministically
+    (an ODE sampler), and ``rollout.sde_type`` does not apply."""
     kl_type: ClassVar[str] = "exact"
     """The KL convention its published coefficients mean (``algo.kl_type`` default)."""
     params: ClassVar[Mapping[str, Param]] = {}

@@ -84,6 +84,7 @@ class NFT(Algorithm):
         "negative samples, ODE sampling, no likelihoods"
     )
     sde_types = ("sde",)  # never used: the plan has no stochastic step
+    stochastic_sampling = False
     kl_type = "exact"
     trains_on = "final"
     keeps_old_policy = True

@@ -250,6 +250,23 @@ async def _deadline_of_request(
         deadline.request_done()
 
 
+@web.middleware
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    """A path or method the server does not serve answers ``{"error": ...}`` as every other
+    refusal does, naming what it serves."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return _error(405, f"{request.path} takes {allowed}, not {request.method}", Allow=allowed)
+    except web.HTTPNotFound:
+        return _error(
+            404, f"no {request.path} here: this server serves POST /score and GET /health"
+        )
+
+
 def _bearer_refusal(header: str | None, token: str) -> str | None:
     """Why an ``Authorization`` header does not carry ``token`` (None when it does)."""
     scheme, _, given = (header or "").strip().partition(" ")
@@ -388,7 +405,9 @@ def make_app(
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "reward": name})
 
-    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_deadline_of_request])
+    app = web.Application(
+        client_max_size=limits.max_body_bytes, middlewares=[_deadline_of_request, _json_errors]
+    )
     app[GATE] = gate
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/score", score)

@@ -47,7 +47,7 @@ from digen.run.outputs import RunOutputs
 from digen.run.trackers import Trackers, require
 from digen.runtime.metrics import eval_metrics
 from digen.runtime.notes import NotesToRunLog
-from digen.runtime.placement import peak_memory_gb
+from digen.runtime.placement import check_devices_here, peak_memory_gb
 from digen.sched.trace import Trace
 from digen.shapes import balanced
 
@@ -114,7 +114,8 @@ class DigenRunner:
         out_dir: where outputs go. None makes a new temporary directory (``digen-run-*``
             in :func:`tempfile.gettempdir`), says so once on stderr unless ``progress`` is
             False, and keeps it after the run: ``RunResult.out_dir`` names it; remove it when
-            done (the CLI's ``--out`` defaults to ``runs/latest`` instead).
+            done (the CLI's default is a new folder under ``runs/`` instead, with
+            ``runs/latest`` a link to it).
         progress: a progress bar and notes on stderr.
         sample_every: a sample grid every this many steps (and at the first and last).
         sample_grids: False writes no sample grid at all (``digen bench`` times steps, not
@@ -193,6 +194,10 @@ class DigenRunner:
             backend.request_stop()
 
     async def run(self) -> RunResult:
+        from digen.runtime.transport.actors import active_launch
+
+        if active_launch() is None:  # under torchrun the devices are the workers' nodes'
+            check_devices_here(self.cfg)
         self._claim_out_dir()
         if self._temporary and self.progress:
             print(
@@ -320,7 +325,7 @@ class DigenRunner:
                     log.info("resumed", checkpoint=str(ckpt.path), step=start)
                 writer = CheckpointWriter(self.out_dir, cfg.keep_checkpoints)
                 every = save_interval(cfg)
-                bar = _progress(cfg.steps, enabled=self.progress and lead, initial=start)
+                bar = _Progress(cfg.steps, enabled=self.progress and lead, initial=start)
                 if lead:
                     self._backend_now = backend
                     if self._stop:  # asked before the workers were up
@@ -346,6 +351,10 @@ class DigenRunner:
                     lead's: other data-parallel workers take part and get none)."""
                     assert self.eval_prompts is not None
                     ep, t = self.eval_prompts, time.perf_counter()
+                    bar.phase(
+                        f"eval v{backend.version}: {len(ep.prompts)} held-out prompts x "
+                        f"{cfg.eval.samples}"
+                    )
                     version, batches = await backend.evaluate(
                         ep.prompts, ep.metadata, cfg.eval.samples
                     )
@@ -372,6 +381,11 @@ class DigenRunner:
                     await evaluate()  # the weights the run starts from
 
                 async def on_step(res: StepResult) -> bool:
+                    bar.step(
+                        reward=f"{res.metrics['reward_mean']:.4f}",
+                        loss=f"{res.metrics['loss']:.2e}",
+                        s=f"{res.metrics['step_time_s']:.1f}",
+                    )
                     if eval_due(res.metrics["step"] + 1):  # the weights the step ended with
                         res.metrics.update(await evaluate())
                     metrics.append(res.metrics)
@@ -386,12 +400,6 @@ class DigenRunner:
                         {k: v for k, v in res.metrics.items() if not k.startswith("eval/")},
                     )
                     log.info("step", **res.metrics)
-                    bar.update(1)
-                    bar.set_postfix(
-                        reward=f"{res.metrics['reward_mean']:.4f}",
-                        loss=f"{res.metrics['loss']:.2e}",
-                        s=f"{res.metrics['step_time_s']:.1f}",
-                    )
                     done = res.metrics["step"] + 1
                     if every and done % every == 0 and done < cfg.steps:
                         await checkpoint(done)
@@ -425,7 +433,7 @@ class DigenRunner:
             )
             raise
         finally:
-            if outputs and len(trace):
+            if outputs:  # an empty trace too: a run stopped before its first task has one
                 _write_trace(trace, outputs.dir, cfg)
                 last = start + max(len(metrics) - 1, 0)
                 trackers.log_image("timeline", outputs.dir / "timeline.png", last)
@@ -647,18 +655,40 @@ def _config_yaml(cfg: DigenConfig) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 
-class _NoBar:
-    def update(self, n: int) -> None: ...
-    def set_postfix(self, **kw: Any) -> None: ...
-    def close(self) -> None: ...
+class _Progress:
+    """The run's progress on stderr: a bar on a terminal; elsewhere (a log file, a pipe) one
+    plain line per step, with no carriage returns. ``phase`` says what runs between steps
+    (an evaluation); ``enabled`` False says nothing."""
 
+    def __init__(self, total: int, enabled: bool, initial: int = 0) -> None:
+        self.total, self.done, self.enabled = total, initial, enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm.auto import tqdm
 
-def _progress(total: int, enabled: bool, initial: int = 0):
-    if not enabled:
-        return _NoBar()
-    from tqdm.auto import tqdm
+            self.bar = tqdm(
+                total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True
+            )
 
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+    def phase(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description_str(text)
+        elif self.enabled:
+            print(f"{text} ...", file=sys.stderr, flush=True)
+
+    def step(self, **figures: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_description_str("train", refresh=False)
+            self.bar.update(1)
+            self.bar.set_postfix(**figures)
+        elif self.enabled:
+            shown = " ".join(f"{k}={v}" for k, v in figures.items())
+            print(f"train {self.done}/{self.total} {shown}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _new_join_secret(path: Path) -> str:

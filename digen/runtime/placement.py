@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from digen.config import DigenConfig
 
 __all__ = [
+    "check_devices_here",
     "all_devices",
     "Group",
     "check_groups",
@@ -57,6 +58,36 @@ __all__ = [
 
 def is_cuda(device: str) -> bool:
     return device == "cuda" or device.startswith("cuda:")
+
+
+def check_devices_here(cfg: DigenConfig) -> None:
+    """Every device a run started on this machine names (``model.device`` and the pools'
+    ``runtime.*_devices``) exists here, or :class:`~digen.errors.DigenError` in one sentence:
+    said before the run writes anything (imports torch)."""
+    import torch
+
+    from digen.errors import DigenError
+
+    rt = cfg.runtime
+    named = [("model.device", cfg.model.device)]
+    for pool in (Pool.GENERATOR, Pool.TRAINER):
+        named += [(f"runtime.{pool}_devices", d) for d in getattr(rt, f"{pool}_devices") or ()]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for key, device in named:
+        if is_cuda(device):
+            index = int(device.partition(":")[2] or 0)
+            if gpus == 0:
+                raise DigenError(
+                    f"{key} = {device}, but torch sees no GPU here (torch.cuda.is_available() is "
+                    "False): use cpu, or install the torch build for your CUDA."
+                )
+            if index >= gpus:
+                raise DigenError(
+                    f"{key} = {device}, but this machine shows {gpus} GPU(s): cuda:0 to "
+                    f"cuda:{gpus - 1}."
+                )
+        elif device == "mps" and not torch.backends.mps.is_available():
+            raise DigenError(f"{key} = mps, but torch has no MPS device here: use cpu.")
 
 
 def pool_devices(cfg: DigenConfig, pool: Pool | str, visible_gpus: int | None = None) -> list[str]:

@@ -597,13 +597,13 @@ class Trace:
 
         n = len(workers)
         ax.set_yticks(range(n), labels=workers, fontsize=max(5.0, min(9.0, 360 / max(n, 1))))
-        ax.set_ylim(n - 0.5, -0.5)
+        ax.set_ylim(max(n, 1) - 0.5, -0.5)
         ax.set_xlim(0, span if span > 0 else 1.0)
         ax.set_xlabel("seconds from trace start")
         ax.grid(axis="x", alpha=0.3, zorder=1)
         ax.set_axisbelow(True)
         if not events:
-            ax.text(0.5, 0.5, "no events", transform=ax.transAxes, ha="center", va="center")
+            ax.text(0.5, 0.5, "no task ran", transform=ax.transAxes, ha="center", va="center")
         present = [k for k in KINDS if any(kk == k for _, kk in bars)]
         if present or marked:
             handles: list[Any] = [Patch(facecolor=KIND_COLOURS[k], label=k) for k in present]

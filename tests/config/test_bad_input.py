@@ -244,3 +244,51 @@ def test_a_join_secret_file_that_cannot_serve_is_said_before_torch_loads(tmp_pat
         assert res.returncode == 2, res.stderr[-2000:]
         said = f"error: runtime.join_secret_file {message}"
         assert res.stderr.startswith(said) and res.stderr.count("\n") == 1, res.stderr
+
+
+_REFUSED = [
+    (["run", "--mode", "colocated", "runtime.mode=disaggregated"], "--mode colocated and the "
+     "override runtime.mode=disaggregated disagree; give one of them."),
+    (["run", "model.device=gpu"], "model.device = 'gpu' is not allowed: name a torch device"),
+    (["run", "model.device=cuda:99"], "model.device = cuda:99, but "),
+    (["run", "train.lora_init=bogus"], "train.lora_init = 'bogus' is not allowed: name one of "
+     "peft's initialisations: gaussian, true, false"),
+    (["run", "--out", "a_file/run"], "--out 'a_file/run' cannot be written (not a directory)."),
+    (["run", "--sample-every", "0"], "--sample-every = 0 is not allowed: it must be at least 1."),
+    (["run", "--resume", "somewhere", "--overwrite"], "--resume continues the run in its folder "
+     "and --overwrite replaces it; give one."),
+    (["reward-server", "--port", "-1"], "-1 is not in the range 0<=x<=65535"),
+    (["reward-server", "--port", "70000"], "70000 is not in the range 0<=x<=65535"),
+    (["join", "127.0.0.1:5", "--wait", "-5"], "-5.0 is not in the range x>=0"),
+    (["bench", "--quality", "--target", "-1"], "--target -1.0 is not allowed: it is a held-out "
+     "accuracy, above 0 and at most 1."),
+    (["bench", "--quality", "--workers", "1"], "--workers 1 is not allowed"),
+    (["bench", "--quality", "--out", "a_file/q"], "--out 'a_file/q' cannot be written"),
+    (["bench", "--out", "a_file/b"], "--out 'a_file/b' cannot be written"),
+    (["simulate", "--plot", "missing/x.png"], "the directory 'missing' does not exist"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), _REFUSED, ids=[" ".join(a) for a, _ in _REFUSED])
+def test_what_a_new_user_tries_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    """Each is one sentence and exit 2, and leaves the folder it ran in as it was."""
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2, res.output
+    assert message in res.output.replace("\n", " "), res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no runs/, no folder made
+
+
+def test_load_config_refuses_one_string_of_overrides() -> None:
+    from digen import load_config
+    from digen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"a list of key=value strings, not one string"):
+        load_config(overrides="rollout.n=8")

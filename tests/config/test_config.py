@@ -104,9 +104,21 @@ def test_preset_sits_under_the_file(tmp_path: Path) -> None:
     assert (cfg.model.name, cfg.algo.name, cfg.rollout.sde_type) == ("sd3", "dancegrpo", "dance")
     assert (cfg.rollout.n, cfg.rollout.noise_level, cfg.seed) == (16, 0.3, 2)
     assert cfg.steps == 30  # from the tiny preset, which nothing above changes
-    # a flag beats an override, which beats the file
-    cfg = load_config(path, ["model.name=wan", "algo.name=flowgrpo"], model="flux", preset=True)
+    # an override beats the file; a flag beats the file too, and one saying the same as an
+    # override is fine
+    cfg = load_config(path, ["algo.name=flowgrpo"], model="flux", preset=True)
     assert (cfg.model.name, cfg.algo.name, cfg.rollout.sde_type) == ("flux", "flowgrpo", "sde")
+    cfg = load_config(path, ["model.name=flux"], model="flux", preset=True)
+    assert cfg.model.name == "flux"
+    # a flag and an override that disagree are refused, naming both
+    for flag, override in (
+        ({"model": "flux"}, "model.name=wan"),
+        ({"algo": "nft"}, "algo.name=flowgrpo"),
+        ({"mode": "colocated"}, "runtime.mode=disaggregated"),
+    ):
+        key = override.partition("=")[0]
+        with pytest.raises(ConfigError, match=rf"--\w+ \w+ and the override {key}=\w+ disagree"):
+            load_config(path, [override], **flag)
     # a model path picks the real-weight recipe
     cfg = load_config(overrides=["model.path=/models/x"], model="flux")
     # (Flow-GRPO's FLUX recipe: 6 sampling steps, a = 0.9)

@@ -352,6 +352,15 @@ async def test_server_answers_health_and_400_and_runs_the_hooks_lifecycle() -> N
         async with http.post(f"{base}/score", json={"format": "gif"}) as r:
             error = (await r.json())["error"]
             assert r.status == 400 and error.endswith("format 'gif' is not one of png, jpeg, raw.")
+        # a path or method it does not serve: JSON too, naming what it serves
+        async with http.get(f"{base}/") as r:
+            assert (r.status, await r.json()) == (
+                404,
+                {"error": "no / here: this server serves POST /score and GET /health."},
+            )
+        async with http.get(f"{base}/score") as r:
+            assert (r.status, r.headers["Allow"]) == (405, "POST")
+            assert await r.json() == {"error": "/score takes POST, not GET."}
         assert await HttpReward(f"{base}/score")(samples(2), ["a", "bcd"], [{}, {}]) == [1.0, 3.0]
     assert hook.calls == {"setup": 1, "close": 1}
 
