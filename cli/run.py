@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -144,23 +145,25 @@ def run(
         out_dir = new_run_dir()
     try:
         result = _run(
-            model,
-            algo,
-            config_path,
-            model_path,
-            mode,
-            steps,
-            seed,
-            prompts,
-            out_dir,
-            sample_every,
-            quiet,
-            overrides,
-            launcher,
-            resume=resume_dir is not None,
-            overwrite=overwrite,
-            devices=devices,
-            dated=dated,
+            RunRequest(
+                model=model,
+                algo=algo,
+                config_path=config_path,
+                model_path=model_path,
+                mode=mode,
+                devices=devices,
+                steps=steps,
+                seed=seed,
+                prompts=prompts,
+                out_dir=out_dir,
+                sample_every=sample_every,
+                quiet=quiet,
+                overrides=overrides,
+                launcher=launcher,
+                resume=resume_dir is not None,
+                overwrite=overwrite,
+                dated=dated,
+            )
         )
     except KeyboardInterrupt:
         click.echo("interrupted; outputs written so far are in place.", err=True)
@@ -232,69 +235,79 @@ def _after_failure(out_dir: Path) -> str:
     )
 
 
-def _run(
-    model,
-    algo,
-    config_path,
-    model_path,
-    mode,
-    steps,
-    seed,
-    prompts,
-    out_dir,
-    sample_every,
-    quiet,
-    overrides,
-    launcher="local",
-    resume=False,
-    overwrite=False,
-    devices=None,
-    dated=False,
-):
-    """``dated``: ``out_dir`` is a new folder of its own under ``runs/``, which
-    ``runs/latest`` points at once the run starts."""
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    """What ``digen run`` was asked: its options, with ``--out`` and ``--resume`` resolved
+    to the one folder the run uses."""
+
+    model: str | None
+    algo: str | None
+    config_path: Path | None
+    model_path: Path | None
+    mode: str | None
+    devices: int | None
+    steps: int | None
+    seed: int | None
+    prompts: Path | None
+    out_dir: Path
+    sample_every: int
+    quiet: bool
+    overrides: tuple[str, ...]
+    launcher: str = "local"
+    resume: bool = False
+    """Continue the run in ``out_dir``."""
+    overwrite: bool = False
+    dated: bool = False
+    """``out_dir`` is a new folder of its own under ``runs/``, which ``runs/latest`` points
+    at once the run starts."""
+
+
+def _run(req: RunRequest):
+    """Resolve ``req`` to a config, check what can be checked before torch loads, and run
+    it (or serve as one rank of a torchrun launch)."""
+    mode, overrides = req.mode, req.overrides
     from digen.config import load_config
     from digen.errors import DigenError
 
     auto = mode == "auto"
-    if auto and resume:
+    if auto and req.resume:
         raise DigenError(
             "--mode auto chooses a new run's layout; a resumed run keeps the one its "
             "config.yaml records (leave --mode out)."
         )
-    if devices is not None and not auto:
+    if req.devices is not None and not auto:
         raise DigenError(
             "--devices is the number of devices --mode auto lays out; add --mode auto."
         )
-    if devices is not None and devices < 2:
-        raise DigenError(f"--devices = {devices} is not allowed: it must be at least 2.")
+    if req.devices is not None and req.devices < 2:
+        raise DigenError(f"--devices = {req.devices} is not allowed: it must be at least 2.")
     if auto:
         mode = "colocated"  # the preset's layer; the probe and the plan choose the layout
 
-    if resume and not (out_dir / "config.yaml").is_file():
-        raise DigenError(f"'{out_dir}' holds no run to resume (it has no config.yaml).")
-    if resume and config_path is not None:
+    if req.resume and not (req.out_dir / "config.yaml").is_file():
+        raise DigenError(f"'{req.out_dir}' holds no run to resume (it has no config.yaml).")
+    if req.resume and req.config_path is not None:
         raise DigenError(
             "--resume continues a run with its own config.yaml, so --config cannot be given "
             "with it (--steps and overrides can)."
         )
 
-    if model_path is not None and not model_path.exists():
-        raise DigenError(f"--model-path '{model_path}' does not exist.")
+    if req.model_path is not None and not req.model_path.exists():
+        raise DigenError(f"--model-path '{req.model_path}' does not exist.")
     cli: dict[str, Any] = {}
-    if model_path is not None:
-        cli.setdefault("model", {})["path"] = str(model_path)
-    if steps is not None:
-        cli["steps"] = steps
-    if seed is not None:
-        cli["seed"] = seed
-    if prompts is not None:
-        cli.setdefault("data", {})["prompts"] = str(prompts)
-    if resume:
-        cfg = load_config(out_dir / "config.yaml", overrides, base=cli, preset=False)
+    if req.model_path is not None:
+        cli.setdefault("model", {})["path"] = str(req.model_path)
+    if req.steps is not None:
+        cli["steps"] = req.steps
+    if req.seed is not None:
+        cli["seed"] = req.seed
+    if req.prompts is not None:
+        cli.setdefault("data", {})["prompts"] = str(req.prompts)
+    if req.resume:
+        cfg = load_config(req.out_dir / "config.yaml", overrides, base=cli, preset=False)
         given = {
-            "--model": (model, cfg.model.name),
-            "--algo": (algo, cfg.algo.name),
+            "--model": (req.model, cfg.model.name),
+            "--algo": (req.algo, cfg.algo.name),
             "--mode": (mode, cfg.runtime.mode),
         }
         differ = [
@@ -302,7 +315,7 @@ def _run(
         ]
         if differ:
             raise DigenError(
-                f"--resume continues the run in '{out_dir}' as it was configured, and this "
+                f"--resume continues the run in '{req.out_dir}' as it was configured, and this "
                 f"differs from it: {', '.join(differ)}."
             )
         code = [r.name for r in cfg.rewards if ":" in r.name]  # file.py:fn, module:fn
@@ -313,11 +326,17 @@ def _run(
                 err=True,
             )
     else:
-        flavour = _run_flavour(model, model_path, config_path, prompts, overrides)
+        flavour = _run_flavour(req.model, req.model_path, req.config_path, req.prompts, overrides)
         if flavour is not None:  # first, so the user's own overrides still win
             overrides = (f"model.flavour={flavour}", *overrides)
         cfg = load_config(
-            config_path, overrides, base=cli, model=model, algo=algo, mode=mode, preset=True
+            req.config_path,
+            overrides,
+            base=cli,
+            model=req.model,
+            algo=req.algo,
+            mode=mode,
+            preset=True,
         )
     from digen.prompts import PromptSet
 
@@ -335,18 +354,18 @@ def _run(
         check_model_dir(cfg.model.path, cfg.model.name)
     from digen.runtime.transport.torchrun import under_torchrun
 
-    if launcher == "torchrun" or (launcher == "auto" and under_torchrun(os.environ)):
+    if req.launcher == "torchrun" or (req.launcher == "auto" and under_torchrun(os.environ)):
         if auto:
             raise DigenError(
                 "--mode auto starts its own workers; under torchrun give the layout "
                 "(--mode colocated or disaggregated)."
             )
-        return _run_torchrun(cfg, out_dir, quiet, sample_every, dated)
+        return _run_torchrun(cfg, req.out_dir, req.quiet, req.sample_every, req.dated)
     from digen.checkpoint import check_out_dir
 
     # a previous run in --out, or a checkpoint of other weights: said before torch loads
-    check_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite, checksums=False)
-    check_writable(out_dir, "--out")
+    check_out_dir(req.out_dir, cfg, resume=req.resume, overwrite=req.overwrite, checksums=False)
+    check_writable(req.out_dir, "--out")
     from digen.runtime.placement import check_devices_here
 
     check_devices_here(cfg)  # a GPU this machine does not have: before anything is written
@@ -361,19 +380,19 @@ def _run(
     if auto:
         from digen.run.auto import choose_layout
 
-        choice = run_async(choose_layout(cfg, devices=devices, progress=not quiet))
+        choice = run_async(choose_layout(cfg, devices=req.devices, progress=not req.quiet))
         cfg, record = choice.cfg, choice.record
         click.echo(f"mode auto: {choice.line}", err=True)
 
-    if dated:
-        _say_latest(out_dir)
+    if req.dated:
+        _say_latest(req.out_dir)
     runner = DigenRunner(
         cfg,
-        out_dir=out_dir,
-        progress=not quiet,
-        sample_every=sample_every,
-        resume=resume,
-        overwrite=overwrite,
+        out_dir=req.out_dir,
+        progress=not req.quiet,
+        sample_every=req.sample_every,
+        resume=req.resume,
+        overwrite=req.overwrite,
         plan=record,
     )
     return run_async(runner.run())
