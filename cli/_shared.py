@@ -7,8 +7,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import click
+
+
+def refuse(text: str) -> NoReturn:
+    """Bad input: one sentence on stderr (``error: ...``, ending in a full stop) and exit
+    code 2, what every command does with a mistake of its user."""
+    click.echo(f"error: {str(text).strip().rstrip('.')}.", err=True)
+    sys.exit(2)
 
 
 def quiet_imports() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from cli._shared import check_writable, one_of, quiet_imports, quiet_progress_bars
+from cli._shared import check_writable, one_of, quiet_imports, quiet_progress_bars, refuse
 from digen.algos.registry import ALGO_NAMES
 from digen.models.registry import MODEL_NAMES
 
@@ -137,8 +137,7 @@ def bench(
 
         b.rung_configs(settings)  # a setting no rung allows fails here, before any run
     except DigenError as exc:
-        click.echo(f"error: {str(exc).rstrip('.')}.", err=True)
-        sys.exit(2)
+        refuse(str(exc))
     quiet_progress_bars()
 
     def say(text: str) -> None:
@@ -248,8 +247,7 @@ def _bench_quality(
         for arm in q.arms(settings):  # a setting no arm allows fails here, before any run
             q.arm_config(settings, arm, seed_list[0])
     except DigenError as exc:
-        click.echo(f"error: {str(exc).rstrip('.')}.", err=True)
-        sys.exit(2)
+        refuse(str(exc))
     quiet_progress_bars()
 
     def say(text: str) -> None:

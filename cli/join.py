@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from cli._shared import refuse
+
 
 @click.command()
 @click.argument("rendezvous", metavar="ADDRESS:PORT")
@@ -63,23 +65,17 @@ def join(
     host, _, port_text = rendezvous.rpartition(":")
     host = host.strip("[]")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        click.echo(
-            f"error: {rendezvous!r} is not ADDRESS:PORT (e.g. 10.0.0.5:29400): the run's "
-            "rendezvous, in its workers.json.",
-            err=True,
+        refuse(
+            f"{rendezvous!r} is not ADDRESS:PORT (e.g. 10.0.0.5:29400): the run's "
+            "rendezvous, in its workers.json."
         )
-        sys.exit(2)
     if threads is not None and threads < 1:
-        click.echo(f"error: --threads must be at least 1, not {threads}.", err=True)
-        sys.exit(2)
+        refuse(f"--threads must be at least 1, not {threads}.")
     if device is not None:
         import re
 
         if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", device):
-            click.echo(
-                f"error: --device {device!r} is not a device: cpu, cuda or cuda:N.", err=True
-            )
-            sys.exit(2)
+            refuse(f"--device {device!r} is not a device: cpu, cuda or cuda:N.")
         from digen.runtime.placement import DEVICE_ENV
 
         os.environ[DEVICE_ENV] = device  # the joiner's actors read it (their own process)
@@ -95,8 +91,7 @@ def join(
                 )
             check_secret(secret, SECRET_ENV)
     except ValueError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        refuse(str(exc))
 
     from digen.runtime.transport.actors import JoinRefused, join_world
 

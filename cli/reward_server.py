@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 from pathlib import Path
 
 import click
+
+from cli._shared import refuse
 
 
 @click.command("reward-server")
@@ -99,11 +100,7 @@ def reward_server(
     except yaml.YAMLError:
         options = None
     if not isinstance(options, dict):
-        click.echo(
-            f"error: --options must be a mapping such as '{{size: 2}}', not {options_text!r}.",
-            err=True,
-        )
-        sys.exit(2)
+        refuse(f"--options must be a mapping such as '{{size: 2}}', not {options_text!r}.")
 
     token = os.environ.get(TOKEN_ENV, "").strip() or None
     where = f"the environment variable {TOKEN_ENV}"
@@ -115,11 +112,9 @@ def reward_server(
             check_token(token, where)
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
-        click.echo(f"error: {where} cannot be read: {why.lower()}.", err=True)
-        sys.exit(2)
+        refuse(f"{where} cannot be read: {why.lower()}.")
     except DigenError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        refuse(str(exc))
 
     def ready(url: str) -> None:
         guard = "; POST /score needs the bearer token" if token else ""
@@ -132,5 +127,4 @@ def reward_server(
     try:
         asyncio.run(serve(reward, host, port, ready, options, ServerLimits(**limits), debug, token))
     except DigenError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        refuse(str(exc))

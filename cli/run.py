@@ -23,6 +23,7 @@ from cli._shared import (
     pretty,
     quiet_imports,
     quiet_progress_bars,
+    refuse,
     run_async,
 )
 from digen.algos.registry import ALGO_NAMES
@@ -131,11 +132,11 @@ def run(
     if flavour is not None:  # an override like any other, so a later one still wins
         overrides = (f"model.flavour={flavour}", *overrides)
     if resume_dir is not None and overwrite:
-        _refuse("--resume continues the run in its folder and --overwrite replaces it; give one.")
+        refuse("--resume continues the run in its folder and --overwrite replaces it; give one.")
     if sample_every < 1:
-        _refuse(f"--sample-every = {sample_every} is not allowed: it must be at least 1.")
+        refuse(f"--sample-every = {sample_every} is not allowed: it must be at least 1.")
     if resume_dir is not None and out_dir is not None and out_dir != resume_dir:
-        _refuse("--resume continues the run in the folder it names; leave --out out.")
+        refuse("--resume continues the run in the folder it names; leave --out out.")
     dated = resume_dir is None and out_dir is None
     if resume_dir is not None:
         out_dir = resume_dir
@@ -425,12 +426,6 @@ def _run_torchrun(cfg, out_dir, quiet, sample_every, dated=False):
     )
     serve_worker(spec, rank, world, address, port, rpc_timeout_s=rt.rpc_timeout_s)
     return None
-
-
-def _refuse(text: str) -> None:
-    """Bad input on the command line: one sentence, exit 2."""
-    click.echo(f"error: {text}", err=True)
-    sys.exit(2)
 
 
 def _say_latest(out_dir: Path) -> None:

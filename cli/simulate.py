@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 
+from cli._shared import refuse
 from digen.models.registry import MODEL_NAMES
 
 
@@ -321,8 +321,7 @@ def simulate(
                 res, plot_path, title=f"simulated BTS: G={generators} T={trainers} B={microbatches}"
             )
     except ValueError as exc:
-        click.echo(f"error: {str(exc).rstrip('.')}.", err=True)
-        sys.exit(2)
+        refuse(str(exc))
     if as_json:
         click.echo(json.dumps(table))
     else:
