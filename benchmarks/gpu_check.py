@@ -87,8 +87,8 @@ import torch
 
 from digen import DigenRunner, load_config
 from digen.config import DigenConfig
-from digen.models.registry import MODEL_NAMES
 from digen.presets import preset
+from digen.registry.models import MODEL_NAMES
 from digen.runtime.transport.forkserver import start_fork_server
 from digen.sched.costs import Costs, OnlineProfiler
 from digen.sched.simulate_cli import load_costs

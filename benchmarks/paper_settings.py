@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from digen.models.registry import get_backbone
+from digen.registry.models import get_backbone
 from digen.sched import BTS, Costs, NoTAG, simulate
 from digen.sched.hardware import TRAINED_BYTES, Device, Hardware, ModelSize, weakest
 from digen.sched.planner import Workload, best_colocated, plan, split_costs

@@ -7,8 +7,8 @@ from typing import Any
 import click
 
 from cli._shared import one_of
-from digen.algos.registry import ALGO_NAMES, get_algorithm
-from digen.models.registry import MODEL_NAMES, get_backbone
+from digen.registry.algos import ALGO_NAMES, get_algorithm
+from digen.registry.models import MODEL_NAMES, get_backbone
 
 
 @click.command()

@@ -13,8 +13,8 @@ from typing import Any
 import click
 
 from cli._shared import check_writable, one_of, quiet_imports, quiet_progress_bars, refuse
-from digen.algos.registry import ALGO_NAMES
-from digen.models.registry import MODEL_NAMES
+from digen.registry.algos import ALGO_NAMES
+from digen.registry.models import MODEL_NAMES
 
 
 @click.command()

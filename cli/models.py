@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from digen.models.registry import BACKBONES
+from digen.registry.models import BACKBONES
 
 
 @click.command()

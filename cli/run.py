@@ -26,8 +26,8 @@ from cli._shared import (
     refuse,
     run_async,
 )
-from digen.algos.registry import ALGO_NAMES
-from digen.models.registry import MODEL_NAMES
+from digen.registry.algos import ALGO_NAMES
+from digen.registry.models import MODEL_NAMES
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
@@ -449,7 +449,7 @@ def _run_flavour(model, model_path, config_path, prompts, overrides) -> str | No
     own = [str(p) for p in (prompts, given.get("data.prompts")) if p is not None]
     if any(p not in ("shapes", "shapes-heldout") for p in own):
         return None
-    from digen.models.registry import get_backbone
+    from digen.registry.models import get_backbone
 
     flavour = get_backbone(model or given.get("model.name", "flux")).run_flavour
     return None if flavour == "tiny" else flavour

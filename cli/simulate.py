@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from cli._shared import refuse
-from digen.models.registry import MODEL_NAMES
+from digen.registry.models import MODEL_NAMES
 
 
 @click.command()

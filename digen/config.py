@@ -19,12 +19,11 @@ from typing import Any, Literal, get_args
 
 import yaml
 
-from digen.algos.registry import ALGO_NAMES, get_algorithm
-from digen.algos.transitions import STEP_KINDS
 from digen.errors import ConfigError
-from digen.models.registry import BACKBONES, FLAVOURS, MODEL_NAMES
-from digen.rewards.registry import BUILTIN_REWARDS
-from digen.run.trackers import TRACKERS
+from digen.registry.algos import ALGO_NAMES, SDE_TYPES, get_algorithm
+from digen.registry.models import BACKBONES, FLAVOURS, MODEL_NAMES
+from digen.registry.rewards import BUILTIN_REWARDS
+from digen.registry.trackers import TRACKERS
 from digen.sched.admission import STALENESS_SCHEDULES
 from digen.sched.plan import SchedulePlan, plan_schedule
 from digen.sched.tag import TAG_POLICY_NAMES
@@ -54,7 +53,6 @@ LORA_INITS = (
 )  # fmt: skip
 """``train.lora_init``: peft's ``init_lora_weights`` (true: its default Kaiming-uniform A)."""
 _LORA_INIT_RE = re.compile("|".join(v.replace("<n>", r"\d+") for v in LORA_INITS))
-SDE_TYPES: tuple[str, ...] = tuple(STEP_KINDS)
 ADV_NORMS = ("group", "none")
 ADV_STDS = ("group", "global")
 KL_TYPES = ("flowgrpo", "exact")
@@ -237,7 +235,7 @@ def _positive(prefix: str, name: str, value: float, why: str = "") -> None:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     name: ModelName = "flux"
-    """Backbone: one of the registered ones (digen.models.registry: hunyuanvideo, wan, flux, qwenimage, sd3)."""
+    """Backbone: one of the registered ones (digen.registry.models: hunyuanvideo, wan, flux, qwenimage, sd3)."""
     path: str | None = None
     """Local diffusers-format directory with real weights; None runs the tiny random-init flavour."""
     dtype: str = "float32"
@@ -382,7 +380,7 @@ class RolloutConfig:
 @dataclass(kw_only=True, slots=True)
 class AlgoConfig:
     name: AlgoName = "flowgrpo"
-    """One of the registered algorithms (digen.algos.registry: flowgrpo, flowgrpo-fast, dancegrpo, mixgrpo, mixgrpo-flash, nft)."""
+    """One of the registered algorithms (digen.registry.algos: flowgrpo, flowgrpo-fast, dancegrpo, mixgrpo, mixgrpo-flash, nft)."""
     adv_norm: str = "group"
     """Advantage scaling: group (centre per prompt and divide by a std) or none (Dr.GRPO: centred only)."""
     adv_std: str = "group"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from digen.algos.registry import ALGO_NAMES, get_algorithm
-from digen.models.registry import get_backbone
+from digen.registry.algos import ALGO_NAMES, get_algorithm
+from digen.registry.models import get_backbone
 
 __all__ = ["ALGO_NAMES", "SHAPES_TASK", "preset"]
 

@@ -110,11 +110,13 @@ def digen_join(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 
 def said_one_line(done: subprocess.CompletedProcess, code: int, said: str) -> None:
-    """``done`` exited with ``code`` after one line on stderr, which starts with ``said``
-    (``digen join`` says first that it is joining, once its input is good)."""
+    """``digen join`` (``done``) exited with ``code`` after one line on stderr, which starts
+    with ``said``; past bad input (code 2) it says first, in a line of its own, that it is
+    joining (so it is not silent while it waits)."""
     assert done.returncode == code, done.stderr[-3000:]
     lines = done.stderr.splitlines(keepends=True)
-    if lines and lines[0].startswith("joining the run at "):
+    if code != 2:
+        assert lines and lines[0].startswith("joining the run at "), done.stderr
         lines = lines[1:]
     text = "".join(lines)
     assert text.startswith(said) and text.count("\n") == 1, done.stderr

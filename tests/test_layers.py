@@ -24,11 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "digen.prompts",
             "digen.data",
             "digen.shapes",  # the shapes world: numpy only
-            "digen.algos.registry",
-            "digen.algos.transitions",
-            "digen.models.registry",
-            "digen.rewards.registry",
-            "digen.run.trackers",
+            "digen.registry",  # what digen ships, by name
         ),
     ),
     ("sched", ("digen.sched",)),  # the schedule's core: torch-free, knows no config

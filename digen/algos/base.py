@@ -1,7 +1,7 @@
 """What an RL algorithm for flow-matching models is, to digen: one :class:`Algorithm` object.
 
 An algorithm file (``digen/algos/<name>.py``) defines one subclass and the registry
-(:mod:`digen.algos.registry`) lists it. The object answers everything the rest of digen
+(:mod:`digen.registry.algos`) lists it. The object answers everything the rest of digen
 asks, so nothing outside it branches on an algorithm's name:
 
 - **config**: its default SDE kind, its own parameters (``algo.params.<key>``, with defaults
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from digen.algos.rollout import Rollout, SamplerSpec
     from digen.config import AlgoConfig, DigenConfig
     from digen.models.base import PromptEmbeds
-    from digen.models.registry import Backbone
+    from digen.registry.models import Backbone
 
 __all__ = ["Algorithm", "ChunkLoss", "Param", "StepPlan", "TrainChunk"]
 

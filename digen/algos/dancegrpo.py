@@ -17,7 +17,7 @@ from digen.algos.base import Algorithm, StepPlan
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
-    from digen.models.registry import Backbone
+    from digen.registry.models import Backbone
 
 __all__ = ["DanceGRPO"]
 

@@ -21,7 +21,7 @@ from digen.algos.flowgrpo import FlowGRPO
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
-    from digen.models.registry import Backbone
+    from digen.registry.models import Backbone
 
 __all__ = ["FlowGRPOFast"]
 

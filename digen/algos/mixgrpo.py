@@ -26,7 +26,7 @@ from digen.algos.base import Algorithm, Param, StepPlan
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
-    from digen.models.registry import Backbone
+    from digen.registry.models import Backbone
 
 __all__ = ["MixGRPO"]
 

@@ -24,7 +24,7 @@ from digen.algos.mixgrpo import MixGRPO
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
-    from digen.models.registry import Backbone
+    from digen.registry.models import Backbone
 
 __all__ = ["MixGRPOFlash"]
 

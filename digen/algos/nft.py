@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from digen.config import DigenConfig
-    from digen.models.registry import Backbone
+    from digen.registry.models import Backbone
 
 __all__ = ["NFT", "old_decay"]
 

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from digen.algos.registry import get_algorithm
 from digen.algos.transitions import LOG_PROBS, STEP_KINDS, Transition
+from digen.registry.algos import SDE_TYPES, get_algorithm
 
-__all__ = ["SDE_TYPES", "StepOutput", "dpm2_step", "gaussian_log_prob", "ode_step", "sde_step"]
+__all__ = ["StepOutput", "dpm2_step", "gaussian_log_prob", "ode_step", "sde_step"]
 
-SDE_TYPES = tuple(STEP_KINDS)
 gaussian_log_prob = LOG_PROBS["gaussian"]
 
 

@@ -1,6 +1,6 @@
 """One train step's group math, shared by the colocated trainer and the disaggregated driver.
 
-Each function asks the run's algorithm (:mod:`digen.algos.registry`):
+Each function asks the run's algorithm (:mod:`digen.registry.algos`):
 
 - :func:`step_plan`: which denoising steps of train step ``s`` draw noise and may train;
 - :func:`score_groups`: rewards of whole groups -> advantages and which samples are trained
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from digen.algos.base import StepPlan
-from digen.algos.registry import get_algorithm
 from digen.config import AlgoConfig, DigenConfig
+from digen.registry.algos import get_algorithm
 
 __all__ = [
     "dropped_groups",

@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from digen.registry.algos import SDE_TYPES
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -109,6 +111,7 @@ def mse_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
 LOG_PROBS = {"gaussian": gaussian_log_prob, "mse": mse_log_prob}
 """Log-prob forms by name."""
 
-STEP_KINDS = {"sde": flow_sde, "cps": cps, "dance": dance}
+STEP_KINDS = dict(zip(SDE_TYPES, (flow_sde, cps, dance), strict=True))
+"""Each step kind the registry names (:data:`~digen.registry.algos.SDE_TYPES`), by its function."""
 """Stochastic step kinds by name (``rollout.sde_type``); one signature: ``(x, v, sigma,
 sigma_next, noise_level, sigma_1)``."""

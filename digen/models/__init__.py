@@ -1,6 +1,6 @@
 """Backbone adapters: one file per model, all behind :class:`DiffusionAdapter`.
 
-The registry (:mod:`digen.models.registry`) is light; the adapters, and the base classes
+The registry (:mod:`digen.registry.models`) is light; the adapters, and the base classes
 they share, import diffusers only when first used.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from digen.models.registry import BACKBONES, MODEL_NAMES, Backbone, get_backbone
+from digen.registry.models import BACKBONES, MODEL_NAMES, Backbone, get_backbone
 
 if TYPE_CHECKING:
     from digen.models.base import DiffusionAdapter, PromptEmbeds

@@ -181,7 +181,7 @@ class DiffusionAdapter(ABC):
     #: bump when a flavour's architecture changes so stale caches are rebuilt
     tiny_version: ClassVar[int] = 1
     medium_version: ClassVar[int] = 1
-    #: flavours of :data:`~digen.models.registry.FLAVOURS` that ship pretrained weights in
+    #: flavours of :data:`~digen.registry.models.FLAVOURS` that ship pretrained weights in
     #: the package (:data:`PRETRAINED_ROOT`) instead of being built from code
     shipped_flavours: ClassVar[tuple[str, ...]] = ()
     #: default geometry of each flavour, in pixels / frames

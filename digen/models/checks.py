@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from digen.errors import DigenError
-from digen.models.registry import BACKBONES
+from digen.registry.models import BACKBONES
 
 __all__ = ["check_model_dir", "model_of_dir"]
 

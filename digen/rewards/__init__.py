@@ -1,7 +1,7 @@
 """Rewards: what scores a run's samples, from the name a config gives a reward to the batch's scores.
 
-- ``registry``: the one table of built-in reward names and where each is implemented
-  (no torch; config validation reads it).
+- the one table of built-in reward names and where each is implemented is
+  :mod:`digen.registry.rewards` (no torch; config validation reads it).
 - ``hooks``: what a reward hook is, loading one by name (built-in, ``module:function`` or
   ``path/to/file.py:function``), calling one (plain or async).
 - ``scoring``: several hooks combined by weight, with time limits, retries and a failure

@@ -2,7 +2,7 @@
 
 ``jpeg_incompressibility`` (the quick start's reward: detailed samples score higher) and
 ``jpeg_compressibility`` (smooth samples score higher), named so in a config
-(:mod:`digen.rewards.registry`). They take no ``options``.
+(:mod:`digen.registry.rewards`). They take no ``options``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A reward hook scores decoded samples::
     # samples: [B, F, H, W, 3] uint8 (F = 1 for images); prompts: B strings;
     # metadata: B dicts; returns B finite floats (list, tuple, 1-D tensor or array)
 
-Hooks are named by a built-in name (:mod:`digen.rewards.registry`), ``module:function`` or
+Hooks are named by a built-in name (:mod:`digen.registry.rewards`), ``module:function`` or
 ``path/to/file.py:function`` (a class there is instantiated once, with the reward's
 ``options`` as keyword arguments, and its instance called), or passed as callables. A hook
 may be plain or ``async``: :func:`call_hook` awaits an async one on the event loop and runs a
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from digen.errors import RewardError
-from digen.rewards.registry import BUILTIN_REWARDS
+from digen.registry.rewards import BUILTIN_REWARDS
 
 __all__ = [
     "RewardHook",

@@ -33,6 +33,7 @@ import torch
 
 from digen.config import RewardSpec
 from digen.errors import RewardError
+from digen.registry.rewards import BUILTIN_REWARDS
 from digen.rewards.hooks import (
     RewardHook,
     check_callable,
@@ -42,7 +43,6 @@ from digen.rewards.hooks import (
     load_hook,
     resolve,
 )
-from digen.rewards.registry import BUILTIN_REWARDS
 
 __all__ = [
     "RETRY_BACKOFF_S",

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from digen.errors import DigenError
+from digen.registry.trackers import TRACKERS
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -178,7 +179,4 @@ class _WandB:
         self.run.finish()
 
 
-_BACKENDS: dict[str, type] = {"tensorboard": _TensorBoard, "wandb": _WandB}
-TRACKERS: tuple[str, ...] = tuple(_BACKENDS)
-"""What ``logger`` may list; each tracker needs the package of its name (the extra
-``digen[<name>]`` installs it)."""
+_BACKENDS: dict[str, type] = dict(zip(TRACKERS, (_TensorBoard, _WandB), strict=True))

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from digen.models.registry import get_backbone
+from digen.registry.models import get_backbone
 
 __all__ = [
     "DEVICE_DEFAULTS",
@@ -173,7 +173,7 @@ class ModelSize:
 
     @classmethod
     def of(cls, model: str, *, lora_rank: int = 0, reward_params: float = 0.0) -> ModelSize:
-        """The published sizes of backbone ``model`` (:mod:`digen.models.registry`).
+        """The published sizes of backbone ``model`` (:mod:`digen.registry.models`).
 
         With ``lora_rank`` r > 0 the trained parameters are an estimate: rank-r adapters on
         the four attention projections (q, k, v, out) of every block, ``blocks x 4 x 2 x

@@ -12,10 +12,10 @@ import statistics
 import pytest
 import torch
 
-from digen.algos.registry import ALGO_NAMES, get_algorithm
 from digen.algos.rollout import SamplerSpec, sample_rollout
 from digen.algos.sde import sde_step
 from digen.config import load_config
+from digen.registry.algos import ALGO_NAMES, get_algorithm
 
 SIGMAS = torch.tensor([1.0, 0.9, 0.75, 0.55, 0.3, 0.0])
 
@@ -222,7 +222,7 @@ def test_mixgrpo_steps_are_flowgrpo_sde_inside_the_window_and_euler_outside() ->
 
 def test_every_registered_algorithm_has_every_part() -> None:
     from digen.algos.base import Algorithm
-    from digen.models.registry import BACKBONES
+    from digen.registry.models import BACKBONES
 
     for name in ALGO_NAMES:
         algo = get_algorithm(name)
@@ -245,8 +245,8 @@ def test_every_registered_algorithm_has_every_part() -> None:
 
 
 def test_flowgrpo_fast_is_the_published_fast_recipe_on_flowgrpos_window() -> None:
-    from digen.models.registry import get_backbone
     from digen.presets import preset
+    from digen.registry.models import get_backbone
 
     fast = get_algorithm("flowgrpo-fast")
     real = fast.preset(get_backbone("sd3"), True)
@@ -277,3 +277,33 @@ def test_flowgrpo_fast_is_the_published_fast_recipe_on_flowgrpos_window() -> Non
     assert cfg.rollout.guidance_scale == 1.0
     with pytest.raises(Exception, match="Flow-GRPO-Fast trains a window"):
         load_config(base=preset("sd3", "flowgrpo-fast"), overrides=["rollout.sde_window_size=0"])
+
+
+def test_digen_algos_shows_each_published_preset_and_how_each_samples() -> None:
+    """The listing a recipe table points to: every algorithm's preset for the model asked,
+    read from the algorithm itself, and no SDE type for one that samples with an ODE."""
+    from click.testing import CliRunner
+
+    from cli.main import main
+    from digen.registry.models import get_backbone
+
+    for model in ("flux", "sd3"):
+        res = CliRunner().invoke(main, ["algos", "--model", model])
+        assert res.exit_code == 0, res.output
+        blocks: dict[str, list[str]] = {}
+        for line in res.output.splitlines():  # an algorithm's line, then its indented ones
+            if line.startswith("  "):
+                blocks[next(reversed(blocks))].append(line.strip())
+            else:
+                blocks[line.split(":")[0]] = []
+        assert list(blocks) == list(ALGO_NAMES)
+        for name, lines in blocks.items():
+            algo = get_algorithm(name)
+            rollout = algo.preset(get_backbone(model), True)["rollout"]
+            preset = next(x for x in lines if x.startswith(f"preset for {model} with --model-path"))
+            assert f"rollout.num_inference_steps={rollout['num_inference_steps']}" in preset
+            if algo.stochastic_sampling:
+                assert f"rollout.sde_type: {', '.join(algo.sde_types)}" in lines[0]
+            else:
+                assert lines[0] == "sampling: deterministic (ODE); rollout.sde_type does not apply"
+                assert not any(x.startswith("rollout.sde_type:") for x in lines)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from digen.algos.registry import get_algorithm
 from digen.algos.rollout import SamplerSpec, model_time, sample_rollout
 from digen.algos.train_step import score_groups
 from digen.config import ConfigError, load_config
 from digen.presets import preset
+from digen.registry.algos import get_algorithm
 from digen.runtime.messages import SampleKey, TrainItem
 from digen.runtime.worker.policy import Policy
 

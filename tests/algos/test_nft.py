@@ -14,10 +14,10 @@ import torch
 from helpers import tiny_config
 
 from digen.algos.nft import old_decay
-from digen.algos.registry import get_algorithm
 from digen.algos.rollout import Rollout
 from digen.algos.sde import dpm2_step, ode_step
 from digen.algos.train_step import mini_batches, score_groups
+from digen.registry.algos import get_algorithm
 from digen.runtime.messages import SampleKey, TrainItem
 from digen.runtime.worker.policy import Policy
 from digen.seeding import nft_noise_generator

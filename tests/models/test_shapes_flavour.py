@@ -195,7 +195,7 @@ def test_the_shipped_shapes_model_loads_and_draws_objects(model: str) -> None:
 
 
 def test_the_flavour_a_bare_run_trains_exists_for_every_backbone() -> None:
-    from digen.models.registry import BACKBONES
+    from digen.registry.models import BACKBONES
 
     for name, backbone in BACKBONES.items():
         shipped = get_adapter_class(name).shipped_flavours

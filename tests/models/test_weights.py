@@ -15,8 +15,8 @@ import torch
 
 from digen.models import load_adapter
 from digen.models.lora import apply_lora
-from digen.models.registry import MODEL_NAMES
 from digen.models.weights import WeightFiles, empty_transformer, file_key
+from digen.registry.models import MODEL_NAMES
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

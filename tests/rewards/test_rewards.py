@@ -16,9 +16,9 @@ from PIL import Image
 
 from digen.config import RewardSpec
 from digen.errors import RewardError
+from digen.registry.rewards import BUILTIN_REWARDS
 from digen.rewards.builtin import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
 from digen.rewards.hooks import load_hook, resolve
-from digen.rewards.registry import BUILTIN_REWARDS
 from digen.rewards.scoring import CompositeReward, RewardFn, RewardResult, build_reward
 
 H = W = 64

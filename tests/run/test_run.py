@@ -19,11 +19,11 @@ from helpers import SMOOTH_REWARD, assert_trained_alike, read_jsonl, run_config,
 
 from cli.main import main
 from digen import DigenRunner, load_config
-from digen.algos.registry import get_algorithm
 from digen.config import config_to_dict
 from digen.errors import DigenError
 from digen.models import MODEL_NAMES, get_adapter_class
 from digen.presets import ALGO_NAMES, preset
+from digen.registry.algos import get_algorithm
 from digen.run.outputs import MIN_TILE_WIDTH
 
 SMALL = ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from digen.algos.base import TrainChunk
-from digen.algos.registry import get_algorithm
 from digen.algos.rollout import Rollout, SamplerSpec, sample_rollout, score_step
 from digen.algos.train_step import mini_batches
 from digen.checkpoint import publish, staging_for
@@ -30,6 +29,7 @@ from digen.config import DigenConfig
 from digen.errors import NonFiniteError
 from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
+from digen.registry.algos import get_algorithm
 from digen.runtime.messages import LossStats, SampleKey, TrainItem
 from digen.seeding import eval_generator, group_generator, sample_generator
 

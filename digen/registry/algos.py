@@ -18,7 +18,7 @@ from typing import Any
 
 from digen.errors import DigenError
 
-__all__ = ["ALGORITHMS", "ALGO_NAMES", "get_algorithm"]
+__all__ = ["ALGORITHMS", "ALGO_NAMES", "SDE_TYPES", "get_algorithm"]
 
 ALGORITHMS: dict[str, str] = {
     "flowgrpo": "digen.algos.flowgrpo:FlowGRPO",
@@ -30,6 +30,9 @@ ALGORITHMS: dict[str, str] = {
 }
 """``algo.name`` -> ``module:Class`` of its :class:`~digen.algos.base.Algorithm`."""
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)
+SDE_TYPES: tuple[str, ...] = ("sde", "cps", "dance")
+"""The stochastic step kinds (``rollout.sde_type``), whose math is
+:data:`digen.algos.transitions.STEP_KINDS`."""
 
 
 @cache
