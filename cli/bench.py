@@ -272,11 +272,16 @@ def _bench_quality(
 
 def _measuring(measure: Callable[[], Any], debug: bool) -> Any:
     """``measure()``, with Ctrl-C and a failure each one line and an exit code."""
+    from digen.errors import RunStopped
+
     try:
         return measure()
     except KeyboardInterrupt:
         click.echo("interrupted.", err=True)
         sys.exit(130)
+    except RunStopped as stop:
+        click.echo(f"{stop}: the bench stops with the run it was measuring.", err=True)
+        sys.exit(143 if stop.signal == "SIGTERM" else 130)
     except Exception as exc:
         if debug:
             raise

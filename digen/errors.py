@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DigenError", "NonFiniteError", "RewardError"]
+__all__ = [
+    "ConfigError",
+    "DigenError",
+    "NonFiniteError",
+    "RewardError",
+    "RunStopped",
+    "stop_if_interrupted",
+]
 
 
 class DigenError(Exception):
@@ -19,3 +26,18 @@ class RewardError(DigenError):
 
 class NonFiniteError(DigenError):
     """A loss or gradient became NaN or infinite (``train.on_nonfinite = fail``)."""
+
+
+class RunStopped(Exception):
+    """A run was stopped by a signal (``signal``: ``SIGINT`` or ``SIGTERM``, None for another
+    stop), so what runs several runs (``digen bench``) stops too, rather than start the next."""
+
+    def __init__(self, signal: str | None) -> None:
+        super().__init__(f"stopped by {signal or 'a stop request'}")
+        self.signal = signal
+
+
+def stop_if_interrupted(result: object) -> None:
+    """Raise :class:`RunStopped` when ``result`` (a ``RunResult``) was stopped early."""
+    if getattr(result, "interrupted", False):
+        raise RunStopped(getattr(result, "stop_signal", None))

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from digen.errors import stop_if_interrupted
 from digen.sched.costs import COST_NAMES, EVENT_COST, Costs
 from digen.sched.names import DRIVER, Pool, TaskKind, pool_of
 from digen.sched.trace import KIND_COLOURS, KINDS, Trace, TraceEvent, device_of, union_length
@@ -259,6 +260,7 @@ def measure_run(rung: Rung, cfg: Any, out_dir: Path, repeat: int) -> RunMeasure:
     finally:
         torch.set_num_threads(before)
     wall = time.perf_counter() - t0
+    stop_if_interrupted(result)  # a signal stops the bench, not just this run
     rows = result.metrics
     trace = Trace.load_jsonl(out_dir / "trace.jsonl")
     return analyse(rung, cfg, rows, trace, repeat=repeat, wall_s=wall)

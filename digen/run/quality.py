@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from digen.errors import stop_if_interrupted
+
 __all__ = [
     "Arm",
     "Curve",
@@ -183,6 +185,7 @@ def measure_arm(arm: Arm, cfg: Any, out_dir: Path) -> Curve:
         result = asyncio.run(runner.run())
     finally:
         torch.set_num_threads(before)
+    stop_if_interrupted(result)  # a signal stops the bench, not just this run
     out = curve_of(arm.key, cfg.seed, result.metrics, result.evals)
     out.wall_s = time.perf_counter() - t0
     return out

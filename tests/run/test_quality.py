@@ -96,3 +96,33 @@ def test_every_arm_is_a_valid_config_on_the_same_task_and_seed() -> None:
         got["tcss"].runtime.max_staleness == 1 and got["disaggregated"].runtime.max_staleness == 0
     )
     assert got["colocated"].train.mini_batch_size == got["disaggregated"].train.mini_batch_size
+
+
+@pytest.mark.parametrize(("signal", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_run_stopped_by_a_signal_stops_the_bench(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, signal: str, code: int
+) -> None:
+    """The run under way takes the signal (a graceful stop); the bench must not go on to
+    its next run, and exits as a stopped command does."""
+    from digen.errors import RunStopped
+    from digen.run import quality as q
+    from digen.run.runner import DigenRunner, RunResult
+
+    async def stopped(self: DigenRunner) -> RunResult:
+        return RunResult(metrics=[], out_dir=tmp_path, interrupted=True, stop_signal=signal)
+
+    monkeypatch.setattr(DigenRunner, "run", stopped)
+    s = QualitySettings(steps=2, seeds=(0,))
+    arm = arms(s)[0]
+    with pytest.raises(RunStopped) as stop:
+        q.measure_arm(arm, arm_config(s, arm, 0), tmp_path / "run")
+    assert stop.value.signal == signal
+
+    from cli.bench import _measuring
+
+    def measure() -> None:
+        q.measure_arm(arm, arm_config(s, arm, 0), tmp_path / "again")
+
+    with pytest.raises(SystemExit) as exited:
+        _measuring(measure, debug=False)
+    assert exited.value.code == code
