@@ -303,7 +303,7 @@ class DigenRunner:
                             "the run and run code in it: keep it like a password",
                             file=sys.stderr,
                         )
-                if hasattr(backend, "on_pool_change"):
+                if hasattr(backend, "pool"):  # the driver: its generator pool may change
 
                     async def pool_changed(event: dict, backend: Any = backend) -> None:
                         log.warning(**event)  # generator_lost / generator_joined, and why
@@ -318,7 +318,7 @@ class DigenRunner:
                         if outputs:
                             await self._write_workers(backend)
 
-                    backend.on_pool_change = pool_changed
+                    backend.pool.on_change = pool_changed
                 if ckpt is not None:
                     if cfg.runtime.mode != "disaggregated":  # the driver's trainers load it
                         await backend.restore(ckpt)

@@ -23,10 +23,11 @@ naming the worker:
 
 A lost generator is the exception to "a failure ends the run" (``runtime.on_generator_loss``):
 :meth:`Driver._lose` takes it out of the pool, and what it held is made again by the others
-from the same keys (:meth:`Driver._make_again`), before any new micro-batch; with
-``runtime.respawn_generators`` a new process takes its place at the next weight sync. With
-``runtime.accept_generators`` a generator that joins the world by itself (``digen join``)
-joins the pool the same way (:meth:`Driver._watch_arrivals`).
+from the same keys (:meth:`Driver._make_again`), before any new micro-batch. Membership
+itself (whether the run can go on, restarts with ``runtime.respawn_generators``, generators
+that join by themselves with ``runtime.accept_generators``, what the log and the runner are
+told) is the :class:`~digen.runtime.driver.pool.GeneratorPool`'s; a generator back or new
+joins at the next weight sync (:meth:`Driver._sync`).
 
 What was handed out, made, scored and trained lives in :class:`~digen.sched.book.Book`
 (pure book-keeping, the model the TAG search plans on); what calls cost is observed by
@@ -55,12 +56,13 @@ from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
 from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.driver.cluster import Cluster
+from digen.runtime.driver.pool import GeneratorPool
 from digen.runtime.messages import EvalScores, SampleKey, StepResult
 from digen.runtime.transport.actors import WorkerDied
 from digen.sched.book import Book, Remake
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
-from digen.sched.names import DRIVER, Pool, TaskKind, pool_of, worker_name, worker_names
+from digen.sched.names import DRIVER, Pool, TaskKind, worker_name, worker_names
 from digen.sched.tag import make_tag_policy
 from digen.sched.trace import Trace
 
@@ -163,14 +165,11 @@ class Driver:
         """Each ``(step, mb)``'s update, once its group is scored, until it is trained."""
         self._tg: asyncio.TaskGroup | None = None
         self._loops: list[asyncio.Task] = []
-        self._respawns: dict[int, int] = defaultdict(int)
-        """Restarts of each generator so far (``runtime.respawn_generators``)."""
-        self._joining: set[int] = set()
-        """Generators started again, joining at the next weight sync."""
-        self.on_pool_change: Callable[[dict[str, Any]], Any] | None = None
-        """Told (sync or async) of each generator lost: ``{"event", "worker", "cause",
-        "remade", "generators"}``, and of each one back (``"event": "generator_joined"``);
-        the runner logs them and rewrites ``workers.json``."""
+        self.pool = GeneratorPool(
+            cfg, cluster, self.book, trace, clock, stopping=lambda: self._stopping
+        )
+        """Membership: losses, restarts, arrivals (:mod:`digen.runtime.driver.pool`)."""
+        self.pool.start = self._start
 
     @property
     def gens(self) -> list[Any]:
@@ -285,9 +284,10 @@ class Driver:
                     tg.create_task(self._trainer_loop(j, steps), name=f"loop-{t.worker}")
                     for j, t in enumerate(self.trainers)
                 ]
-                loops.append(tg.create_task(self._watch_workers(), name="loop-watch"))
+                loops.append(tg.create_task(self.pool.watch_losses(self._lose), name="loop-watch"))
                 if self.cfg.runtime.accept_generators:
-                    loops.append(tg.create_task(self._watch_arrivals(), name="loop-arrivals"))
+                    arrivals = self.pool.watch_arrivals(self.accounts.workers)
+                    loops.append(tg.create_task(arrivals, name="loop-arrivals"))
                 for s in steps:
                     since = self.clock(), self.cluster.payload  # the previous step's end
                     stepped = []  # (version, grad norm, seconds) per mini-batch
@@ -318,67 +318,22 @@ class Driver:
                 raise died from error  # a call between two workers met the loss first
         raise error from None
 
-    async def _watch_workers(self) -> None:
-        """A worker lost while no call to it is running (an idle trainer killed while a
-        generator scores a long reward) is seen as soon as the watchdog sees it: a generator
-        is gone on without (:meth:`_lose`), any other loss ends the run."""
-        while True:
-            died = await self.cluster.next_loss()
-            i = self._generator_index(died.worker)
-            if i is not None:
-                await self._lose(i, died)
-            elif pool_of(died.worker) == Pool.GENERATOR:  # joined the world, not yet the run
-                logging.getLogger("digen").warning(f"{died} It had not joined the run yet.")
-            else:
-                raise died.again()
-
-    async def _watch_arrivals(self) -> None:
-        """Generators that join the world by themselves (``runtime.accept_generators``): each
-        gets its actors, and joins the pool at the next weight sync (:meth:`_sync`)."""
-        while True:
-            arrival = await self.cluster.next_arrival()
-            if self._stopping:
-                continue  # the stop handshake ends it with the others
-            try:
-                i = await self.cluster.add_generator(arrival.name)
-            except WorkerDied as died:
-                logging.getLogger("digen").warning(f"{died} It had not joined the run yet.")
-                continue
-            if self.book.add_generator() != i:
-                raise RuntimeError(f"{arrival.name}: the pool's generators are out of step")
-            self.accounts.workers.append(arrival.name)
-            self._joining.add(i)
-            logging.getLogger("digen").warning(
-                f"{arrival.name} (host {arrival.host}, pid {arrival.pid}) joined the world; "
-                "it joins the run at the next step boundary."
-            )
-
-    def _generator_index(self, worker: str) -> int | None:
-        names = [g.worker for g in self.gens]
-        return names.index(worker) if worker in names else None
+    def _start(self, name: str, make: Callable[[], Coroutine[Any, Any, None]]) -> bool:
+        """Run ``make()`` as one of the running driver's tasks (False: it is not running)."""
+        if self._tg is None:
+            return False
+        self._loops.append(self._tg.create_task(make(), name=name))
+        return True
 
     async def _lose(
         self, i: int, died: WorkerDied, running: Sequence[tuple[int, int]] = ()
     ) -> None:
         """Generator ``i`` is lost (``died``): go on without it, making again elsewhere what
         it held (``running``: what the failed call was making or scoring), or end the run
-        (``runtime.on_generator_loss = fail``, too few generators left, a weight broadcast
-        group that cannot lose a member)."""
+        (:meth:`GeneratorPool.refuse_loss`)."""
         first = i not in self.book.lost
         if first and not self._stopping:
-            rt = self.cfg.runtime
-            left = len(self.book.alive) - 1
-            why = None
-            if rt.on_generator_loss == "fail":
-                why = "runtime.on_generator_loss is fail"
-            elif left < rt.min_generators:
-                why = f"{left} generator(s) left, fewer than runtime.min_generators ({rt.min_generators})"
-            elif rt.weight_sync == "broadcast":
-                why = (
-                    "the weight broadcast group cannot lose a member (runtime.weight_sync=rpc can)"
-                )
-            if why is not None:
-                raise died.again(why)
+            self.pool.refuse_loss(died)
         remakes = self.book.lose_generator(i, running)
         for r in remakes:
             if (task := self._tasks.get((r.step, r.mb))) is not None:
@@ -389,72 +344,8 @@ class Driver:
                 await self.cluster.forget(r.left_with, [(r.step, r.mb)])
         orphans = self._drop_orphans()
         if first:
-            self.accounts.trace.mark("lost", died.worker, self.clock())
-            alive = len(self.book.alive)
-            text = (
-                f"{died} The run goes on with {alive} generator(s); "
-                f"{len(remakes)} micro-batch(es) it held are made again"
-            )
-            if orphans:
-                text += f", {len(orphans)} stale one(s) no generator can remake are dropped"
-            logging.getLogger("digen").warning(text + ".")
-            event = {
-                "event": "generator_lost",
-                "worker": died.worker,
-                "cause": str(died),
-                "remade": len(remakes),
-                "dropped": len(orphans),
-                "generators": alive,
-            }
-            await self._pool_changed(event)
-            rt = self.cfg.runtime
-            again = rt.respawn_generators and self.cluster.can_respawn(i)
-            if again and self._respawns[i] < rt.max_respawns and self._tg:
-                self._loops.append(
-                    self._tg.create_task(self._respawn(i), name=f"respawn-{died.worker}")
-                )
+            await self.pool.lost(i, died, len(remakes), len(orphans))
         await self._notify()
-
-    async def _lose_again(self, i: int, died: WorkerDied) -> None:
-        """A restarted generator lost before it joined: it held nothing; restart it again."""
-        logging.getLogger("digen").warning(f"{died} It had not joined the run yet.")
-        rt = self.cfg.runtime
-        again = rt.respawn_generators and self.cluster.can_respawn(i)
-        if again and self._respawns[i] < rt.max_respawns and self._tg is not None:
-            self._loops.append(
-                self._tg.create_task(self._respawn(i), name=f"respawn-{died.worker}")
-            )
-
-    async def _pool_changed(self, event: dict[str, Any]) -> None:
-        if self.on_pool_change is not None:
-            done = self.on_pool_change(event)
-            if inspect.isawaitable(done):
-                await done
-
-    async def _respawn(self, i: int) -> None:
-        """Start lost generator ``i`` again after the back-off; it joins the pool at the next
-        weight sync (:meth:`_sync`), with that step's weights. A restart that fails is said
-        in the log and tried again, up to ``runtime.max_respawns``."""
-        rt, name = self.cfg.runtime, self.gens[i].worker
-        while self._respawns[i] < rt.max_respawns and not self._stopping:
-            self._respawns[i] += 1
-            await asyncio.sleep(rt.respawn_after_s * 2 ** (self._respawns[i] - 1))
-            if self._stopping:
-                return
-            try:
-                await self.cluster.respawn_generator(i)
-            except Exception as exc:  # noqa: BLE001 (said, and tried again)
-                logging.getLogger("digen").warning(
-                    f"{name} could not be started again ({type(exc).__name__}: {exc}); "
-                    f"restart {self._respawns[i]} of {rt.max_respawns}."
-                )
-                continue
-            self._joining.add(i)
-            logging.getLogger("digen").warning(
-                f"{name} (pid {self.cluster.pid_of(name)}) started again (restart "
-                f"{self._respawns[i]} of {rt.max_respawns}); it joins at the next step boundary."
-            )
-            return
 
     async def _generator_loop(self, i: int) -> None:
         """Score what trainers made first; else generate the next admitted micro-batch (and
@@ -724,10 +615,6 @@ class Driver:
             self._maybe_trained(r.step)
         return orphans
 
-    def _holder_lost(self, holder: str) -> bool:
-        i = self._generator_index(holder)
-        return i is not None and i in self.book.lost
-
     async def _score(self, i: int, made: RolloutRef) -> None:
         g, mb, k = self.scorers[i], made.mb, len(made.mb.samples)
         texts, meta = self.prompts(mb.step)
@@ -772,7 +659,7 @@ class Driver:
                 advs = tuple(float(adv[row, mb.samples[r]]) for r in rows)
                 task = UpdateTask(RolloutRef(mb, holder, version), rows, advs)
                 self._tasks[s, mb.mb] = task
-                if self._holder_lost(holder):
+                if self.pool.holder_lost(holder):
                     continue  # it is being made again: it goes on once it is (_rehome)
                 self._held_back[s].append(task)
         if not self.plan.whole_step or rec.all_scored:  # e.g. naive: train once all is scored
@@ -795,7 +682,7 @@ class Driver:
         try:
             stats = await self._call(t, TaskKind.UPDATE, s, mb.mb, s, call)
         except Exception as exc:
-            i = self._generator_index(holder)
+            i = self.pool.index(holder)
             if i is None or (isinstance(exc, WorkerDied) and exc.worker != holder):
                 raise  # the trainer's own failure, or its loss
             died = await self.cluster.death_of(holder)
@@ -851,40 +738,17 @@ class Driver:
             if died := await send(i):
                 await self._lose(i, died)
 
-        joining, self._joining = sorted(self._joining), set()
+        joining = self.pool.take_joining()
 
         async def join(i: int) -> None:  # a generator back: this version before any work
             if died := await send(i):
-                await self._lose_again(i, died)
+                await self.pool.lost_before_joining(i, died)
                 return
             self.book.rejoin(i, version)
-            self.accounts.trace.mark("joined", self.gens[i].worker, self.clock())
-            assert self._tg is not None
-            self._loops.append(
-                self._tg.create_task(self._generator_loop(i), name=f"loop-{self.gens[i].worker}")
-            )
+            self._start(f"loop-{self.gens[i].worker}", lambda: self._generator_loop(i))
             if self.overlap:
-                self._loops.append(
-                    self._tg.create_task(self._scorer_loop(i), name=f"loop-scorer-{i}")
-                )
-            name = self.gens[i].worker
-            alive = len(self.book.alive)
-            how = "joined the run"
-            if self._respawns[i]:
-                how = f"is back (restart {self._respawns[i]} of {self.cfg.runtime.max_respawns})"
-            logging.getLogger("digen").warning(
-                f"{name} (pid {self.cluster.pid_of(name)}) {how} with version {version}; "
-                f"the run goes on with {alive} generator(s)."
-            )
-            await self._pool_changed(
-                {
-                    "event": "generator_joined",
-                    "worker": name,
-                    "generators": alive,
-                    "version": version,
-                    "restart": self._respawns[i],
-                }
-            )
+                self._start(f"loop-scorer-{i}", lambda: self._scorer_loop(i))
+            await self.pool.joined(i, version)
 
         calls = [load(i) for i in self.book.alive] + [join(i) for i in joining]
         served = self.cluster.serve_weights(version)  # trainer 0's part of a broadcast
