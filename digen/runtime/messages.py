@@ -15,13 +15,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "THUMBNAIL_SIDE",
+    "EvalRequest",
     "EvalScores",
+    "GenerateRequest",
     "LossStats",
     "SampleKey",
+    "ScoreRequest",
     "Scores",
+    "StepRequest",
     "StepResult",
     "TimedResult",
     "TrainItem",
+    "UpdateRequest",
     "grid_frames",
     "thumbnails",
 ]
@@ -34,6 +39,81 @@ class SampleKey:
     step: int
     prompt: int
     sample: int
+
+
+# --- requests: what the driver asks a worker to do (one type per call that runs the model)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """Make micro-batch ``(step, mb)``: one trajectory per key, all of ``prompt``, with the
+    worker's current weights, kept in its store (a generator, or a trainer for TAG)."""
+
+    step: int
+    mb: int
+    keys: tuple[SampleKey, ...]
+    prompt: str
+    keep_pixels: bool = True
+    """False: the rollout only, for a micro-batch already scored (made again for training)."""
+    ahead: tuple[str, ...] = ()
+    """The prompts the worker may sample next (the train step's): offloaded text encoders
+    encode them in this call's visit to the device."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    """Score micro-batch ``(step, mb)``, whose pixels ``holder`` keeps."""
+
+    step: int
+    mb: int
+    holder: str
+    prompts: tuple[str, ...]
+    metadata: tuple[dict, ...]
+    thumbnails: bool = False
+    """Bring back small copies of the samples, for the step's sample grid."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateRequest:
+    """Forward/backward the samples ``keys`` of micro-batch ``(step, mb)`` into the gradients.
+
+    ``rows``: their positions in the micro-batch, whose rollout ``holder`` keeps;
+    ``advantages``: one per key; ``loss_scale``: what each term's loss is multiplied by (one
+    over its optimizer step's terms); ``made_by``: the policy version that sampled them
+    (behind the trainer's for a stale micro-batch; None: the trainer's own)."""
+
+    step: int
+    mb: int
+    holder: str
+    keys: tuple[SampleKey, ...]
+    rows: tuple[int, ...]
+    prompt: str
+    advantages: tuple[float, ...]
+    loss_scale: float
+    made_by: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """Sum the gradients of ``microbatches`` over the trainers, clip and step; ``last``: the
+    train step's last optimizer step, which moves the version."""
+
+    microbatches: range
+    last: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class EvalRequest:
+    """Evaluation batch ``batch``: ``keys`` are ``(prompt, sample)`` pairs, ``prompts`` their
+    texts (one per key) and ``metadata`` what the rewards read of each."""
+
+    batch: int
+    keys: tuple[tuple[int, int], ...]
+    prompts: tuple[str, ...]
+    metadata: tuple[dict, ...] = ()
+
+
+# --- replies and records
 
 
 @dataclass(slots=True)

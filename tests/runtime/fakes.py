@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from digen.runtime.driver.handles import GeneratorHandle, ScorerHandle, TrainerHandle
 from digen.runtime.messages import LossStats, Scores, TimedResult
 from digen.runtime.transport.actors import Arrival, WorkerDied
 from digen.sched.names import Pool, pool_of, worker_name
@@ -159,12 +160,16 @@ class FakeActor:
 
     async def _run(self, method: str, *args: Any) -> Any:
         w = self.world
+        request = args[0] if args else None
         t0, t1 = await w.work(self.worker, method)
-        if method == "update" and args[2] in w.dead:  # its holder's store went with it
+        if method == "update" and request.holder in w.dead:  # its store went with it
             raise RuntimeError("ECONNRESET: connection reset by peer (fetching the rollout)")
-        w.log.append((self.worker, method, *args[:2]))
+        if method == "step":
+            w.log.append((self.worker, method, request.microbatches, request.last))
+        else:
+            w.log.append((self.worker, method, request.step, request.mb))
         if method == "generate":
-            step, mb = args[0], args[1]
+            step, mb = request.step, request.mb
             if (step, mb) in w.made:  # made again: only what a lost generator held
                 again = w.holders[step, mb] in w.dead or (step, mb) in w.forgotten
                 assert again, f"micro-batch {(step, mb)} generated twice"
@@ -177,21 +182,22 @@ class FakeActor:
             w.holders[step, mb] = self.worker
             return TimedResult(self.version, t0, t1)
         if method == "score":
-            n = len(args[3])
+            n = len(request.prompts)
             return TimedResult(
-                Scores([float(args[1] + i) for i in range(n)], {"fake": [1.0] * n}), t0, t1
+                Scores([float(request.mb + i) for i in range(n)], {"fake": [1.0] * n}), t0, t1
             )
         if method == "update":
-            assert self.version == args[0], f"step {args[0]} trained on version {self.version}"
-            step, mb, holder = args[0], args[1], args[2]
+            step, mb, holder = request.step, request.mb, request.holder
+            assert self.version == step, f"step {step} trained on version {self.version}"
             assert w.holders[step, mb] == holder, (step, mb, holder, w.holders[step, mb])
-            assert w.made[step, mb] == args[-1], "trained against another version than made it"
+            made_by = request.made_by
+            assert w.made[step, mb] == made_by, "trained against another version than made it"
             assert (step, mb) not in w.trained, f"micro-batch {(step, mb)} trained twice"
             w.trained.add((step, mb))
             w.untrained -= 1
-            return TimedResult(LossStats(terms=len(args[3]), loss=1.0), t0, t1)
+            return TimedResult(LossStats(terms=len(request.keys), loss=1.0), t0, t1)
         if method == "step":
-            self.version += args[1]  # the train step's last optimizer step bumps the version
+            self.version += request.last  # the train step's last optimizer step bumps the version
             return TimedResult((self.version, 0.5), t0, t1)
         raise AssertionError(method)
 
@@ -201,10 +207,15 @@ class FakeCluster:
 
     def __init__(self, generators: int, trainers: int, world: World) -> None:
         self.world = world
-        self.gens = [FakeActor(world, worker_name(Pool.GENERATOR, i)) for i in range(generators)]
-        self.trainers = [FakeActor(world, worker_name(Pool.TRAINER, j)) for j in range(trainers)]
+        self.gens = [
+            GeneratorHandle(FakeActor(world, worker_name(Pool.GENERATOR, i)))
+            for i in range(generators)
+        ]
+        self.trainers = [
+            TrainerHandle(FakeActor(world, worker_name(Pool.TRAINER, j))) for j in range(trainers)
+        ]
         # scoring actors: in their generator's process (its name), with their own queue
-        self.scorers = [FakeActor(world, gen.worker) for gen in self.gens]
+        self.scorers = [ScorerHandle(FakeActor(world, gen.worker)) for gen in self.gens]
         self.payload = Payload()
         self.released: list[tuple[str, list]] = []
         self.lost_worker: Exception | None = None
@@ -224,8 +235,8 @@ class FakeCluster:
         return await self.world.arrivals.get()
 
     async def add_generator(self, name: str) -> int:
-        self.gens.append(FakeActor(self.world, name))
-        self.scorers.append(FakeActor(self.world, name))
+        self.gens.append(GeneratorHandle(FakeActor(self.world, name)))
+        self.scorers.append(ScorerHandle(FakeActor(self.world, name)))
         return len(self.gens) - 1
 
     def can_respawn(self, i: int) -> bool:
@@ -244,7 +255,7 @@ class FakeCluster:
         return None
 
     async def send_weights(self, i: int, version: int) -> TimedResult:
-        gen = self.gens[i]
+        gen = self.gens[i].actor
         if gen.worker in self.world.dead:
             raise self.world.dead[gen.worker].again()
         async with gen.busy:  # behind what the generator is running

@@ -64,7 +64,7 @@ async def test_offloaded_text_encoders_visit_a_generator_once_a_step() -> None:
     prompts = PromptSet.builtin()
     async with Driver(cfg, None, prompts, Trace()) as driver:
         await driver.run(2)
-        stats = await driver.gens[0].call("statistics")
+        stats = await driver.gens[0].actor.call("statistics")
     seen: set[str] = set()
     visits = 0  # steps that bring a prompt not met before
     for step in range(2):

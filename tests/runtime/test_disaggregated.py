@@ -154,10 +154,12 @@ async def test_trace_accounts_for_every_microbatch_and_version() -> None:
     trace = Trace()
     async with Driver(cfg, None, PromptSet.builtin(), trace) as driver:
         results = await driver.run(2)
-        pids = await asyncio.gather(*(a.call("ping") for a in driver.gens + driver.trainers))
-        gen_state = await driver.gens[1].call("trainable_state")
-        trainer_state = await driver.trainers[0].call("trainable_state")
-        held = await asyncio.gather(*(a.call("statistics") for a in driver.gens + driver.trainers))
+        pids = await asyncio.gather(*(a.ping() for a in driver.gens + driver.trainers))
+        gen_state = await driver.gens[1].actor.call("trainable_state")
+        trainer_state = await driver.trainers[0].trainable_state()
+        held = await asyncio.gather(
+            *(a.actor.call("statistics") for a in driver.gens + driver.trainers)
+        )
     assert [r.metrics["policy_version"] for r in results] == [1, 2]
     assert all(h["held"] == 0 for h in held)  # every rollout was taken by its update
     # prompts reach the trainer with the rollouts: it encodes only the prompts of what it
@@ -280,9 +282,9 @@ async def test_heterogeneous_pools_sync_in_buckets(sync: str) -> None:
     cfg = _cfg("sd3", "flowgrpo", "disaggregated", over)
     async with Driver(cfg, None, PromptSet.builtin(), Trace()) as driver:
         results = await driver.run(2)
-        gen_state = await driver.gens[0].call("trainable_state")
-        trainer_state = await driver.trainers[0].call("trainable_state")
-        stats = await driver.trainers[0].call("statistics")
+        gen_state = await driver.gens[0].actor.call("trainable_state")
+        trainer_state = await driver.trainers[0].trainable_state()
+        stats = await driver.trainers[0].actor.call("statistics")
     assert stats["encoded_prompts"] == 0  # every embedding came from the bf16 generator
     assert {v.dtype for v in gen_state.values()} == {torch.bfloat16}
     assert {v.dtype for v in trainer_state.values()} == {torch.float32}

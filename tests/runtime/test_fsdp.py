@@ -326,9 +326,9 @@ def test_sharded_tag_deals_its_rows_over_the_members(tmp_path: Path) -> None:
         trace = Trace()
         async with Driver(cfg, None, PromptSet.builtin(), trace) as driver:
             await driver.run(1)
-            members = driver.trainers[0].handles
+            members = driver.trainers[0].actor.handles
             stats = await asyncio.gather(*(h.call("statistics") for h in members))
-            state = await driver.trainers[0].call("trainable_state")
+            state = await driver.trainers[0].trainable_state()
         return stats, state, trace
 
     stats, state, trace = asyncio.run(run())
@@ -363,9 +363,9 @@ def test_sharded_nft_trainer_0_keeps_one_full_copy(tmp_path: Path, dtype: str) -
     async def run() -> tuple[list[dict], dict, list]:
         async with Driver(cfg, None, PromptSet.builtin(), Trace()) as driver:
             await driver.run(2)
-            members = driver.trainers[0].handles
+            members = driver.trainers[0].actor.handles
             stats = await asyncio.gather(*(h.call("statistics") for h in members))
-            state = await driver.trainers[0].call("trainable_state")
+            state = await driver.trainers[0].trainable_state()
             old = await members[0].call("_synced")
         return stats, state, old
 

@@ -261,6 +261,7 @@ def test_a_pull_never_reads_an_old_policy_half_moved() -> None:
     from helpers import tiny_config
 
     from digen.config import config_to_dict
+    from digen.runtime.messages import StepRequest
     from digen.runtime.worker.store import fetch_weights
     from digen.runtime.worker.trainer import TrainerActor
 
@@ -280,7 +281,7 @@ def test_a_pull_never_reads_an_old_policy_half_moved() -> None:
     before = {n: t.clone() for n, t in fetch_weights(0, 0, None).items()}
     pulled: dict = {}
     try:
-        step = threading.Thread(target=trainer.step, args=(range(0),))
+        step = threading.Thread(target=trainer.step, args=(StepRequest(range(0)),))
         step.start()
         assert halfway.wait(timeout=300)
         pull = threading.Thread(target=lambda: pulled.update(fetch_weights(1, 0, None)))

@@ -21,6 +21,7 @@ import torch
 
 from digen.checkpoint import Checkpoint
 from digen.config import DigenConfig, config_to_dict
+from digen.runtime.driver.handles import GeneratorHandle, ScorerHandle, TrainerHandle
 from digen.runtime.messages import LossStats, TimedResult
 from digen.runtime.notes import NOTES_ENV
 from digen.runtime.placement import (
@@ -109,11 +110,11 @@ class Cluster:
         self.started_here = set(self.gen_names)
         """Generators this driver started (a lost one may be started again); the others
         joined by themselves (``digen join``)."""
-        self.gens: list[ActorHandle] = []
-        self.scorers: list[ActorHandle] = []
+        self.gens: list[GeneratorHandle] = []
+        self.scorers: list[ScorerHandle] = []
         """With ``runtime.score_overlap``: one per generator, in its process, holding the
         rewards (else the generators score)."""
-        self.trainers: list[ActorHandle] = []
+        self.trainers: list[TrainerHandle] = []
 
     async def start(self) -> None:
         """Spawn the workers and build the actors; generators end up holding version 0."""
@@ -146,35 +147,37 @@ class Cluster:
         where = {"devices": self.devices, "direct": self.direct, "hosts": self.hosts}
         self._built = (cfg_dict, where)
         self.gens = [
-            self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
+            GeneratorHandle(
+                self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
+            )
             for name in self.gen_names
         ]
         if rt.score_overlap:  # the rewards beside each generator, on a thread of their own
             self.scorers = [
-                self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
+                ScorerHandle(
+                    self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
+                )
                 for name in self.gen_names
             ]
-        self.trainers = [
+        trainers = [
             self.system.actor(
                 name, TrainerActor, cfg_dict, i, rt.trainers, dp_port, host, name, **where
             )
             for i, name in enumerate(self.trainer_names)
         ]
-        await asyncio.gather(*(a.call("ping") for a in self.gens + self.scorers + self.trainers))
+        self.trainers = [TrainerHandle(t) for t in trainers]
+        await asyncio.gather(*(a.ping() for a in self.gens + self.scorers + self.trainers))
         version = 0
         if self.resume is not None:
             path, version = str(self.resume.path), self.resume.version
-            await asyncio.gather(*(t.call("restore", path, version) for t in self.trainers))
+            await asyncio.gather(*(t.restore(path, version) for t in self.trainers))
         if rt.trainers > 1 and rt.sharded:
-            self.trainers = [ShardedTrainers(self.trainers)]
+            self.trainers = [TrainerHandle(ShardedTrainers(trainers))]
         if rt.weight_sync == "broadcast":
             size = 1 + len(self.gens)
             await asyncio.gather(
-                self.trainers[0].call("join_sync_group", sync_port, 0, size, host),
-                *(
-                    g.call("join_sync_group", sync_port, i + 1, size, host)
-                    for i, g in enumerate(self.gens)
-                ),
+                self.trainers[0].join_sync_group(sync_port, 0, size, host),
+                *(g.join_sync_group(sync_port, i + 1, size, host) for i, g in enumerate(self.gens)),
             )
         served = self.serve_weights(version)
         await asyncio.gather(
@@ -194,15 +197,18 @@ class Cluster:
         name = self.gen_names[i]
         await self.system.respawn(name)
         cfg_dict, where = self._built
-        gen = self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
-        actors = [gen]
+        gen = GeneratorHandle(
+            self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
+        )
+        scorer = None
         if self.cfg.runtime.score_overlap:
-            scorer = self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
-            actors.append(scorer)
-        await asyncio.gather(*(a.call("ping") for a in actors))
+            scorer = ScorerHandle(
+                self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
+            )
+        await asyncio.gather(*(a.ping() for a in (gen, scorer) if a is not None))
         self.gens[i] = gen
-        if self.cfg.runtime.score_overlap:
-            self.scorers[i] = actors[1]
+        if scorer is not None:
+            self.scorers[i] = scorer
 
     async def next_arrival(self) -> Arrival:
         """The next generator that joined the world by itself (``runtime.accept_generators``),
@@ -218,15 +224,20 @@ class Cluster:
 
         cfg_dict, where = self._built
         where = {**where, "direct": False}
-        actors = [self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)]
+        gen = GeneratorHandle(
+            self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
+        )
+        scorers = []
         if self.cfg.runtime.score_overlap:
-            actors.append(
-                self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
+            scorers.append(
+                ScorerHandle(
+                    self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
+                )
             )
-        await asyncio.gather(*(a.call("ping") for a in actors))
+        await asyncio.gather(*(a.ping() for a in [gen, *scorers]))
         self.gen_names.append(name)
-        self.gens.append(actors[0])
-        self.scorers += actors[1:]
+        self.gens.append(gen)
+        self.scorers += scorers
         return len(self.gens) - 1
 
     def can_respawn(self, i: int) -> bool:
@@ -274,21 +285,21 @@ class Cluster:
         the generators pull (trainer 0 serves its live weights, bucket by bucket)."""
         if self.cfg.runtime.weight_sync != "broadcast":
             return None
-        return self.trainers[0].call("broadcast_weights", version)
+        return self.trainers[0].broadcast_weights(version)
 
     async def send_weights(self, i: int, version: int) -> TimedResult:
         """Generator ``i``'s side: it pulls ``version`` from trainer 0, or receives the
         broadcast. Queued behind whatever that generator is running."""
         if self.cfg.runtime.weight_sync == "broadcast":
-            return await self.gens[i].call("broadcast_weights", version)
-        return await self.gens[i].call("pull_weights", self.trainer_names[0], version)
+            return await self.gens[i].broadcast_weights(version)
+        return await self.gens[i].pull_weights(self.trainer_names[0], version)
 
     async def save_weights(self, out_dir: str | Path) -> Path:
         """Trainer 0 saves the trained weights (LoRA or full) into ``out_dir``."""
-        return Path(await self.trainers[0].call("save_weights", str(out_dir)))
+        return Path(await self.trainers[0].save_weights(str(out_dir)))
 
     async def final_state(self) -> dict[str, torch.Tensor]:
-        return await self.trainers[0].call("trainable_state")
+        return await self.trainers[0].trainable_state()
 
     async def whereabouts(self) -> dict[str, dict[str, Any]]:
         """``{worker: {"host", "pid"}}`` as each live worker reports it (torchrun ranks too)."""
@@ -302,12 +313,8 @@ class Cluster:
         sharded trainer's, when the trainers as one made them)."""
         from digen.runtime.worker.store import release
 
-        sharded = self.trainers[0] if self.trainers else None
-        holders = (
-            sharded.members
-            if isinstance(sharded, ShardedTrainers) and holder == sharded.worker
-            else []
-        )
+        lead = self.trainers[0] if self.trainers else None
+        holders = lead.members if lead is not None and holder == lead.worker else []
         dead = self.system.dead()  # a lost holder's store went with it
         await asyncio.gather(
             *(self.system.run(h, release, keys) for h in holders or [holder] if h not in dead)

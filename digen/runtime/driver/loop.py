@@ -42,9 +42,9 @@ import inspect
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,18 @@ from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
 from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.driver.cluster import Cluster
+from digen.runtime.driver.handles import GeneratorHandle, ScorerHandle, TrainerHandle
 from digen.runtime.driver.pool import GeneratorPool
-from digen.runtime.messages import EvalScores, SampleKey, StepResult
+from digen.runtime.messages import (
+    EvalRequest,
+    EvalScores,
+    GenerateRequest,
+    SampleKey,
+    ScoreRequest,
+    StepRequest,
+    StepResult,
+    UpdateRequest,
+)
 from digen.runtime.transport.actors import WorkerDied
 from digen.sched.book import Book, Remake
 from digen.sched.costs import OnlineProfiler
@@ -172,16 +182,16 @@ class Driver:
         self.pool.start = self._start
 
     @property
-    def gens(self) -> list[Any]:
+    def gens(self) -> list[GeneratorHandle]:
         return self.cluster.gens
 
     @property
-    def scorers(self) -> list[Any]:
+    def scorers(self) -> list[ScorerHandle]:
         """Each generator's scoring actor (``runtime.score_overlap``); else the generators."""
         return self.cluster.scorers if self.overlap else self.cluster.gens
 
     @property
-    def trainers(self) -> list[Any]:
+    def trainers(self) -> list[TrainerHandle]:
         return self.cluster.trainers
 
     @property
@@ -207,7 +217,7 @@ class Driver:
         """Trainer 0 writes its weights and optimizer state into a checkpoint directory
         (behind whatever it is running: only ``step`` changes them, and the next step waits
         for this; sharded trainers all take part)."""
-        await self.cluster.trainers[0].call("write_checkpoint", str(directory))
+        await self.cluster.trainers[0].write_checkpoint(str(directory))
         self.accounts.profiler.save(Path(directory) / PROFILER)
 
     async def final_state(self) -> dict[str, torch.Tensor]:
@@ -215,7 +225,7 @@ class Driver:
 
     async def trained_names(self) -> list[str]:
         """The names of the trained weights, in the order weight syncs carry them."""
-        return await self.cluster.trainers[0].call("trained_names")
+        return await self.cluster.trainers[0].trained_names()
 
     @property
     def rendezvous(self) -> str | None:
@@ -436,11 +446,9 @@ class Driver:
         ids = self.mini_ids[m]
         if not last:
             self._ministeps += 1  # from its start: a stop now must wait for the step's end
+        request = StepRequest(ids, last)
         stepped = await asyncio.gather(
-            *(
-                self._call(t, TaskKind.STEP, s, -1, s, t.call("step", ids, last))
-                for t in self.trainers
-            )
+            *(self._call(t, TaskKind.STEP, s, -1, s, t.step(request)) for t in self.trainers)
         )
         if not last:
             self._stepped[s, m].set()  # the trainers go on to the next mini-batch
@@ -491,27 +499,26 @@ class Driver:
         batches = [keys[i : i + size] for i in range(0, len(keys), size)]
 
         async def one(c: int, batch: list[tuple[int, int]]) -> tuple[int, EvalScores]:
-            texts = [prompts[p] for p, _ in batch]
+            texts = tuple(prompts[p] for p, _ in batch)
+            request = EvalRequest(c, tuple(batch), texts, tuple(metadata[p] for p, _ in batch))
             while True:  # a generator lost meanwhile: the batch goes to another
                 alive = self.book.alive
                 i = alive[c % len(alive)]
                 try:
-                    made = await self.gens[i].call("evaluate", c, batch, texts)
-                    scored = await self.scorers[i].call(
-                        "score_eval", c, texts, [metadata[p] for p, _ in batch]
-                    )
+                    made = await self.gens[i].evaluate(request)
+                    scored = await self.scorers[i].score_eval(request)
                     return made.value, scored.value
                 except WorkerDied as died:
                     if died.worker != self.gens[i].worker:
                         raise
                     await self._lose(i, died)
 
-        async def every_generator(method: str, *args: Any) -> None:
+        async def every_generator(call: Callable[[GeneratorHandle], Awaitable[None]]) -> None:
             """Call the generators that took part from the lend's first bucket on."""
 
             async def to(i: int) -> None:
                 try:
-                    await self.gens[i].call(method, *args)
+                    await call(self.gens[i])
                 except WorkerDied as died:
                     if died.worker != self.gens[i].worker:
                         raise
@@ -524,19 +531,22 @@ class Driver:
             try:  # a bucket at a time: trainer 0 never holds a second full copy
                 bucket, buckets = 0, 1
                 while bucket < buckets:
-                    buckets = await self.trainers[0].call("lend_ema", bucket)  # sharded: all
+                    buckets = await self.trainers[0].lend_ema(bucket)  # sharded: all
                     if not buckets:  # gather it; 0: no average kept
                         break
                     last = bucket == buckets - 1
-                    await every_generator("pull_eval_weights", source, bucket, last)
+                    pull = partial(
+                        GeneratorHandle.pull_eval_weights, source=source, bucket=bucket, last=last
+                    )
+                    await every_generator(pull)
                     lent, bucket = last, bucket + 1
             finally:
-                await self.trainers[0].call("end_lend")
+                await self.trainers[0].end_lend()
         try:
             done = await asyncio.gather(*(one(c, b) for c, b in enumerate(batches)))
         finally:
             if lent:
-                await every_generator("drop_eval_weights")
+                await every_generator(lambda g: g.drop_eval_weights())
         versions = {v for v, _ in done}
         if len(versions) != 1:
             raise RuntimeError(f"an evaluation met several versions: {sorted(versions)}")
@@ -544,21 +554,21 @@ class Driver:
 
     # --- the work ---------------------------------------------------------------------------
 
-    async def _generate(self, actor: Any, mb: MicroBatch, kind: TaskKind) -> RolloutRef:
-        keys = [SampleKey(mb.step, mb.prompt, s) for s in mb.samples]
+    async def _generate(
+        self, actor: GeneratorHandle | TrainerHandle, mb: MicroBatch, kind: TaskKind
+    ) -> RolloutRef:
+        keys = tuple(SampleKey(mb.step, mb.prompt, s) for s in mb.samples)
         texts = self.prompts(mb.step)[0]
-        call = actor.call(
-            "generate", mb.step, mb.mb, keys, texts[mb.prompt], True, self._ahead(texts)
-        )
-        version = await self._call(actor, kind, mb.step, mb.mb, None, call)
+        request = GenerateRequest(mb.step, mb.mb, keys, texts[mb.prompt], True, self._ahead(texts))
+        version = await self._call(actor, kind, mb.step, mb.mb, None, actor.generate(request))
         self.book.generated(mb, actor.worker, version)
         return RolloutRef(mb, actor.worker, version)
 
-    def _ahead(self, texts: list[str]) -> list[str]:
+    def _ahead(self, texts: list[str]) -> tuple[str, ...]:
         """What a generate call carries besides its prompt: with offloaded text encoders the
         step's prompts, which the worker encodes in one visit of the encoders to its device
         (not one a micro-batch); nothing otherwise."""
-        return texts if self.cfg.model.offload_text_encoders else []
+        return tuple(texts) if self.cfg.model.offload_text_encoders else ()
 
     def _take_remake(self, i: int) -> Remake | None:
         if self._stopping:
@@ -571,11 +581,12 @@ class Driver:
         ones its rewards and advantages are of; an unscored one goes on to be scored."""
         gen, s = self.gens[i], remake.step
         mb = self.book.record(s).mbs[remake.mb]
-        keys = [SampleKey(s, mb.prompt, j) for j in mb.samples]
+        keys = tuple(SampleKey(s, mb.prompt, j) for j in mb.samples)
         texts = self.prompts(s)[0]
         keep = not remake.scored
-        call = gen.call("generate", s, mb.mb, keys, texts[mb.prompt], keep, self._ahead(texts))
+        request = GenerateRequest(s, mb.mb, keys, texts[mb.prompt], keep, self._ahead(texts))
         t0 = self.clock()
+        call = gen.generate(request)
         version = await self._call(gen, TaskKind.GENERATE, s, mb.mb, None, call)
         if remake.scored and version != remake.version:
             raise AssertionError(
@@ -619,8 +630,8 @@ class Driver:
         g, mb, k = self.scorers[i], made.mb, len(made.mb.samples)
         texts, meta = self.prompts(mb.step)
         thumbs = self._samples_at(mb.step) and mb.mb * k < GRID_SAMPLES
-        prompt, data = [texts[mb.prompt]] * k, [meta[mb.prompt]] * k
-        call = g.call("score", mb.step, mb.mb, made.holder, prompt, data, thumbs)
+        prompt, data = (texts[mb.prompt],) * k, (meta[mb.prompt],) * k
+        call = g.score(ScoreRequest(mb.step, mb.mb, made.holder, prompt, data, thumbs))
         lane = worker_name(Pool.SCORER, i) if self.overlap else g.worker
         scores = await self._call(g, TaskKind.SCORE, mb.step, mb.mb, made.version, call, lane)
         self.accounts.scored(mb.step, scores.latency_s)
@@ -672,13 +683,15 @@ class Driver:
 
     async def _update(self, j: int, task: UpdateTask) -> None:
         t, mb, s = self.trainers[j], task.rollout.mb, task.rollout.mb.step
-        keys = [SampleKey(s, mb.prompt, mb.samples[r]) for r in task.rows]
+        keys = tuple(SampleKey(s, mb.prompt, mb.samples[r]) for r in task.rows)
         text = self.prompts(s)[0][mb.prompt]
         scale = 1.0 / step_terms(self.cfg, s, prompts=self.mini_size)  # its optimizer step's
         holder = task.rollout.holder
-        args = (s, mb.mb, holder, keys, list(task.rows), text, list(task.advantages))
         made_by = task.rollout.version  # the version that sampled it (TCSS: maybe behind)
-        call = t.call("update", *args, scale, made_by)
+        request = UpdateRequest(
+            s, mb.mb, holder, keys, task.rows, text, task.advantages, scale, made_by
+        )
+        call = t.update(request)
         try:
             stats = await self._call(t, TaskKind.UPDATE, s, mb.mb, s, call)
         except Exception as exc:
@@ -688,7 +701,7 @@ class Driver:
             died = await self.cluster.death_of(holder)
             if died is None:
                 raise
-            if len(getattr(t, "members", ())) > 1:  # sharded: the members went apart
+            if len(t.members) > 1:  # sharded: the members went apart
                 raise died.again("sharded trainers cannot go on from an update it broke") from exc
             await self._lose(i, died)  # its rollout never reached this trainer: make it again
             if self._tasks.get((s, mb.mb)) is task:  # else made again already, and rehomed
@@ -817,7 +830,7 @@ class Driver:
 
     async def _call(
         self,
-        actor: Any,
+        actor: GeneratorHandle | ScorerHandle | TrainerHandle,
         kind: TaskKind,
         step: int,
         mb: int,

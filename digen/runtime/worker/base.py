@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from digen.config import DigenConfig, load_config, schedule_plan
-from digen.runtime.messages import SampleKey, TimedResult
+from digen.runtime.messages import GenerateRequest, SampleKey, TimedResult
 from digen.runtime.notes import notes_to_run_log
 from digen.runtime.placement import DEVICE_ENV, is_cuda, peak_memory_gb, worker_device
 from digen.runtime.transport.actors import run_sync
@@ -178,30 +178,23 @@ class PolicyActor(WorkerActor):
         with pinned_to_loopback(host):
             self.sync_group = make_group(store, rank, size, members, timeout_s, machines)
 
-    def generate(
-        self,
-        step: int,
-        mb: int,
-        keys: Sequence[SampleKey],
-        prompt: str,
-        keep_pixels: bool = True,
-        ahead: Sequence[str] = (),
-    ) -> TimedResult:
+    def generate(self, request: GenerateRequest) -> TimedResult:
         """Sample and decode one trajectory per key with the current weights; keep them here
-        (``keep_pixels`` False: the rollout only, for a micro-batch already scored).
-        ``ahead``: the prompts this worker may sample next (the train step's); offloaded
-        text encoders encode them in the visit ``prompt`` makes
-        (:meth:`~digen.runtime.worker.policy.Policy.encode_ahead`).
+        (:class:`~digen.runtime.messages.GenerateRequest`; offloaded text encoders encode
+        its ``ahead`` prompts in this visit:
+        :meth:`~digen.runtime.worker.policy.Policy.encode_ahead`).
 
         Returns the policy version that made them.
         """
         self.jitter()
         t0 = time.time()
-        self.policy.encode_ahead(prompt, ahead)
-        out = self._sample(list(keys), prompt)
-        pixels = out.pixels if self._scored_here and keep_pixels else None
+        prompt = request.prompt
+        self.policy.encode_ahead(prompt, request.ahead)
+        out = self._sample(list(request.keys), prompt)
+        pixels = out.pixels if self._scored_here and request.keep_pixels else None
         kept = out.rollout.for_training(final=self.policy.algorithm.trains_on == "final")
-        self.store.put((step, mb), kept, pixels, self.policy.cached_conditioning(prompt))
+        key = (request.step, request.mb)
+        self.store.put(key, kept, pixels, self.policy.cached_conditioning(prompt))
         return self.timed(out.version, t0)
 
     def _sample(self, keys: list[SampleKey], prompt: str) -> Generated:

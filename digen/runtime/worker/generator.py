@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from digen.config import DigenConfig
-from digen.runtime.messages import TimedResult
+from digen.runtime.messages import EvalRequest, ScoreRequest, TimedResult
 from digen.runtime.transport.actors import run_sync
 from digen.runtime.worker.base import PolicyActor, pool_config
 from digen.runtime.worker.scorer import EVAL_STEP, Scoring, reward_loop
@@ -44,18 +44,17 @@ class GeneratorActor(PolicyActor):
         if not cfg.runtime.score_overlap:
             self.scoring = Scoring(self, reward_loop(cfg, rewards))
 
-    def score(self, *args: Any) -> TimedResult:
+    def score(self, request: ScoreRequest) -> TimedResult:
         """Rewards of a micro-batch (:meth:`~digen.runtime.worker.scorer.Scoring.score`), when
         this generator scores its own."""
-        return self._scoring().score(*args)
+        return self._scoring().score(request)
 
-    def evaluate(
-        self, batch: int, keys: Sequence[tuple[int, int]], prompts: Sequence[str]
-    ) -> TimedResult:
-        """Make evaluation batch ``batch`` (:meth:`~digen.runtime.worker.policy.Policy.evaluate`)
+    def evaluate(self, request: EvalRequest) -> TimedResult:
+        """Make an evaluation batch (:meth:`~digen.runtime.worker.policy.Policy.evaluate`)
         with the current weights and keep its images here for scoring."""
         t0 = time.time()
-        self.store.put_pixels((EVAL_STEP, batch), self.policy.evaluate(keys, prompts))
+        pixels = self.policy.evaluate(list(request.keys), list(request.prompts))
+        self.store.put_pixels((EVAL_STEP, request.batch), pixels)
         return self.timed(self.policy.version, t0)
 
     def pull_eval_weights(self, source: str, bucket: int, last: bool) -> None:
@@ -80,10 +79,10 @@ class GeneratorActor(PolicyActor):
         self._eval_pulled = {}
         self.policy.set_eval_weights(None)
 
-    def score_eval(self, *args: Any) -> TimedResult:
+    def score_eval(self, request: EvalRequest) -> TimedResult:
         """Rewards of an evaluation batch (:meth:`~digen.runtime.worker.scorer.Scoring.evaluate`),
         when this generator scores its own."""
-        return self._scoring().evaluate(*args)
+        return self._scoring().evaluate(request)
 
     def _scoring(self) -> Scoring:
         if self.scoring is None:

@@ -11,7 +11,14 @@ from typing import Any
 from digen.config import DigenConfig
 from digen.rewards.loop import RewardLoop
 from digen.rewards.scoring import build_reward
-from digen.runtime.messages import EvalScores, Scores, TimedResult, thumbnails
+from digen.runtime.messages import (
+    EvalRequest,
+    EvalScores,
+    ScoreRequest,
+    Scores,
+    TimedResult,
+    thumbnails,
+)
 from digen.runtime.transport.actors import run_sync
 from digen.runtime.worker.base import WorkerActor, pool_config
 from digen.runtime.worker.store import fetch_pixels
@@ -73,40 +80,34 @@ class Scoring:
         """The worker is stopping: the hooks' ``close()``."""
         self.rewards.close()
 
-    def score(
-        self,
-        step: int,
-        mb: int,
-        holder: str,
-        prompts: Sequence[str],
-        metadata: Sequence[dict],
-        with_thumbnails: bool = False,
-    ) -> TimedResult:
-        """Rewards of micro-batch ``(step, mb)``, whose pixels ``holder`` keeps (here or not)."""
-        actor = self.actor
+    def score(self, request: ScoreRequest) -> TimedResult:
+        """Rewards of micro-batch ``(step, mb)``, whose pixels ``request.holder`` keeps (here
+        or not)."""
+        actor, holder = self.actor, request.holder
         actor.jitter()
         t0 = time.time()
-        key = (step, mb)
+        key = (request.step, request.mb)
         if holder == actor.name:
             pixels = actor.store.take_pixels(key)
         else:
             pixels = run_sync(holder, fetch_pixels, key, actor.wire_from(holder))
         pixels = pixels.cpu()  # rewards take uint8 images on the CPU
-        res = self.rewards.score(pixels, prompts, metadata)
+        res = self.rewards.score(pixels, list(request.prompts), list(request.metadata))
         scores = Scores(
             total=res.total.tolist(),
             components={name: v.tolist() for name, v in res.components.items()},
             latency_s=res.latency_s,
-            thumbnails=thumbnails(pixels) if with_thumbnails else None,
+            thumbnails=thumbnails(pixels) if request.thumbnails else None,
         )
         return actor.timed(scores, t0)
 
-    def evaluate(self, batch: int, prompts: Sequence[str], metadata: Sequence[dict]) -> TimedResult:
-        """Score evaluation batch ``batch``, whose images this process's generator made
+    def evaluate(self, request: EvalRequest) -> TimedResult:
+        """Score an evaluation batch whose images this process's generator made
         (:meth:`~digen.runtime.worker.generator.GeneratorActor.evaluate`)."""
         t0 = time.time()
-        pixels = self.actor.store.take_pixels((EVAL_STEP, batch)).cpu()
-        res = self.rewards.score(pixels, prompts, metadata)
+        pixels = self.actor.store.take_pixels((EVAL_STEP, request.batch)).cpu()
+        prompts = list(request.prompts)
+        res = self.rewards.score(pixels, prompts, list(request.metadata))
         return self.actor.timed(eval_scores(res, pixels, prompts), t0)
 
 
@@ -133,13 +134,13 @@ class ScorerActor(WorkerActor):
         super().__init__(cfg, name, devices, direct, hosts)  # the generator's name: its process
         self.scoring = Scoring(self, reward_loop(cfg, rewards))
 
-    def score(self, *args: Any) -> TimedResult:
+    def score(self, request: ScoreRequest) -> TimedResult:
         """Rewards of a micro-batch (:meth:`Scoring.score`)."""
-        return self.scoring.score(*args)
+        return self.scoring.score(request)
 
-    def score_eval(self, *args: Any) -> TimedResult:
+    def score_eval(self, request: EvalRequest) -> TimedResult:
         """Rewards of an evaluation batch (:meth:`Scoring.evaluate`)."""
-        return self.scoring.evaluate(*args)
+        return self.scoring.evaluate(request)
 
     def close(self) -> None:
         self.scoring.close()

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 from digen.config import DigenConfig
-from digen.runtime.messages import LossStats, SampleKey, TimedResult, TrainItem
+from digen.runtime.messages import (
+    LossStats,
+    SampleKey,
+    StepRequest,
+    TimedResult,
+    TrainItem,
+    UpdateRequest,
+)
 from digen.runtime.placement import is_cuda
 from digen.runtime.transport.actors import run_sync
 from digen.runtime.transport.groups import (
@@ -222,27 +229,15 @@ class TrainerActor(PolicyActor):
                 for i in self._buckets()[bucket]
             }
 
-    def update(
-        self,
-        step: int,
-        mb: int,
-        holder: str,
-        keys: Sequence[SampleKey],
-        rows: Sequence[int],
-        prompt: str,
-        advantages: Sequence[float],
-        loss_scale: float,
-        version: int | None = None,
-    ) -> TimedResult:
-        """Forward/backward the samples ``keys`` of micro-batch ``(step, mb)``.
-
-        ``rows``: their positions in the micro-batch, whose rollout ``holder`` keeps;
-        ``advantages``: one per key; ``version``: the policy version that sampled them.
-        TSP chunks of ``runtime.tsp_degree`` timesteps.
-        """
+    def update(self, request: UpdateRequest) -> TimedResult:
+        """Forward/backward the samples of a micro-batch
+        (:class:`~digen.runtime.messages.UpdateRequest`), in TSP chunks of
+        ``runtime.tsp_degree`` timesteps; returns their ``LossStats``."""
         self.jitter()
         t0 = time.time()
-        key, keys, rows = (step, mb), list(keys), list(rows)
+        mb, holder, prompt = request.mb, request.holder, request.prompt
+        loss_scale, version = request.loss_scale, request.made_by
+        key, keys, rows = (request.step, mb), list(request.keys), list(request.rows)
         size = self.cfg.train.micro_batch_size
         members, me = (self.world, self.rank) if self.sharded else (1, 0)
         chunks = lockstep_chunks(len(keys), members, me, size)
@@ -259,7 +254,7 @@ class TrainerActor(PolicyActor):
                 self.policy.add_conditioning(prompt, embeds)
         rollout = rollout.to(self.device)
         at = {i: j for j, i in enumerate(mine)}  # call's row -> row of ``rollout``
-        adv = torch.tensor(list(advantages), dtype=torch.float32, device=self.device)
+        adv = torch.tensor(list(request.advantages), dtype=torch.float32, device=self.device)
         stats = LossStats()
         with self.grads.micro_batch(mb):
             for chunk in chunks:
@@ -297,15 +292,16 @@ class TrainerActor(PolicyActor):
         state = self._trained_full()
         return str(self.policy.save_weights(out_dir, state)) if self.rank == 0 else None
 
-    def step(self, microbatches: range, last: bool = True) -> TimedResult:
-        """Sum the gradients of ``microbatches`` (the train step's, or one mini-batch's)
-        over the trainers, clip, step. ``last``: the train step's last optimizer step, which
-        bumps the version. Returns ``(version, grad norm)``; after the last, trainer 0 serves
-        the new weights."""
+    def step(self, request: StepRequest) -> TimedResult:
+        """Sum the gradients of ``request.microbatches`` (the train step's, or one
+        mini-batch's) over the trainers, clip, step; ``request.last``: the train step's last
+        optimizer step, which bumps the version. Returns ``(version, grad norm)``; after the
+        last, trainer 0 serves the new weights."""
         self.jitter()
         t0 = time.time()
+        last = request.last
         self.policy.set_step_lr(self.policy.version)  # version == the train step here
-        self.grads.reduce(microbatches, self.dp_group)
+        self.grads.reduce(request.microbatches, self.dp_group)
         with self._serving:  # no pull reads the weights, or the old policy, half-changed
             norm = self.policy.optimizer_step()
             if last:
