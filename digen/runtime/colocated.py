@@ -61,7 +61,13 @@ def worker_config(cfg: DigenConfig, rank: int) -> DigenConfig:
 
 
 class ColocatedTrainer:
-    """One worker of the colocated trainer (``rank`` of ``world``)."""
+    """One worker of the colocated trainer (``rank`` of ``world``): a
+    :class:`~digen.runtime.backend.TrainingBackend`."""
+
+    rendezvous = None
+    """No process joins a colocated run."""
+    pool = None
+    """No generator pool: every worker samples and trains."""
 
     def __init__(
         self,
@@ -132,6 +138,10 @@ class ColocatedTrainer:
     async def restore(self, ckpt: Checkpoint) -> None:
         """Continue from ``ckpt`` (every worker loads it, sharded ones their shards)."""
         self.policy.load_checkpoint(ckpt.path, ckpt.version)
+
+    async def whereabouts(self) -> dict[str, dict[str, Any]]:
+        """No worker process besides this one (data-parallel ranks are the runner's)."""
+        return {}
 
     async def save_weights(self, out_dir: str | os.PathLike) -> Path:
         return self.policy.save_weights(out_dir, self._full)

@@ -101,7 +101,8 @@ class UpdateTask:
 
 
 class Driver:
-    """Runs train steps on a generator pool and a trainer pool (module docstring)."""
+    """Runs train steps on a generator pool and a trainer pool (module docstring): a
+    :class:`~digen.runtime.backend.TrainingBackend`."""
 
     def __init__(
         self,
@@ -125,6 +126,7 @@ class Driver:
         if cluster is None:
             cluster = Cluster(cfg, rewards, resume=resume, notes=notes, join_secret=join_secret)
         self.cluster = cluster
+        self.resume = resume
         self.reward_weights = {r.name: r.weight for r in rewards or cfg.rewards}
         """Each reward's weight, by name (for ``algo.reward_weighting = advantage``)."""
         self.prompts = lru_cache(maxsize=8)(
@@ -212,6 +214,14 @@ class Driver:
 
     async def save_weights(self, out_dir: Any) -> Any:
         return await self.cluster.save_weights(out_dir)
+
+    async def restore(self, ckpt: Checkpoint) -> None:
+        """The trainers loaded ``ckpt`` as they started (``resume``): nothing left to do."""
+        if self.resume is None or ckpt.path != self.resume.path:
+            raise ValueError(
+                f"the driver's trainers start from the checkpoint it was made with "
+                f"({self.resume.path if self.resume else 'none'}), not {ckpt.path}"
+            )
 
     async def write_checkpoint(self, directory: Any) -> None:
         """Trainer 0 writes its weights and optimizer state into a checkpoint directory
