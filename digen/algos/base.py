@@ -6,9 +6,9 @@ asks, so nothing outside it branches on an algorithm's name:
 
 - **config**: its default SDE kind, its own parameters (``algo.params.<key>``, with defaults
   and checks), its checks across sections, and its preset values per backbone;
-- **sampling**: the :class:`StepPlan` of each train step — which denoising steps draw noise,
+- **sampling**: the :class:`NoisySteps` of each train step — which denoising steps draw noise,
   which of those may be trained, and which latent is decoded — a function of ``(seed,
-  step)`` only, so every worker makes the same plan;
+  step)`` only, so every worker draws the same noisy steps;
 - **the step math**: the :class:`~digen.algos.transitions.Transition` of a stochastic step and
   its log-prob form;
 - **training**: what a trainer needs of a sample (:attr:`Algorithm.trains_on`: the SDE
@@ -41,17 +41,17 @@ if TYPE_CHECKING:
     from digen.models.base import PromptEmbeds
     from digen.registry.models import Backbone
 
-__all__ = ["Algorithm", "ChunkLoss", "Param", "StepPlan", "TrainChunk"]
+__all__ = ["Algorithm", "ChunkLoss", "Param", "NoisySteps", "TrainChunk"]
 
 
 @dataclass(frozen=True, slots=True)
-class StepPlan:
+class NoisySteps:
     """How the samples of one train step are drawn and which transitions train."""
 
     stochastic: tuple[int, ...]
     """Denoising steps that draw noise (ascending); the others are plain Euler (ODE) steps.
     The decoded latent is what the last step makes: an Euler last step (to ``sigma = 0``)
-    makes exactly the clean prediction ``x - sigma v``, so a plan that leaves the last step
+    makes exactly the clean prediction ``x - sigma v``, so noisy steps that leave the last step
     out keeps every drawn noise off the image's final step (DanceGRPO, MixGRPO)."""
     trainable: tuple[int, ...]
     """The stochastic steps whose transitions are kept and may be trained (ascending)."""
@@ -175,15 +175,15 @@ class Algorithm:
 
     # --- sampling --------------------------------------------------------------------------
 
-    def plan(self, cfg: DigenConfig, step: int) -> StepPlan:
-        """The :class:`StepPlan` of train step ``step`` (a function of the seed and step)."""
+    def noisy_steps(self, cfg: DigenConfig, step: int) -> NoisySteps:
+        """The :class:`NoisySteps` of train step ``step`` (a function of the seed and step)."""
         raise NotImplementedError
 
     def train_steps(self, cfg: DigenConfig, step: int) -> tuple[int, ...]:
         """The denoising steps a sample of train step ``step`` may train, ascending: the
-        plan's trainable transitions (a forward-process method: every step of the
+        noisy steps' trainable transitions (a forward-process method: every step of the
         schedule)."""
-        return self.plan(cfg, step).trainable
+        return self.noisy_steps(cfg, step).trainable
 
     def terms_per_sample(self, cfg: DigenConfig, step: int) -> int:
         """Trained timesteps of one sample of ``step`` (:meth:`trained_positions` draws

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from digen.algos.base import Algorithm, StepPlan
+from digen.algos.base import Algorithm, NoisySteps
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
@@ -30,11 +30,11 @@ class DanceGRPO(Algorithm):
     sde_types = ("dance",)
     kl_type = "exact"
 
-    def plan(self, cfg: DigenConfig, step: int) -> StepPlan:
+    def noisy_steps(self, cfg: DigenConfig, step: int) -> NoisySteps:
         """Steps ``0 .. N-2`` draw noise and may train; the last is the Euler step to
         ``sigma = 0``, which makes exactly the clean prediction ``x - sigma v`` (decoded)."""
         steps = tuple(range(cfg.rollout.num_inference_steps - 1))
-        return StepPlan(steps, steps)
+        return NoisySteps(steps, steps)
 
     def check(self, cfg: DigenConfig) -> str | None:
         r = cfg.rollout

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from digen.algos.base import Algorithm, StepPlan
+from digen.algos.base import Algorithm, NoisySteps
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
@@ -40,14 +40,14 @@ class FlowGRPO(Algorithm):
     sde_types = ("sde", "cps")
     kl_type = "flowgrpo"
 
-    def plan(self, cfg: DigenConfig, step: int) -> StepPlan:
+    def noisy_steps(self, cfg: DigenConfig, step: int) -> NoisySteps:
         """No window: every step draws noise (not the last with ``cps``, whose last step
         has none) and all but the last train. A window: it alone draws noise and trains."""
         r = cfg.rollout
         n = r.num_inference_steps
         if r.sde_window_size == 0:
             noisy = n - 1 if r.sde_type == "cps" else n
-            return StepPlan(tuple(range(noisy)), tuple(range(min(noisy, n - 1))))
+            return NoisySteps(tuple(range(noisy)), tuple(range(min(noisy, n - 1))))
         from digen.algos.timesteps import sde_window
 
         window = sde_window(
@@ -58,7 +58,7 @@ class FlowGRPO(Algorithm):
             window_range=r.sde_window_range,
             sde_type=r.sde_type,
         )
-        return StepPlan(tuple(window), tuple(window))
+        return NoisySteps(tuple(window), tuple(window))
 
     def log_prob_form(self, kind: str, cfg: DigenConfig) -> str:
         if kind == "cps" and cfg.rollout.cps_logprob == "published":

@@ -8,8 +8,8 @@ step is an Euler (ODE) step. No CFG in sampling or training, PPO clip 1e-5, no K
 batch advantage std. The rest is Flow-GRPO's.
 
 digen's SDE window already expresses all of it (``rollout.sde_window_size`` /
-``sde_window_range`` with :class:`~digen.algos.flowgrpo.FlowGRPO`'s plan), so this file is
-the recipe alone: the same plan, step math and loss as ``flowgrpo``, with the published
+``sde_window_range`` with :class:`~digen.algos.flowgrpo.FlowGRPO`'s noisy steps), so this file is
+the recipe alone: the same noisy steps, step math and loss as ``flowgrpo``, with the published
 settings as its preset. ``--algo flowgrpo`` with the same settings runs the same thing.
 """
 

@@ -14,7 +14,7 @@ normalised to sum 1, and its optional ``kl_coeff`` term is ``0.5 mean((logp - lo
 is never made: see :meth:`MixGRPO.window_start`.
 
 This file is the example of what an algorithm is in digen: its parameters
-(``algo.params.*``), its checks, its presets, and its :class:`~digen.algos.base.StepPlan`;
+(``algo.params.*``), its checks, its presets, and its :class:`~digen.algos.base.NoisySteps`;
 the step math (``sde``) and the GRPO parts come from the shared base.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from digen.algos.base import Algorithm, Param, StepPlan
+from digen.algos.base import Algorithm, NoisySteps, Param
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
@@ -81,11 +81,11 @@ class MixGRPO(Algorithm):
             return moves % (last // stride + 1) * stride
         return min(moves * stride, last)
 
-    def plan(self, cfg: DigenConfig, step: int) -> StepPlan:
+    def noisy_steps(self, cfg: DigenConfig, step: int) -> NoisySteps:
         start = self.window_start(cfg, step)
         end = min(start + cfg.rollout.sde_window_size, cfg.rollout.num_inference_steps - 2)
         window = tuple(range(start, end))
-        return StepPlan(window, window)
+        return NoisySteps(window, window)
 
     def check(self, cfg: DigenConfig) -> str | None:
         r = cfg.rollout

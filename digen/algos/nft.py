@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from digen.algos.base import Algorithm, ChunkLoss, Param, StepPlan, TrainChunk
+from digen.algos.base import Algorithm, ChunkLoss, NoisySteps, Param, TrainChunk
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -83,7 +83,7 @@ class NFT(Algorithm):
         "DiffusionNFT (Zheng et al. 2025): forward-process fine-tuning on positive and "
         "negative samples, ODE sampling, no likelihoods"
     )
-    sde_types = ("sde",)  # never used: the plan has no stochastic step
+    sde_types = ("sde",)  # never used: it draws no noisy step
     stochastic_sampling = False
     kl_type = "exact"
     trains_on = "final"
@@ -110,8 +110,8 @@ class NFT(Algorithm):
         ),
     }
 
-    def plan(self, cfg: DigenConfig, step: int) -> StepPlan:
-        return StepPlan((), ())  # deterministic sampling; nothing kept but the clean latent
+    def noisy_steps(self, cfg: DigenConfig, step: int) -> NoisySteps:
+        return NoisySteps((), ())  # deterministic sampling; nothing kept but the clean latent
 
     def train_steps(self, cfg: DigenConfig, step: int) -> tuple[int, ...]:
         return tuple(range(cfg.rollout.num_inference_steps))  # the sampler's own timesteps

@@ -44,7 +44,7 @@ def _gather_sigma(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sigma_i`` and ``sigma_{i+1}`` shaped ``[B, 1, ...]`` to broadcast against ``like``.
 
-    Step indices are host data (an int, or a CPU tensor: the plan's), checked here on the
+    Step indices are host data (an int, or a CPU tensor: the noisy steps'), checked here on the
     host; only the gathered sigmas go to ``like``'s device."""
     b = like.shape[0]
     idx = torch.as_tensor(step_index, dtype=torch.long, device=sigmas.device)

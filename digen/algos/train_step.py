@@ -2,7 +2,6 @@
 
 Each function asks the run's algorithm (:mod:`digen.registry.algos`):
 
-- :func:`step_plan`: which denoising steps of train step ``s`` draw noise and may train;
 - :func:`score_groups`: rewards of whole groups -> advantages and which samples are trained
   (all of them, or DanceGRPO's best-of-N);
 - :func:`terms_per_sample` / :func:`step_terms`: how many (sample, timestep) loss terms a step
@@ -18,7 +17,6 @@ from collections.abc import Sequence
 
 import torch
 
-from digen.algos.base import StepPlan
 from digen.config import AlgoConfig, DigenConfig
 from digen.registry.algos import get_algorithm
 
@@ -26,7 +24,6 @@ __all__ = [
     "dropped_groups",
     "mini_batches",
     "score_groups",
-    "step_plan",
     "step_terms",
     "terms_per_sample",
 ]
@@ -70,11 +67,6 @@ def score_groups(
 def dropped_groups(rewards: torch.Tensor) -> torch.Tensor:
     """``[G]`` bool: the groups of ``rewards [G, n]`` holding a non-finite reward."""
     return ~torch.isfinite(rewards).all(dim=1)
-
-
-def step_plan(cfg: DigenConfig, step: int) -> StepPlan:
-    """The :class:`StepPlan` of train step ``step`` (shared by every sample of the step)."""
-    return get_algorithm(cfg.algo.name).plan(cfg, step)
 
 
 def terms_per_sample(cfg: DigenConfig, step: int) -> int:

@@ -119,7 +119,7 @@ def _velocity(x: torch.Tensor, s: float) -> torch.Tensor:
 
 def test_dancegrpo_decodes_the_last_clean_prediction_and_trains_steps_before_it() -> None:
     cfg = load_config(algo="dancegrpo", overrides=["rollout.num_inference_steps=5"])
-    plan = get_algorithm("dancegrpo").plan(cfg, 0)
+    plan = get_algorithm("dancegrpo").noisy_steps(cfg, 0)
     assert plan.stochastic == plan.trainable == (0, 1, 2, 3)  # steps 0 .. N-2
     eta = cfg.rollout.noise_level
     spec = SamplerSpec(
@@ -148,10 +148,23 @@ def test_dancegrpo_decodes_the_last_clean_prediction_and_trains_steps_before_it(
 def test_flowgrpo_plans_every_step_noisy_and_all_but_the_last_trained() -> None:
     flow = get_algorithm("flowgrpo")
     cfg = load_config(overrides=["rollout.num_inference_steps=6"])
-    assert flow.plan(cfg, 0).stochastic == (0, 1, 2, 3, 4, 5)  # its last step's noise is decoded
-    assert flow.plan(cfg, 0).trainable == (0, 1, 2, 3, 4)
+    assert flow.noisy_steps(cfg, 0).stochastic == (
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+    )  # its last step's noise is decoded
+    assert flow.noisy_steps(cfg, 0).trainable == (0, 1, 2, 3, 4)
     cps = load_config(overrides=["rollout.num_inference_steps=6", "rollout.sde_type=cps"])
-    assert flow.plan(cps, 0).stochastic == (0, 1, 2, 3, 4)  # cps has no noise at the last step
+    assert flow.noisy_steps(cps, 0).stochastic == (
+        0,
+        1,
+        2,
+        3,
+        4,
+    )  # cps has no noise at the last step
     window = load_config(
         overrides=[
             "rollout.num_inference_steps=6",
@@ -159,7 +172,7 @@ def test_flowgrpo_plans_every_step_noisy_and_all_but_the_last_trained() -> None:
             "rollout.sde_window_range=[0,3]",
         ]
     )
-    plans = {flow.plan(window, s).stochastic for s in range(40)}
+    plans = {flow.noisy_steps(window, s).stochastic for s in range(40)}
     assert plans <= {(0, 1), (1, 2)} and len(plans) == 2  # drawn per step, inside the range
 
 
@@ -182,7 +195,7 @@ def test_mixgrpo_window_follows_its_schedule(step: int, roll_back: bool, window)
         algo="mixgrpo", overrides=[*over, "model.path=/real", "rollout.num_inference_steps=25"]
     )
     assert (cfg.rollout.sde_window_size, cfg.algo.params["shift_every"]) == (4, 25)
-    plan = get_algorithm("mixgrpo").plan(cfg, step)
+    plan = get_algorithm("mixgrpo").noisy_steps(cfg, step)
     assert plan.stochastic == plan.trainable == window
 
 
@@ -190,7 +203,7 @@ def test_mixgrpo_steps_are_flowgrpo_sde_inside_the_window_and_euler_outside() ->
     cfg = load_config(
         algo="mixgrpo", overrides=["rollout.num_inference_steps=5", "algo.params.shift_every=1"]
     )
-    plan = get_algorithm("mixgrpo").plan(cfg, 1)
+    plan = get_algorithm("mixgrpo").noisy_steps(cfg, 1)
     assert plan.stochastic == (1, 2)
     a = cfg.rollout.noise_level
     spec = SamplerSpec(
@@ -227,14 +240,14 @@ def test_every_registered_algorithm_has_every_part() -> None:
     for name in ALGO_NAMES:
         algo = get_algorithm(name)
         assert isinstance(algo, Algorithm) and algo.name == name and algo.title and algo.sde_types
-        for method in ("plan", "preset"):  # what the base cannot supply
+        for method in ("noisy_steps", "preset"):  # what the base cannot supply
             assert getattr(type(algo), method) is not getattr(Algorithm, method), (name, method)
         for backbone in BACKBONES.values():
             for real in (False, True):
                 sections = algo.preset(backbone, real)
                 assert set(sections) <= {"rollout", "algo", "train", "data", "model", "eval"}
         cfg = load_config(algo=name)
-        plan = algo.plan(cfg, 0)
+        plan = algo.noisy_steps(cfg, 0)
         assert set(plan.trainable) <= set(plan.stochastic)
         assert algo.train_steps(cfg, 0)  # something trains
         if algo.trains_on == "transitions":  # the trained transitions are sampled and kept
@@ -268,8 +281,8 @@ def test_flowgrpo_fast_is_the_published_fast_recipe_on_flowgrpos_window() -> Non
     )
     starts = set()
     for step in range(40):
-        plan = fast.plan(cfg, step)
-        assert plan == get_algorithm("flowgrpo").plan(same, step)
+        plan = fast.noisy_steps(cfg, step)
+        assert plan == get_algorithm("flowgrpo").noisy_steps(same, step)
         assert len(plan.trainable) == 3 and plan.trainable == plan.stochastic
         assert plan.trainable[0] >= 0 and plan.trainable[-1] < 5
         starts.add(plan.trainable[0])

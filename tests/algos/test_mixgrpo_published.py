@@ -49,7 +49,7 @@ def test_mixgrpo_windows_are_the_official_ones_until_its_empty_window(stride, ro
     cfg = load_config(algo="mixgrpo", overrides=over)
     algo = get_algorithm("mixgrpo")
     official = _official_starts(n, group, iters, stride, roll_back, 200)
-    ours = [algo.plan(cfg, s).trainable for s in range(200)]
+    ours = [algo.noisy_steps(cfg, s).trainable for s in range(200)]
     empty = [i for i, w in enumerate(official) if not w]
     first = empty[0] if empty else len(official)
     assert ours[:first] == official[:first]  # the same windows up to the official empty one
@@ -200,7 +200,7 @@ def test_flash_samples_as_its_published_post_strategy(step) -> None:
     cfg.algo.params["shift_every"] = 20  # the published Flash recipe's
     policy = Policy(cfg, trainable=False)
     spec = policy.sampler_spec(step)
-    window = get_algorithm("mixgrpo-flash").plan(cfg, step).trainable
+    window = get_algorithm("mixgrpo-flash").noisy_steps(cfg, step).trainable
     assert spec.window == window and window[0] == step // 20
     g = torch.Generator().manual_seed(step)
     z = torch.randn(2, 3, generator=g)

@@ -163,16 +163,16 @@ class Policy:
     # --- sampling -----------------------------------------------------------------------
 
     def sampler_spec(self, step: int) -> SamplerSpec:
-        """How train step ``step`` samples: the algorithm's plan, its step kind and log-prob."""
+        """How train step ``step`` samples: the algorithm's noisy steps, its step kind and log-prob."""
         r = self.cfg.rollout
-        plan = self.algorithm.plan(self.cfg, step)
+        steps = self.algorithm.noisy_steps(self.cfg, step)
         return SamplerSpec(
-            sigmas=self._post_sigmas(plan.stochastic),
-            window=plan.trainable,
+            sigmas=self._post_sigmas(steps.stochastic),
+            window=steps.trainable,
             sde_type=r.sde_type,
             noise_level=r.noise_level,
             guidance_scale=r.guidance_scale,
-            stochastic=plan.stochastic,
+            stochastic=steps.stochastic,
             log_prob=self.algorithm.log_prob_form(r.sde_type, self.cfg),
             algorithm=self.algorithm.name,
             keep_means=self.cfg.algo.ratio_norm,
@@ -181,7 +181,7 @@ class Policy:
         )
 
     def _post_sigmas(self, noisy: tuple[int, ...]) -> torch.Tensor:
-        """The sigmas a plan samples on: the schedule, with the steps after its last noisy
+        """The sigmas noisy steps sample on: the schedule, with the steps after its last noisy
         one redrawn as fewer steps where ``rollout.post_compress`` < 1 (MixGRPO-Flash).
 
         With ``L`` the last noisy step, ``int((N - L) * post_compress) - 1`` steps (at least
