@@ -18,10 +18,10 @@ import tempfile
 from pathlib import Path
 
 from digen.config import load_config, schedule_plan
+from digen.planning.layouts import Candidate
 from digen.presets import preset
 from digen.run.auto import apply_layout, choose_layout, probe_config
 from digen.run.bench import COLOCATED, Rung, measure_run
-from digen.sched.planner import Candidate
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ Prints a JSON report; with ``--out DIR`` also writes ``DIR/report.json`` and
    degree, on :class:`digen.runtime.worker.policy.Policy` directly after a warm-up (with each
    point's peak and activation memory on a GPU), and writes them as a profile: the costs at
    one operating point in the format of a run's ``profile.json``, plus every measured point
-   under ``curves``; :func:`digen.sched.simulate_cli.load_costs` is checked to read it back;
+   under ``curves``; :func:`digen.planning.simulate.load_costs` is checked to read it back;
 5. runs every collective path once on the device (``collectives``): a default process group
    carrying CPU and device tensors (NCCL with gloo beside it on a GPU), a full fine-tune
    policy loaded through a one-member FSDP mesh (its peak memory against the transformer's
@@ -87,11 +87,11 @@ import torch
 
 from digen import DigenRunner, load_config
 from digen.config import DigenConfig
+from digen.planning.simulate import load_costs
 from digen.presets import preset
 from digen.registry.models import MODEL_NAMES
 from digen.runtime.transport.forkserver import start_fork_server
 from digen.sched.costs import Costs, OnlineProfiler
-from digen.sched.simulate_cli import load_costs
 
 REWARD = "jpeg_compressibility"
 """The shipped reward the learning check trains on (smoother images score higher)."""

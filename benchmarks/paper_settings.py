@@ -47,10 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from digen.planning.hardware import TRAINED_BYTES, Device, Hardware, ModelSize, weakest
+from digen.planning.layouts import Workload, best_colocated, plan, split_costs
 from digen.registry.models import get_backbone
 from digen.sched import BTS, Costs, NoTAG, simulate
-from digen.sched.hardware import TRAINED_BYTES, Device, Hardware, ModelSize, weakest
-from digen.sched.planner import Workload, best_colocated, plan, split_costs
 
 MFU = 0.4
 """Share of a device's dense bf16 throughput a denoiser pass reaches (an assumption)."""

@@ -220,7 +220,7 @@ def simulate(
 
     Costs come from the flags (seconds per micro-batch) or from a run's profile.json.
     """
-    from digen.sched import simulate_cli as sc
+    from digen.planning import simulate as sc
 
     try:
         if profile_path is not None:
@@ -348,8 +348,8 @@ def _recommend(
     kw: dict[str, Any],
 ) -> None:
     """``simulate --recommend``: every layout ranked, with its GPU terms when hardware is given."""
-    from digen.sched import planner
-    from digen.sched.hardware import ModelSize, describe, load_hardware
+    from digen.planning import layouts as planner
+    from digen.planning.hardware import ModelSize, describe, load_hardware
 
     hw = None
     if hardware is not None:

@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("sched", ("digen.sched",)),  # the schedule's core: torch-free, knows no config
+    ("planning", ("digen.planning",)),  # layouts ranked on the core's simulator, torch-free
     ("config", ("digen.presets", "digen.config")),
     ("models", ("digen.models",)),  # one backbone a file, single-device code
     ("algos", ("digen.algos",)),  # the RL math

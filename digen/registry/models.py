@@ -46,7 +46,7 @@ class Backbone:
     taken with ``--flavour shapes``)."""
     params: float = 0.0
     """Parameters of the published transformer (the denoiser only), from its model card: what
-    the planner (:mod:`digen.sched.hardware`) moves and stores on a GPU."""
+    the planner (:mod:`digen.planning.hardware`) moves and stores on a GPU."""
     blocks: int = 0
     """Transformer blocks of the published model (a sharded model gathers one at a time)."""
     hidden: int = 0

@@ -10,7 +10,7 @@
    disaggregated tasks as ``digen bench`` adds it to its predictions. A sharded probe's
    update and trainer-generation times are scaled to one device's (the planner deals them
    over the trainers itself).
-2. **Plan.** :func:`digen.sched.planner.plan` ranks colocated over the devices and every
+2. **Plan.** :func:`digen.planning.layouts.plan` ranks colocated over the devices and every
    generator / trainer split with every TAG policy; with a memory model of the devices
    (:class:`RunMemory`: on GPUs, the GPU's memory and the backbone's published sizes) only
    layouts whose state fits are ranked, replicated or sharded as the planner found they fit. Only layouts that train the same thing
@@ -39,8 +39,7 @@ from typing import Any
 
 from digen.config import DigenConfig, config_to_dict, load_config, schedule_plan
 from digen.errors import ConfigError, DigenError
-from digen.sched.costs import Costs, OnlineProfiler
-from digen.sched.hardware import (
+from digen.planning.hardware import (
     DEVICE_DEFAULTS,
     Hardware,
     ModelSize,
@@ -48,8 +47,9 @@ from digen.sched.hardware import (
     sampling_copy_bytes,
     train_state_bytes,
 )
+from digen.planning.layouts import COLOCATED, Candidate, Workload, explain, plan
+from digen.sched.costs import Costs, OnlineProfiler
 from digen.sched.names import TaskKind
-from digen.sched.planner import COLOCATED, Candidate, Workload, explain, plan
 from digen.sched.trace import Trace, TraceEvent
 
 __all__ = [

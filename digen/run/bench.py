@@ -375,14 +375,14 @@ def _bound_and_prediction(
     schedule plan, each task with the overhead the run measured for its kind
     (``overhead_ms/<kind>`` in ``rows``: RPC, pickling, the driver's loop), which a worker
     pays between tasks and the bound leaves out. Colocated:
-    :func:`~digen.sched.planner.simulate_colocated`, every worker generating and scoring its
+    :func:`~digen.planning.layouts.simulate_colocated`, every worker generating and scoring its
     share of the step, then updating it, then the optimizer step, each phase as long as its
     slowest worker (the rewards' gather and the gradients' all-reduce are barriers).
     """
     from digen.config import schedule_plan
+    from digen.planning.layouts import simulate_colocated
     from digen.run.auto import call_overhead
     from digen.sched.costs import OnlineProfiler
-    from digen.sched.planner import simulate_colocated
     from digen.sched.simulator import ideal_bound, simulate_plan
 
     counted = [e for e in events if e.step >= first]

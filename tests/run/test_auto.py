@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from helpers import tiny_config
 
 from cli.main import main
+from digen.planning.layouts import Candidate
 from digen.run.auto import PROBE_STEPS, apply_layout, measured_costs, probe_config
-from digen.sched.planner import Candidate
 from digen.sched.trace import TraceEvent
 
 SMALL = ["rollout.n=4", "train.micro_batch_size=4", "rollout.num_inference_steps=4"]
@@ -139,8 +139,8 @@ def test_mode_auto_does_not_resume(tmp_path: Path) -> None:
 
 
 def _memory(model: str, lora_rank: int):
+    from digen.planning.hardware import ModelSize, load_hardware
     from digen.run.auto import RunMemory
-    from digen.sched.hardware import ModelSize, load_hardware
 
     hardware = load_hardware({"device": {"kind": "h100", "memory_gb": 80}})
     return RunMemory(hardware, ModelSize.of(model, lora_rank=lora_rank))
@@ -153,9 +153,9 @@ def test_auto_probes_and_plans_only_layouts_that_fit_the_devices_memory(lora_ran
     shards fit and the plan ranks no replicated trainer; a LoRA's (27 GB) fits one device,
     so the probe is one replicated trainer and replicated layouts are ranked."""
     from digen.errors import ConfigError
+    from digen.planning.hardware import train_state_bytes
     from digen.run.auto import probe_trainers, rank_layouts
     from digen.sched.costs import Costs
-    from digen.sched.hardware import train_state_bytes
 
     memory = _memory("flux", lora_rank)
     fits = memory.hardware.trainer.fits

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from digen.sched.simulate_cli import load_costs
+from digen.planning.simulate import load_costs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"

@@ -10,7 +10,8 @@ CODE = """
 import sys
 sys.modules["torch"] = None  # any 'import torch' now fails loudly
 import digen.sched
-from digen.sched import costs, simulator, simulate_cli, state, tag, _engine  # noqa: F401
+from digen.sched import costs, simulator, state, tag, _engine  # noqa: F401
+from digen.planning import hardware, layouts, simulate as simulate_report  # noqa: F401
 from digen.sched import BTS, Costs, simulate
 r = simulate(Costs(gen=1, score=0.1, update=0.3), 6, 2, 2, BTS(), steps=2,
              max_staleness=1, staleness_ratio=0.5)

@@ -7,8 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from digen.sched import BTS, Costs, NoTAG, OnlineProfiler, StaticTAG, simulate
-from digen.sched.simulate_cli import (
+from digen.planning.simulate import (
     compare_policies,
     format_table,
     held_work_s,
@@ -16,6 +15,7 @@ from digen.sched.simulate_cli import (
     plot_simulation,
     with_losses,
 )
+from digen.sched import BTS, Costs, NoTAG, OnlineProfiler, StaticTAG, simulate
 from digen.sched.trace import TraceEvent
 
 C = Costs(gen=1, score=0.1, update=0.4, step=0.2, sync=0.1)

@@ -4,7 +4,7 @@ A profile times each task on one device (:class:`~digen.sched.costs.Costs`). On 
 layout also pays for moving weights, and which layouts are possible at all depends on what
 fits in a device's memory. This module states those costs as explicit terms, each a small
 formula over a :class:`Device` description and a :class:`ModelSize`, so the planner
-(:mod:`digen.sched.planner`) can add them to the measured task costs and anyone can check
+(:mod:`digen.planning.layouts`) can add them to the measured task costs and anyone can check
 them by hand:
 
 - :func:`allgather_s`: a ring all-gather of ``n`` bytes over ``D`` devices moves
@@ -354,7 +354,7 @@ def _device(spec: Any, where: str) -> tuple[Device, int | None]:
         raise ValueError(f"{where} needs a kind (e.g. h100)")
     given = {k: v for k, v in spec.items() if k not in ("kind", "count", "profile")}
     if spec.get("profile") is not None:
-        from digen.sched.simulate_cli import load_costs
+        from digen.planning.simulate import load_costs
 
         given["gen_s"] = load_costs(spec["profile"]).gen
     base = DEVICE_DEFAULTS.get(kind.lower())

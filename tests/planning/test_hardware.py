@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from digen.sched.hardware import (
+from digen.planning.hardware import (
     DEVICE_DEFAULTS,
     GB,
     Device,

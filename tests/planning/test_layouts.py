@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from digen.sched.costs import Costs
-from digen.sched.hardware import (
+from digen.planning.hardware import (
     GB,
     ModelSize,
     allgather_s,
@@ -16,7 +15,7 @@ from digen.sched.hardware import (
     sharded_sampling_s,
     weight_sync_s,
 )
-from digen.sched.planner import (
+from digen.planning.layouts import (
     COLOCATED,
     SPLIT,
     Workload,
@@ -28,6 +27,7 @@ from digen.sched.planner import (
     simulate_colocated,
     split_costs,
 )
+from digen.sched.costs import Costs
 from digen.sched.simulator import simulate
 from digen.sched.tag import BTS, NoTAG, StaticTAG
 

@@ -11,9 +11,9 @@ Every candidate layout of a set of devices is simulated with the same task costs
   with TCSS, simulated by the runtime's own scheduler model
   (:func:`~digen.sched.simulator.simulate`).
 
-On GPUs (a :class:`~digen.sched.hardware.Hardware` description and the model's
-:class:`~digen.sched.hardware.ModelSize`), each candidate also pays the terms of
-:mod:`digen.sched.hardware` its layout incurs, and only layouts that fit in memory are
+On GPUs (a :class:`~digen.planning.hardware.Hardware` description and the model's
+:class:`~digen.planning.hardware.ModelSize`), each candidate also pays the terms of
+:mod:`digen.planning.hardware` its layout incurs, and only layouts that fit in memory are
 ranked:
 
 - colocated: replicated training state when it fits beside everything else (then the
@@ -24,7 +24,7 @@ ranked:
 - split: generators hold a full bf16 copy and the reward model; trainers replicate or shard
   (FSDP, one lockstep slot that splits each micro-batch over its devices); TAG on sharded
   trainers samples with sharded weights; new weights reach the generators each step
-  (:func:`~digen.sched.hardware.weight_sync_s` over the link between the pools).
+  (:func:`~digen.planning.hardware.weight_sync_s` over the link between the pools).
 
 Costs are per micro-batch, measured on one device (a run's ``profile.json``); another kind
 of device runs them ``speed`` times faster (:meth:`Hardware.speed`). The price of a
@@ -40,8 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from digen.sched.costs import Costs
-from digen.sched.hardware import (
+from digen.planning.hardware import (
     FROZEN_BYTES,
     GRAD_BYTES,
     Device,
@@ -59,6 +58,7 @@ from digen.sched.hardware import (
     weakest,
     weight_sync_s,
 )
+from digen.sched.costs import Costs
 from digen.sched.names import TaskKind, worker_names
 from digen.sched.simulator import SimResult, simulate
 from digen.sched.tag import BTS, NoTAG, StaticTAG, TagPolicy

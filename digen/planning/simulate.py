@@ -5,7 +5,7 @@ here is unit-tested without a process:
 
 - :func:`load_costs` reads costs given as numbers or from a run's ``profile.json``;
 - :func:`compare_policies` simulates NoTAG, StaticTAG(k) and BTS, each with and without TCSS;
-- ranking layouts (colocated and every split) is :mod:`digen.sched.planner`'s;
+- ranking layouts (colocated and every split) is :mod:`digen.planning.layouts`'s;
 - :func:`with_losses` prices generators that come and go (preemptible, spot) against
   generators that stay;
 - :func:`format_table` and :func:`plot_simulation` present the results.
