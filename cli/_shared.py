@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,18 +23,16 @@ def refuse(text: str) -> NoReturn:
 def quiet_imports() -> None:
     """Keep optional-dependency notices of third-party libraries off the user's terminal
     (read when they are imported, which is only once the config is known to be good)."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from digen.quiet import quiet_env
+
+    quiet_env()
 
 
 def quiet_progress_bars() -> None:
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
+    """No loading bars in this process (the run's own progress bar is the one shown)."""
+    from digen.quiet import no_progress_bars
 
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
+    no_progress_bars()
 
 
 def one_of(names: tuple[str, ...]) -> str:

@@ -55,6 +55,7 @@ __all__ = [
     "JOIN_SECRET_FILE",
     "PROFILER",
     "RUN_OUTPUTS",
+    "SAFETENSORS_DTYPES",
     "SavedWeights",
     "check_out_dir",
     "new_run_dir",
@@ -123,7 +124,7 @@ def checkpoint_identity(cfg: Any) -> dict[str, Any]:
     }
 
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "float64": "F64",
     "float32": "F32",
     "float16": "F16",
@@ -134,7 +135,10 @@ _SAFETENSORS_DTYPES = {
     "int8": "I8",
     "uint8": "U8",
     "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
+"""A torch dtype's name -> its code in a safetensors header."""
 
 
 def write_safetensors(
@@ -154,7 +158,7 @@ def write_safetensors(
     header: dict[str, Any] = {}
     offset = 0
     for name, t in tensors.items():
-        kind = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        kind = SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
         if kind is None:
             raise ValueError(f"{name}: safetensors has no dtype {t.dtype}")
         size = t.numel() * t.element_size()

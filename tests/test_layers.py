@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "digen.data",
             "digen.shapes",  # the shapes world: numpy only
             "digen.registry",  # what digen ships, by name
+            "digen.quiet",  # what the libraries may print, kept quiet
         ),
     ),
     ("sched", ("digen.sched",)),  # the schedule's core: torch-free, knows no config

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LossStats", "clipped_policy_loss", "guard_log_ratio", "kl_to_reference"]
+__all__ = ["ClipStats", "clipped_policy_loss", "guard_log_ratio", "kl_to_reference"]
 
 
 @dataclass(frozen=True, slots=True)
-class LossStats:
+class ClipStats:
     """Diagnostics of one loss evaluation: detached 0-dim tensors where the loss is, read
     by the caller when it reads (reading each here would wait on the device for each)."""
 
@@ -31,7 +31,7 @@ def clipped_policy_loss(
     *,
     log_ratio: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, LossStats]:
+) -> tuple[torch.Tensor, ClipStats]:
     """PPO-clip loss averaged over every (sample, trained timestep) term.
 
     log_prob, old_log_prob: ``[B, K]`` (or ``[B]``); advantages: ``[B]`` or the same shape as
@@ -51,7 +51,7 @@ def clipped_policy_loss(
     terms = torch.maximum(unclipped, clipped)
     loss = (terms if weight is None else terms * weight).mean()
     with torch.no_grad():
-        stats = LossStats(
+        stats = ClipStats(
             policy_loss=loss.detach(),
             clip_fraction=((ratio - 1.0).abs() > clip_ratio).float().mean(),
             approx_kl=0.5 * (diff**2).mean(),

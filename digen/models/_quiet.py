@@ -3,7 +3,8 @@
 The libraries report on stderr, call after call, things a training run does on purpose or
 cannot act on: loading bars, optional dependencies they miss at import, and every prompt a
 text encoder truncates. The CLI lowers their verbosity before importing them; these scoped
-guards make the Python API as quiet without changing the user's own settings for good.
+guards (:func:`digen.quiet.hf_quiet`) make the Python API as quiet without changing the
+user's own settings for good.
 Warnings about the weights themselves (missing or unexpected keys) still show.
 
 A prompt cut by a tokenizer is noted once per adapter on the ``digen.models`` logger (a run
@@ -16,6 +17,8 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+from digen.quiet import hf_quiet
+
 NOTES = logging.getLogger("digen.models")
 """Where adapters note what a user may want to know once (a run logs it to trainer.log)."""
 
@@ -26,37 +29,15 @@ _CUT_MARKS = (
 _TOKENIZER_LOGGER = "transformers.tokenization_utils_base"
 
 
-@contextlib.contextmanager
-def quiet_import() -> Iterator[None]:
+def quiet_import() -> contextlib.AbstractContextManager[None]:
     """No notices about optional dependencies while an adapter's pipeline is imported
     (transformers names every image processor that misses torchvision)."""
-    from transformers.utils import logging as transformers_logging
-
-    before = transformers_logging.get_verbosity()
-    if before < logging.ERROR:
-        transformers_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers_logging.set_verbosity(before)
+    return hf_quiet(bars=False)
 
 
-@contextlib.contextmanager
-def no_loading_bars() -> Iterator[None]:
+def no_loading_bars() -> contextlib.AbstractContextManager[None]:
     """No loading or saving progress bars while a model is built, saved or loaded."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    libs = [
-        lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()
-    ]
-    for lib in libs:
-        lib.disable_progress_bar()
-    try:
-        yield
-    finally:
-        for lib in libs:
-            lib.enable_progress_bar()
+    return hf_quiet(notices=False)
 
 
 class _Cuts(logging.Filter):

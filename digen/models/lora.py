@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from digen.models.weights import meta_stand_ins
+from digen.models.weights import meta_stand_ins, torch_dtype
 
 __all__ = ["adapters_disabled", "apply_lora", "enable_full_finetune", "trainable_parameters"]
 
@@ -21,7 +21,6 @@ _LORA_LAYERS = (
     torch.nn.Conv3d,
     torch.nn.Embedding,
 )
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def apply_lora(
@@ -59,7 +58,7 @@ def apply_lora(
     for p in params:
         p.requires_grad_(True)
         if dtype is not None:
-            p.data = p.data.to(_DTYPES[dtype])
+            p.data = p.data.to(torch_dtype(dtype))
     return params
 
 

@@ -19,9 +19,19 @@ from pathlib import Path
 
 import torch
 
+from digen.checkpoint import SAFETENSORS_DTYPES
+from digen.config import DTYPES
 from digen.errors import DigenError
 
-__all__ = ["WeightFiles", "empty_transformer", "file_key", "meta_stand_ins"]
+__all__ = ["WeightFiles", "empty_transformer", "file_key", "meta_stand_ins", "torch_dtype"]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a config names (``model.dtype``, ``train.lora_dtype``, a pool's dtype:
+    one of :data:`digen.config.DTYPES`)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
 
 
 def empty_transformer(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -112,21 +122,8 @@ def file_key(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-"""safetensors' dtype names."""
+_FILE_DTYPES = {code: getattr(torch, name) for name, code in SAFETENSORS_DTYPES.items()}
+"""A safetensors header's dtype code -> the torch dtype."""
 
 
 class WeightFiles:
@@ -173,7 +170,7 @@ class WeightFiles:
         """Rows ``rows`` (a step-1 slice along the first dim) of the saved tensor ``key``, on
         the CPU in its saved dtype; the whole tensor for one without dims."""
         fd, entry, base = self._where[key]
-        dtype, shape = _DTYPES[entry["dtype"]], list(entry["shape"])
+        dtype, shape = _FILE_DTYPES[entry["dtype"]], list(entry["shape"])
         begin, end = entry["data_offsets"]
         if shape:
             lo, hi, _ = rows.indices(shape[0])

@@ -74,20 +74,14 @@ class ClipScore:
                 self.device = worker_device()
             if self._parts is None:
                 from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
-                from transformers.utils import logging as hf_logging
+
+                from digen.quiet import hf_quiet
 
                 # loading bars and optional-dependency notices would reach the terminal
-                verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-                hf_logging.set_verbosity_error()
-                hf_logging.disable_progress_bar()
-                try:
+                with hf_quiet():
                     model = CLIPModel.from_pretrained(self.model_dir).to(self.device).eval()
                     tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
                     images = AutoImageProcessor.from_pretrained(self.model_dir)
-                finally:
-                    hf_logging.set_verbosity(verbosity)
-                    if bars:
-                        hf_logging.enable_progress_bar()
                 self._parts = (model, tokenizer, images)
             return self._parts
 

@@ -7,7 +7,8 @@
   takes ``cuda:LOCAL_RANK``: one GPU per rank on its node.
 - Between two CUDA workers tensors travel GPU to GPU: every pair gets a TensorPipe device
   map (:func:`device_maps`). Anything else is staged through the CPU: the sender moves
-  tensors to the CPU before they leave (:func:`wire_device`), and every actor method moves
+  tensors to the CPU before they leave (:func:`wire_device`: the receiver says where, the
+  sender puts them there), and every actor method moves
   what it receives onto its own device before using it. The driver holds no device: what
   reaches it is always on the CPU.
 - A process group is NCCL when each of its members is on a GPU of its own, gloo otherwise
@@ -169,12 +170,11 @@ def device_maps(devices: Mapping[str, str]) -> dict[str, dict[str, dict[str, str
     return {w: {p: {d: pd} for p, pd in cuda.items() if p != w} for w, d in cuda.items()}
 
 
-def wire_device(own: str, peer: str) -> str | None:
-    """Where tensors sent from a worker on ``own`` to one on ``peer`` must be: None (as they
-    are: GPU to GPU over a device map, or CPU to CPU) or ``"cpu"`` (staged)."""
-    if is_cuda(own) and is_cuda(peer):
-        return None
-    return None if not is_cuda(own) else "cpu"
+def wire_device(own: str, peer: str, direct: bool = True) -> str | None:
+    """Where a worker on ``peer`` must put the tensors it sends to a worker on ``own``: None
+    (as they are: GPU to GPU over a device map) or ``"cpu"`` (staged: either end on the CPU,
+    or ``direct`` False, a world without device maps)."""
+    return None if direct and is_cuda(own) and is_cuda(peer) else "cpu"
 
 
 def group_backend(devices: Iterable[str], hosts: Iterable[str] | None = None) -> str:

@@ -79,8 +79,9 @@ def test_device_maps_join_gpu_workers_only_and_staging_elsewhere() -> None:
         "trainer-0": {"generator-0": {"cuda:0": "cuda:0"}},
     }
     assert wire_device("cuda:0", "cuda:1") is None  # GPU to GPU, as they are
-    assert wire_device("cuda:0", "cpu") == "cpu"  # staged
-    assert wire_device("cpu", "cuda:0") is None  # already on the CPU
+    assert wire_device("cuda:0", "cpu") == "cpu"  # to a GPU from the CPU: staged
+    assert wire_device("cpu", "cuda:0") == "cpu"  # to the CPU: there before it leaves
+    assert wire_device("cuda:0", "cuda:1", direct=False) == "cpu"  # no device maps
     assert group_backend(["cuda:0", "cuda:1"]) == "nccl"
     assert group_backend(["cuda:0", "cpu"]) == "gloo"  # a mixed group stages through the CPU
     assert group_backend(["cpu"]) == "gloo"

@@ -24,6 +24,8 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from digen.quiet import QUIET_ENV
+
 __all__ = [
     "PRELOAD",
     "WORKER_ENV",
@@ -38,12 +40,7 @@ __all__ = [
 PRELOAD = ("digen.runtime.worker.generator", "digen.runtime.worker.trainer")
 """What the fork server imports before it forks the first worker."""
 
-WORKER_ENV = {
-    "TOKENIZERS_PARALLELISM": "false",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "DIFFUSERS_VERBOSITY": "error",
-    "TORCH_CPP_LOG_LEVEL": "ERROR",  # TensorPipe logs every closed pipe at shutdown
-}
+WORKER_ENV = dict(QUIET_ENV)
 """Environment of every worker; read by those libraries as they import, so the fork server
 must start with it too."""
 

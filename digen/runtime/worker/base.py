@@ -17,9 +17,16 @@ import torch
 import torch.distributed as dist
 
 from digen.config import DigenConfig, load_config, schedule_plan
+from digen.quiet import no_progress_bars, quiet_env
 from digen.runtime.messages import GenerateRequest, SampleKey, TimedResult
 from digen.runtime.notes import notes_to_run_log
-from digen.runtime.placement import DEVICE_ENV, is_cuda, peak_memory_gb, worker_device
+from digen.runtime.placement import (
+    DEVICE_ENV,
+    is_cuda,
+    peak_memory_gb,
+    wire_device,
+    worker_device,
+)
 from digen.runtime.transport.actors import run_sync
 from digen.runtime.transport.groups import make_group, pinned_to_loopback, tcp_store
 from digen.runtime.worker.policy import Generated, Policy
@@ -70,13 +77,8 @@ def pool_config(cfg: DigenConfig | dict[str, Any], pool: str, index: int = 0) ->
 def set_threads(n: int) -> None:
     """A worker's torch threads, and no loading bars (they would interleave with the driver's)."""
     torch.set_num_threads(n)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    # a worker's loading bars would interleave with the driver's progress bar
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
+    quiet_env()
+    no_progress_bars()  # a worker's would interleave with the driver's progress bar
 
 
 class Jitter:
@@ -133,8 +135,7 @@ class WorkerActor:
 
     def wire_from(self, peer: str) -> str | None:
         """How ``peer`` must send tensors to this worker: as they are, or staged on the CPU."""
-        direct = self.direct and is_cuda(self.device) and is_cuda(self.devices.get(peer, "cpu"))
-        return None if direct else "cpu"
+        return wire_device(self.device, self.devices.get(peer, "cpu"), self.direct)
 
 
 class PolicyActor(WorkerActor):

@@ -29,6 +29,7 @@ from digen.config import DigenConfig
 from digen.errors import NonFiniteError
 from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
+from digen.models.weights import torch_dtype
 from digen.registry.algos import get_algorithm
 from digen.runtime.messages import LossStats, SampleKey, TrainItem
 from digen.seeding import eval_generator, group_generator, sample_generator
@@ -37,8 +38,6 @@ __all__ = ["Generated", "Policy"]
 
 _COND_CACHE_SIZE = 1024
 """Prompts whose text conditioning a policy copy keeps."""
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -77,7 +76,7 @@ class Policy:
             # sharded: built without weights, sharded, then each member reads its own rows
             # of every weight (the KL reference too): no whole copy on the GPU or the host
             transformer_device="meta" if mesh is not None else None,
-            dtype=_DTYPES[m.dtype],
+            dtype=torch_dtype(m.dtype),
             height=m.height,
             width=m.width,
             num_frames=m.num_frames,

@@ -1,0 +1,76 @@
+"""Keeping what diffusers, transformers and torch print off the user's terminal, said once.
+
+The libraries report, call after call, things a training run does on purpose or cannot act
+on: loading bars, optional dependencies they miss at import, TensorPipe closing its pipes.
+
+- :data:`QUIET_ENV`: the environment that lowers their verbosity; read as they import, so it
+  is set before (by the CLI in its own process, :func:`quiet_env`, and for every worker
+  process and the fork server that starts them);
+- :func:`no_progress_bars`: no loading bars for good (a CLI run, a worker process, whose bars
+  would interleave with the run's own progress);
+- :func:`hf_quiet`: the same, for the duration of a block only, putting the user's settings
+  back after (the Python API loading a model or a reward).
+
+Warnings about the weights themselves (missing or unexpected keys) still show. A leaf:
+it imports the libraries only inside its functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+__all__ = ["QUIET_ENV", "hf_quiet", "no_progress_bars", "quiet_env"]
+
+QUIET_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DIFFUSERS_VERBOSITY": "error",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # TensorPipe logs every closed pipe at shutdown
+}
+"""The environment that keeps the libraries quiet (each reads its variable as it imports)."""
+
+
+def quiet_env() -> None:
+    """:data:`QUIET_ENV` into this process's environment, where the user has not set it."""
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def no_progress_bars() -> None:
+    """No loading or saving progress bars from diffusers and transformers in this process."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def hf_quiet(*, notices: bool = True, bars: bool = True) -> Iterator[None]:
+    """Within the block: transformers' notices below errors off (``notices``: optional
+    dependencies an import misses, ...) and diffusers' and transformers' progress bars off
+    (``bars``); each setting as it was after."""
+    from transformers.utils import logging as transformers_logging
+
+    libs = [transformers_logging]
+    if bars:
+        from diffusers.utils import logging as diffusers_logging
+
+        libs.insert(0, diffusers_logging)
+    verbosity = transformers_logging.get_verbosity()
+    lower = notices and verbosity < logging.ERROR
+    barred = [lib for lib in libs if bars and lib.is_progress_bar_enabled()]
+    if lower:
+        transformers_logging.set_verbosity_error()
+    for lib in barred:
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if lower:
+            transformers_logging.set_verbosity(verbosity)
+        for lib in barred:
+            lib.enable_progress_bar()
