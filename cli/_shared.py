@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import click
+
+from digen.errors import DigenError
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
 
 
 def refuse(text: str) -> NoReturn:
@@ -18,6 +24,21 @@ def refuse(text: str) -> NoReturn:
     code 2, what every command does with a mistake of its user."""
     click.echo(f"error: {str(text).strip().rstrip('.')}.", err=True)
     sys.exit(2)
+
+
+def user_errors(command: _Command) -> _Command:
+    """A command whose user's mistakes (a :class:`~digen.errors.DigenError`, raised by any
+    layer: one sentence) are said with :func:`refuse` and exit 2. Put it under the click
+    decorators; anything else still fails as itself."""
+
+    @functools.wraps(command)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except DigenError as exc:
+            refuse(str(exc))
+
+    return checked  # type: ignore[return-value]
 
 
 def quiet_imports() -> None:

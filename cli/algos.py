@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from cli._shared import one_of
+from cli._shared import one_of, user_errors
 from digen.registry.algos import ALGO_NAMES, get_algorithm
 from digen.registry.models import MODEL_NAMES, get_backbone
 
@@ -19,6 +19,7 @@ from digen.registry.models import MODEL_NAMES, get_backbone
     type=click.Choice(MODEL_NAMES),
     help=f"The backbone whose published presets are shown: {one_of(MODEL_NAMES)}.",
 )
+@user_errors
 def algos(model: str) -> None:
     """The registered algorithms: their sampling, KL convention, own settings and the
     settings of their published preset (what --model-path starts from)."""

@@ -12,7 +12,13 @@ from typing import Any
 
 import click
 
-from cli._shared import check_writable, one_of, quiet_imports, quiet_progress_bars, refuse
+from cli._shared import (
+    check_writable,
+    one_of,
+    quiet_imports,
+    quiet_progress_bars,
+    user_errors,
+)
 from digen.registry.algos import ALGO_NAMES
 from digen.registry.models import MODEL_NAMES
 
@@ -83,6 +89,7 @@ from digen.registry.models import MODEL_NAMES
     help="--quality: the weights every arm starts from.",
 )
 @click.argument("overrides", nargs=-1)
+@user_errors
 def bench(
     quick: bool,
     model: str,
@@ -113,31 +120,27 @@ def bench(
     with every algorithm, and report time and steps to --target (docs/BENCHMARKS.md).
     """
     quiet_imports()
-    from digen.errors import DigenError
 
     if quality:
         _bench_quality(**{k: v for k, v in locals().items() if k in _QUALITY_OPTIONS})
         return
 
-    try:
-        settings = _bench_settings(
-            quick,
-            model,
-            algo,
-            size,
-            steps,
-            repeats,
-            workers,
-            json_path,
-            plot_path,
-            overrides,
-            out_dir,
-        )
-        from digen.run import bench as b
+    settings = _bench_settings(
+        quick,
+        model,
+        algo,
+        size,
+        steps,
+        repeats,
+        workers,
+        json_path,
+        plot_path,
+        overrides,
+        out_dir,
+    )
+    from digen.run import bench as b
 
-        b.rung_configs(settings)  # a setting no rung allows fails here, before any run
-    except DigenError as exc:
-        refuse(str(exc))
+    b.rung_configs(settings)  # a setting no rung allows fails here, before any run
     quiet_progress_bars()
 
     def say(text: str) -> None:
@@ -203,51 +206,47 @@ def _bench_quality(
     from digen.errors import DigenError
     from digen.run import quality as q
 
+    if model not in MODEL_NAMES:
+        raise DigenError(f"--model {model!r} is not a model; choose {one_of(MODEL_NAMES)}")
+    if algo not in ALGO_NAMES:
+        raise DigenError(f"--algo {algo!r} is not an algorithm; choose {one_of(ALGO_NAMES)}")
     try:
-        if model not in MODEL_NAMES:
-            raise DigenError(f"--model {model!r} is not a model; choose {one_of(MODEL_NAMES)}")
-        if algo not in ALGO_NAMES:
-            raise DigenError(f"--algo {algo!r} is not an algorithm; choose {one_of(ALGO_NAMES)}")
-        try:
-            seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
-        except ValueError:
-            raise DigenError(f"--seeds {seeds!r} must be integers separated by commas") from None
-        if not seed_list:
-            raise DigenError("--seeds must name at least one seed")
-        if steps is not None and steps < 1:
-            raise DigenError(f"--steps {steps} is not allowed: it must be at least 1")
-        if eval_every < 1:
-            raise DigenError(f"--eval-every {eval_every} is not allowed: it must be at least 1")
-        if not 0 < target <= 1:
-            raise DigenError(
-                f"--target {target} is not allowed: it is a held-out accuracy, above 0 and at "
-                "most 1"
-            )
-        if workers < 2:
-            raise DigenError(
-                f"--workers {workers} is not allowed: disaggregation needs at least 2 "
-                "(a generator and a trainer)"
-            )
-        if out_dir is not None:
-            check_writable(out_dir, "--out")
-        for flag, path in (("--json", json_path), ("--plot", plot_path)):
-            if path is not None and not path.parent.is_dir():
-                raise DigenError(f"{flag} {path}: the directory '{path.parent}' does not exist")
-        settings = q.QualitySettings(
-            model=model,
-            flavour=flavour,
-            algos=(algo, *(a for a in ALGO_NAMES if a != algo)),
-            steps=steps or 30,
-            seeds=seed_list,
-            eval_every=eval_every,
-            target=target,
-            workers=workers,
-            overrides=tuple(overrides),
+        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
+    except ValueError:
+        raise DigenError(f"--seeds {seeds!r} must be integers separated by commas") from None
+    if not seed_list:
+        raise DigenError("--seeds must name at least one seed")
+    if steps is not None and steps < 1:
+        raise DigenError(f"--steps {steps} is not allowed: it must be at least 1")
+    if eval_every < 1:
+        raise DigenError(f"--eval-every {eval_every} is not allowed: it must be at least 1")
+    if not 0 < target <= 1:
+        raise DigenError(
+            f"--target {target} is not allowed: it is a held-out accuracy, above 0 and at most 1"
         )
-        for arm in q.arms(settings):  # a setting no arm allows fails here, before any run
-            q.arm_config(settings, arm, seed_list[0])
-    except DigenError as exc:
-        refuse(str(exc))
+    if workers < 2:
+        raise DigenError(
+            f"--workers {workers} is not allowed: disaggregation needs at least 2 "
+            "(a generator and a trainer)"
+        )
+    if out_dir is not None:
+        check_writable(out_dir, "--out")
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        if path is not None and not path.parent.is_dir():
+            raise DigenError(f"{flag} {path}: the directory '{path.parent}' does not exist")
+    settings = q.QualitySettings(
+        model=model,
+        flavour=flavour,
+        algos=(algo, *(a for a in ALGO_NAMES if a != algo)),
+        steps=steps or 30,
+        seeds=seed_list,
+        eval_every=eval_every,
+        target=target,
+        workers=workers,
+        overrides=tuple(overrides),
+    )
+    for arm in q.arms(settings):  # a setting no arm allows fails here, before any run
+        q.arm_config(settings, arm, seed_list[0])
     quiet_progress_bars()
 
     def say(text: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from cli._shared import refuse
+from cli._shared import refuse, user_errors
 
 
 @click.command()
@@ -41,6 +41,7 @@ from cli._shared import refuse
     show_default=True,
     help="Seconds to wait for the run to be there and take joins.",
 )
+@user_errors
 def join(
     rendezvous: str,
     secret_file: Path | None,
@@ -79,19 +80,16 @@ def join(
         from digen.runtime.placement import DEVICE_ENV
 
         os.environ[DEVICE_ENV] = device  # the joiner's actors read it (their own process)
-    try:
-        if secret_file is not None:
-            secret = read_secret(secret_file, "--secret-file")
-        else:
-            secret = os.environ.get(SECRET_ENV, "").strip()
-            if not secret:
-                raise ValueError(
-                    "digen join needs the run's join secret: pass --secret-file FILE (the run "
-                    f"writes it to its output directory as join-secret) or set {SECRET_ENV}."
-                )
-            check_secret(secret, SECRET_ENV)
-    except ValueError as exc:
-        refuse(str(exc))
+    if secret_file is not None:
+        secret = read_secret(secret_file, "--secret-file")
+    else:
+        secret = os.environ.get(SECRET_ENV, "").strip()
+        if not secret:
+            refuse(
+                "digen join needs the run's join secret: pass --secret-file FILE (the run "
+                f"writes it to its output directory as join-secret) or set {SECRET_ENV}."
+            )
+        check_secret(secret, SECRET_ENV)
 
     from digen.runtime.transport.actors import JoinRefused, join_world
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from cli._shared import refuse
+from cli._shared import refuse, user_errors
 
 
 @click.command("reward-server")
@@ -79,6 +79,7 @@ from cli._shared import refuse
     is_flag=True,
     help="Send a failing reward's error text to the client, not only the log.",
 )
+@user_errors
 def reward_server(
     reward: str,
     port: int,
@@ -92,7 +93,6 @@ def reward_server(
 
     import yaml
 
-    from digen.errors import DigenError
     from digen.rewards.server import TOKEN_ENV, ServerLimits, check_token, serve
 
     try:
@@ -113,8 +113,6 @@ def reward_server(
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
         refuse(f"{where} cannot be read: {why.lower()}.")
-    except DigenError as exc:
-        refuse(str(exc))
 
     def ready(url: str) -> None:
         guard = "; POST /score needs the bearer token" if token else ""
@@ -124,7 +122,4 @@ def reward_server(
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("digen.rewards.server").addHandler(handler)
-    try:
-        asyncio.run(serve(reward, host, port, ready, options, ServerLimits(**limits), debug, token))
-    except DigenError as exc:
-        refuse(str(exc))
+    asyncio.run(serve(reward, host, port, ready, options, ServerLimits(**limits), debug, token))

@@ -25,6 +25,7 @@ from cli._shared import (
     quiet_progress_bars,
     refuse,
     run_async,
+    user_errors,
 )
 from digen.registry.algos import ALGO_NAMES
 from digen.registry.models import MODEL_NAMES
@@ -103,6 +104,7 @@ from digen.registry.models import MODEL_NAMES
 )
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.argument("overrides", nargs=-1)
+@user_errors
 def run(
     model: str | None,
     algo: str | None,
@@ -345,10 +347,7 @@ def _run(req: RunRequest):
     if cfg.runtime.join_secret_file is not None:  # unreadable or short: said before torch loads
         from digen.runtime.transport.join_secret import read_secret
 
-        try:
-            read_secret(cfg.runtime.join_secret_file, "runtime.join_secret_file")
-        except ValueError as exc:
-            raise DigenError(str(exc)) from None
+        read_secret(cfg.runtime.join_secret_file, "runtime.join_secret_file")
     if cfg.model.path is not None:
         from digen.models.checks import check_model_dir
 

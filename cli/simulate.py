@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from cli._shared import refuse
+from cli._shared import user_errors
+from digen.errors import DigenError
 from digen.registry.models import MODEL_NAMES
 
 
@@ -178,6 +179,7 @@ from digen.registry.models import MODEL_NAMES
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr (--recommend).")
+@user_errors
 def simulate(
     microbatches: int,
     generators: int,
@@ -222,106 +224,101 @@ def simulate(
     """
     from digen.planning import simulate as sc
 
-    try:
-        if profile_path is not None:
-            if not profile_path.is_file():
-                raise ValueError(f"profile file '{profile_path}' does not exist")
-            costs = sc.load_costs(profile_path)
-        else:
-            from digen.sched.costs import Costs
+    if profile_path is not None:
+        if not profile_path.is_file():
+            raise DigenError(f"profile file '{profile_path}' does not exist")
+        costs = sc.load_costs(profile_path)
+    else:
+        from digen.sched.costs import Costs
 
-            costs = Costs(
-                gen=gen,
-                update=gen * update_gen_ratio,
-                gen_tag=gen_tag,
-                score=score,
-                step=step_cost,
-                sync=sync_cost,
-            )
-        if plot_path is not None and not plot_path.parent.is_dir():
-            raise ValueError(
-                f"--plot {plot_path}: the directory '{plot_path.parent}' does not exist"
-            )
-        if plot_path is not None and plot_path.suffix.lower() != ".png":
-            raise ValueError(f"--plot {plot_path} must name a .png file")
-        for name, value, low in (
-            ("--microbatches", microbatches, 1),
-            ("--generators", generators, 1),
-            ("--trainers", trainers, 1),
-            ("--steps", steps, 1),
-            ("--mbs-per-group", mbs_per_group, 1),
-            ("--max-staleness", max_staleness, 0),
-        ):
-            if value < low:
-                raise ValueError(f"{name} = {value} is not allowed: it must be at least {low}")
-        kw = dict(
+        costs = Costs(
+            gen=gen,
+            update=gen * update_gen_ratio,
+            gen_tag=gen_tag,
+            score=score,
+            step=step_cost,
+            sync=sync_cost,
+        )
+    if plot_path is not None and not plot_path.parent.is_dir():
+        raise DigenError(f"--plot {plot_path}: the directory '{plot_path.parent}' does not exist")
+    if plot_path is not None and plot_path.suffix.lower() != ".png":
+        raise DigenError(f"--plot {plot_path} must name a .png file")
+    for name, value, low in (
+        ("--microbatches", microbatches, 1),
+        ("--generators", generators, 1),
+        ("--trainers", trainers, 1),
+        ("--steps", steps, 1),
+        ("--mbs-per-group", mbs_per_group, 1),
+        ("--max-staleness", max_staleness, 0),
+    ):
+        if value < low:
+            raise DigenError(f"{name} = {value} is not allowed: it must be at least {low}")
+    kw = dict(
+        steps=steps,
+        static_k=static_k,
+        mbs_per_group=mbs_per_group,
+        max_staleness=max_staleness,
+        staleness_ratio=staleness_ratio,
+        score_overlap=score_overlap,
+    )
+    if loss_rate is not None:
+        got = sc.with_losses(
+            costs,
+            microbatches,
+            generators,
+            trainers,
+            loss_rate_per_h=loss_rate,
+            rejoin_s=rejoin_s,
+            generator_price=generator_price,
+            trainer_price=trainer_price,
+            preemptible_price=preemptible_price,
             steps=steps,
-            static_k=static_k,
             mbs_per_group=mbs_per_group,
-            max_staleness=max_staleness,
-            staleness_ratio=staleness_ratio,
             score_overlap=score_overlap,
         )
-        if loss_rate is not None:
-            got = sc.with_losses(
-                costs,
-                microbatches,
-                generators,
-                trainers,
-                loss_rate_per_h=loss_rate,
-                rejoin_s=rejoin_s,
-                generator_price=generator_price,
-                trainer_price=trainer_price,
-                preemptible_price=preemptible_price,
-                steps=steps,
-                mbs_per_group=mbs_per_group,
-                score_overlap=score_overlap,
-            )
-            if as_json:
-                click.echo(json.dumps(got))
-                return
-            click.echo(sc.format_losses(got, generators, trainers, loss_rate, rejoin_s))
+        if as_json:
+            click.echo(json.dumps(got))
             return
-        if recommend:
-            _recommend(
-                costs,
-                microbatches,
-                devices,
-                hardware=hardware_path if device_kind is None else {"device": device_kind},
-                model_name=model_name,
-                lora_rank=lora_rank,
-                reward_params=reward_params,
-                passes=sampling_passes,
-                update_tsp=update_tsp,
-                tsp_degree=tsp_degree,
-                samples=samples_per_microbatch,
-                by=by,
-                prices=(generator_price, trainer_price),
-                as_json=as_json,
-                quiet=quiet,
-                kw=kw,
-            )
-            return
-        table = sc.compare_policies(costs, microbatches, generators, trainers, **kw)
-        if plot_path is not None:
-            from digen.sched.simulator import simulate as run_sim
-            from digen.sched.tag import BTS
+        click.echo(sc.format_losses(got, generators, trainers, loss_rate, rejoin_s))
+        return
+    if recommend:
+        _recommend(
+            costs,
+            microbatches,
+            devices,
+            hardware=hardware_path if device_kind is None else {"device": device_kind},
+            model_name=model_name,
+            lora_rank=lora_rank,
+            reward_params=reward_params,
+            passes=sampling_passes,
+            update_tsp=update_tsp,
+            tsp_degree=tsp_degree,
+            samples=samples_per_microbatch,
+            by=by,
+            prices=(generator_price, trainer_price),
+            as_json=as_json,
+            quiet=quiet,
+            kw=kw,
+        )
+        return
+    table = sc.compare_policies(costs, microbatches, generators, trainers, **kw)
+    if plot_path is not None:
+        from digen.sched.simulator import simulate as run_sim
+        from digen.sched.tag import BTS
 
-            res = run_sim(
-                costs,
-                microbatches,
-                generators,
-                trainers,
-                BTS(),
-                steps=steps,
-                mbs_per_group=mbs_per_group,
-                score_overlap=score_overlap,
-            )
-            sc.plot_simulation(
-                res, plot_path, title=f"simulated BTS: G={generators} T={trainers} B={microbatches}"
-            )
-    except ValueError as exc:
-        refuse(str(exc))
+        res = run_sim(
+            costs,
+            microbatches,
+            generators,
+            trainers,
+            BTS(),
+            steps=steps,
+            mbs_per_group=mbs_per_group,
+            score_overlap=score_overlap,
+        )
+        sc.plot_simulation(
+            res, plot_path, title=f"simulated BTS: G={generators} T={trainers} B={microbatches}"
+        )
     if as_json:
         click.echo(json.dumps(table))
     else:
@@ -354,19 +351,19 @@ def _recommend(
     hw = None
     if hardware is not None:
         if isinstance(hardware, Path) and not hardware.is_file():
-            raise ValueError(f"hardware file '{hardware}' does not exist")
+            raise DigenError(f"hardware file '{hardware}' does not exist")
         hw = load_hardware(hardware)
         if model_name is None:
-            raise ValueError("--hardware and --device need --model, whose sizes they move")
+            raise DigenError("--hardware and --device need --model, whose sizes they move")
     elif model_name is not None:
-        raise ValueError("--model needs --hardware or --device, the devices it runs on")
+        raise DigenError("--model needs --hardware or --device, the devices it runs on")
     if devices is None and (hw is None or hw.generators is None):
-        raise ValueError("--recommend needs --devices N, the number of devices to lay out")
+        raise DigenError("--recommend needs --devices N, the number of devices to lay out")
     for name, value in (("--sampling-passes", passes), ("--tsp-degree", tsp_degree)):
         if value < 1:
-            raise ValueError(f"{name} = {value} is not allowed: it must be at least 1")
+            raise DigenError(f"{name} = {value} is not allowed: it must be at least 1")
     if lora_rank < 0:
-        raise ValueError(f"--lora-rank = {lora_rank} is not allowed: it must be at least 0")
+        raise DigenError(f"--lora-rank = {lora_rank} is not allowed: it must be at least 0")
     model = None
     if model_name is not None:
         model = ModelSize.of(model_name, lora_rank=lora_rank, reward_params=reward_params)
@@ -407,7 +404,7 @@ def _recommend(
         click.echo(json.dumps(out))
         return
     if not ranked:
-        raise ValueError("no layout fits: " + "; ".join(skipped))
+        raise DigenError("no layout fits: " + "; ".join(skipped))
     where = f" on {describe(hw)}" if hw is not None else ""
     click.echo(f"{n} devices{where}, {microbatches} micro-batches a step, best {by} first:")
     click.echo(planner.format_plan(ranked, skipped))

@@ -12,11 +12,13 @@ __all__ = [
 ]
 
 
-class DigenError(Exception):
-    """A problem with the user's input or environment, stated in one sentence."""
+class DigenError(ValueError):
+    """A problem with the user's input or environment, stated in one sentence: the one
+    error type every layer raises for what its user can act on (the CLI prints it and exits
+    2). A ``ValueError``, so code that catches bad values catches these too."""
 
 
-class ConfigError(DigenError, ValueError):
+class ConfigError(DigenError):
     """A config key has a value that is not allowed."""
 
 

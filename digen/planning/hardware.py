@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from digen.errors import DigenError
 from digen.registry.models import get_backbone
 
 __all__ = [
@@ -119,15 +120,15 @@ class Device:
         for name in ("memory_gb", "link_gb_s", "host_gb_s", "tflops"):
             value = getattr(self, name)
             if not _positive(value):
-                raise ValueError(f"{self.kind}: {name} must be a number > 0, got {value!r}")
+                raise DigenError(f"{self.kind}: {name} must be a number > 0, got {value!r}")
         if not _number(self.price_h) or self.price_h < 0:
-            raise ValueError(f"{self.kind}: price_h must be a number >= 0, got {self.price_h!r}")
+            raise DigenError(f"{self.kind}: price_h must be a number >= 0, got {self.price_h!r}")
         for name in ("speed", "gen_s"):
             value = getattr(self, name)
             if value is not None and not _positive(value):
-                raise ValueError(f"{self.kind}: {name} must be a number > 0, got {value!r}")
+                raise DigenError(f"{self.kind}: {name} must be a number > 0, got {value!r}")
         if not _number(self.reserve_gb) or not 0 <= self.reserve_gb < self.memory_gb:
-            raise ValueError(
+            raise DigenError(
                 f"{self.kind}: reserve_gb must be from 0 to memory_gb, got {self.reserve_gb!r}"
             )
 
@@ -181,7 +182,7 @@ class ModelSize:
         """
         b = get_backbone(model)
         if not b.params:
-            raise ValueError(f"the registry has no published size for model '{model}'")
+            raise DigenError(f"the registry has no published size for model '{model}'")
         trained = b.params if lora_rank <= 0 else float(b.blocks * 4 * 2 * b.hidden * lora_rank)
         return cls(
             params=b.params,
@@ -292,13 +293,13 @@ class Hardware:
 
     def __post_init__(self) -> None:
         if (self.generators is None) != (self.trainers is None):
-            raise ValueError("give both pools a count, or neither")
+            raise DigenError("give both pools a count, or neither")
         for name in ("generators", "trainers"):
             n = getattr(self, name)
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
+                raise DigenError(f"{name} must be an integer >= 1, got {n!r}")
         if self.cross_gb_s is not None and not _positive(self.cross_gb_s):
-            raise ValueError(f"cross_gb_s must be a number > 0, got {self.cross_gb_s!r}")
+            raise DigenError(f"cross_gb_s must be a number > 0, got {self.cross_gb_s!r}")
 
     @property
     def homogeneous(self) -> bool:
@@ -337,7 +338,7 @@ def _known(spec: Mapping[str, Any], allowed: set[str], where: str) -> None:
     silently ignored)."""
     extra = set(spec) - allowed
     if extra:
-        raise ValueError(
+        raise DigenError(
             f"{where} has unknown key(s) {', '.join(sorted(extra))}; "
             f"expected some of {', '.join(sorted(allowed))}"
         )
@@ -347,11 +348,11 @@ def _device(spec: Any, where: str) -> tuple[Device, int | None]:
     if isinstance(spec, str):
         spec = {"kind": spec}
     if not isinstance(spec, Mapping):
-        raise ValueError(f"{where} must be a device kind or a mapping, got {spec!r}")
+        raise DigenError(f"{where} must be a device kind or a mapping, got {spec!r}")
     _known(spec, _POOL_KEYS, where)
     kind = spec.get("kind")
     if not isinstance(kind, str) or not kind:
-        raise ValueError(f"{where} needs a kind (e.g. h100)")
+        raise DigenError(f"{where} needs a kind (e.g. h100)")
     given = {k: v for k, v in spec.items() if k not in ("kind", "count", "profile")}
     if spec.get("profile") is not None:
         from digen.planning.simulate import load_costs
@@ -361,7 +362,7 @@ def _device(spec: Any, where: str) -> tuple[Device, int | None]:
     if base is None:
         missing = {"memory_gb", "link_gb_s", "host_gb_s", "tflops"} - set(given)
         if missing:
-            raise ValueError(
+            raise DigenError(
                 f"{where}: '{kind}' is not a known kind ({', '.join(DEVICE_DEFAULTS)}); "
                 f"give its {', '.join(sorted(missing))}"
             )
@@ -392,22 +393,22 @@ def load_hardware(source: Hardware | Mapping[str, Any] | str | os.PathLike[str])
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise ValueError(f"hardware file {str(path)!r} does not exist") from None
+            raise DigenError(f"hardware file {str(path)!r} does not exist") from None
         try:
             import yaml
 
             data = yaml.safe_load(text)
         except Exception as exc:  # yaml's errors are several classes
-            raise ValueError(f"hardware file {str(path)!r} is not YAML or JSON ({exc})") from None
+            raise DigenError(f"hardware file {str(path)!r} is not YAML or JSON ({exc})") from None
         if not isinstance(data, Mapping):
-            raise ValueError(f"hardware file {str(path)!r} holds no mapping")
+            raise DigenError(f"hardware file {str(path)!r} holds no mapping")
         source = data
     _known(source, _TOP_KEYS, "the hardware description")
     both = source.get("device")
     if both is not None and ("generator" in source or "trainer" in source):
-        raise ValueError("give the hardware either device (both pools) or generator and trainer")
+        raise DigenError("give the hardware either device (both pools) or generator and trainer")
     if both is None and not ("generator" in source and "trainer" in source):
-        raise ValueError("the hardware description needs device, or generator and trainer")
+        raise DigenError("the hardware description needs device, or generator and trainer")
     gen, g = _device(both if both is not None else source["generator"], "generator")
     tr, t = _device(both if both is not None else source["trainer"], "trainer")
     profiled = None

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from digen.errors import DigenError
 from digen.planning.hardware import (
     FROZEN_BYTES,
     GRAD_BYTES,
@@ -111,11 +112,11 @@ class Workload:
         for name in ("microbatches", "samples_per_microbatch", "mbs_per_group", "tsp_degree"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+                raise DigenError(f"{name} must be an integer >= 1, got {v!r}")
         if self.update_tsp is not None and not (
             math.isfinite(self.update_tsp) and self.update_tsp >= 0
         ):
-            raise ValueError(f"update_tsp must be seconds >= 0, got {self.update_tsp!r}")
+            raise DigenError(f"update_tsp must be seconds >= 0, got {self.update_tsp!r}")
 
     @property
     def samples(self) -> int:
@@ -203,9 +204,9 @@ def simulate_colocated(
     cost), so a caller can draw them from measured times.
     """
     if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices must be an integer >= 1, got {devices!r}")
+        raise DigenError(f"devices must be an integer >= 1, got {devices!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+        raise DigenError(f"microbatches must be an integer >= 1, got {microbatches!r}")
     take = draw or (lambda _name, value: value)
     names = worker_names(COLOCATED_WORKER, devices)
     shares = [list(range(w, microbatches, devices)) for w in range(devices)]
@@ -484,7 +485,7 @@ def plan(
         total = hardware.generators + hardware.trainers
     else:
         if not isinstance(devices, int) or devices < 2:
-            raise ValueError(
+            raise DigenError(
                 f"devices must be an integer >= 2 (one generator, one trainer), got {devices!r}"
             )
         total = devices

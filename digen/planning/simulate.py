@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from digen.errors import DigenError
 from digen.sched.costs import Costs, OnlineProfiler
 from digen.sched.names import TaskKind
 from digen.sched.simulator import SimResult, ideal_bound, simulate
@@ -55,16 +56,16 @@ def load_costs(source: Costs | Mapping[str, Any] | str | os.PathLike[str]) -> Co
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"profile file {str(path)!r} does not exist") from None
+        raise DigenError(f"profile file {str(path)!r} does not exist") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"profile file {str(path)!r} is not JSON ({exc})") from None
+        raise DigenError(f"profile file {str(path)!r} is not JSON ({exc})") from None
     if isinstance(data, dict) and "estimates" in data:
         return OnlineProfiler.from_dict(data).costs()
     if isinstance(data, dict) and isinstance(data.get("costs"), dict):
         return Costs.from_dict(data["costs"])
     if isinstance(data, dict):
         return Costs.from_dict(data)
-    raise ValueError(f"profile file {str(path)!r} holds no costs")
+    raise DigenError(f"profile file {str(path)!r} holds no costs")
 
 
 def _policies(static_k: int, node_limit: int) -> list[tuple[str, TagPolicy]]:
@@ -195,9 +196,9 @@ def with_losses(
     ``generator_price``.
     """
     if loss_rate_per_h < 0 or rejoin_s < 0:
-        raise ValueError("the loss rate and the rejoin time must not be negative")
+        raise DigenError("the loss rate and the rejoin time must not be negative")
     if generators < 1 or trainers < 1:
-        raise ValueError("at least one generator and one trainer")
+        raise DigenError("at least one generator and one trainer")
     rate = loss_rate_per_h / 3600.0
     up = 1.0 / (1.0 + rate * rejoin_s)
     pool: list[dict[str, Any]] = []

@@ -119,12 +119,9 @@ class DigenRunner:
         if self.cfg.runtime.join_secret_file is not None:
             from digen.runtime.transport.join_secret import read_secret
 
-            try:
-                self._join_secret = read_secret(
-                    self.cfg.runtime.join_secret_file, "runtime.join_secret_file"
-                )
-            except ValueError as exc:
-                raise DigenError(str(exc)) from None
+            self._join_secret = read_secret(
+                self.cfg.runtime.join_secret_file, "runtime.join_secret_file"
+            )
         self._temporary = not out_dir
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
         self.progress = progress

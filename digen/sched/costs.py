@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from digen.errors import DigenError
 from digen.sched.names import Pool, TaskKind, pool_of
 from digen.sched.trace import TraceEvent
 
@@ -62,7 +63,7 @@ class Costs:
         for name in COST_NAMES:
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value < 0:
-                raise ValueError(
+                raise DigenError(
                     f"costs.{name} must be a finite number of seconds >= 0, got {value!r}"
                 )
             object.__setattr__(self, name, float(value))
@@ -76,7 +77,7 @@ class Costs:
         """Inverse of :meth:`to_dict`; unknown keys are an error (a typo would be silent)."""
         extra = set(d) - set(COST_NAMES)
         if extra:
-            raise ValueError(
+            raise DigenError(
                 f"unknown cost key(s) {', '.join(sorted(extra))}; "
                 f"expected some of {', '.join(COST_NAMES)}"
             )
@@ -124,27 +125,27 @@ class OnlineProfiler:
 
     def __post_init__(self) -> None:
         if not (_is_number(self.alpha) and 0.0 < self.alpha <= 1.0):
-            raise ValueError(f"profiler alpha must be in (0, 1], got {self.alpha!r}")
+            raise DigenError(f"profiler alpha must be in (0, 1], got {self.alpha!r}")
         if not (isinstance(self.window, int) and self.window >= 1):
-            raise ValueError(f"profiler window must be an integer >= 1, got {self.window!r}")
+            raise DigenError(f"profiler window must be an integer >= 1, got {self.window!r}")
         if self.method not in ("ema", "window", "median"):
-            raise ValueError(
+            raise DigenError(
                 f"profiler method must be 'ema', 'window' or 'median', got {self.method!r}"
             )
         if not (
             _is_number(self.tag_scale) and self.tag_scale > 0 and math.isfinite(self.tag_scale)
         ):
-            raise ValueError(f"profiler tag_scale must be a number > 0, got {self.tag_scale!r}")
+            raise DigenError(f"profiler tag_scale must be a number > 0, got {self.tag_scale!r}")
 
     # -- feeding ----------------------------------------------------------------------------
 
     def add(self, cost: str, pool: str, seconds: float) -> None:
         """Add one measurement of ``cost`` (a name of :data:`COST_NAMES`) taken on ``pool``."""
         if cost not in COST_NAMES:
-            raise ValueError(f"unknown cost {cost!r}; expected one of {', '.join(COST_NAMES)}")
+            raise DigenError(f"unknown cost {cost!r}; expected one of {', '.join(COST_NAMES)}")
         x = float(seconds)
         if not math.isfinite(x) or x < 0:
-            raise ValueError(f"a {cost} measurement must be finite and >= 0 s, got {seconds!r}")
+            raise DigenError(f"a {cost} measurement must be finite and >= 0 s, got {seconds!r}")
         est = self._est.get((cost, pool))
         if est is None:
             self._est[(cost, pool)] = _Estimate(x, 1, deque([x], maxlen=self.window))
@@ -234,7 +235,7 @@ class OnlineProfiler:
                 out[name] = v
         for name in ("gen", "update"):
             if name not in out:
-                raise ValueError(
+                raise DigenError(
                     f"no {name} time measured yet and no defaults given; "
                     "feed the profiler a generate and an update event first"
                 )
@@ -271,7 +272,7 @@ class OnlineProfiler:
         )
         for row in d.get("estimates", ()):
             if row["cost"] not in COST_NAMES:
-                raise ValueError(f"profile has an unknown cost {row['cost']!r}")
+                raise DigenError(f"profile has an unknown cost {row['cost']!r}")
             recent = deque((float(x) for x in row["recent"]), maxlen=prof.window)
             prof._est[(row["cost"], row["pool"])] = _Estimate(
                 float(row["ema"]), int(row["n"]), recent

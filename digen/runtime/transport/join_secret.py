@@ -12,6 +12,8 @@ import os
 import secrets
 from pathlib import Path
 
+from digen.errors import DigenError
+
 __all__ = [
     "MIN_SECRET_CHARS",
     "SECRET_ENV",
@@ -41,7 +43,7 @@ def read_secret(path: str | os.PathLike, what: str) -> str:
         secret = Path(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
-        raise ValueError(f"{what} {str(path)!r} cannot be read: {why.lower()}.") from None
+        raise DigenError(f"{what} {str(path)!r} cannot be read: {why.lower()}.") from None
     check_secret(secret, f"{what} {str(path)!r}")
     return secret
 
@@ -49,7 +51,7 @@ def read_secret(path: str | os.PathLike, what: str) -> str:
 def check_secret(secret: str, where: str) -> None:
     """Raise ValueError (one sentence naming ``where``) for a secret too short to keep."""
     if len(secret) < MIN_SECRET_CHARS:
-        raise ValueError(
+        raise DigenError(
             f"{where} holds a join secret of {len(secret)} characters; use at least "
             f"{MIN_SECRET_CHARS}, e.g. from python -c 'import secrets; "
             "print(secrets.token_urlsafe(32))'."
