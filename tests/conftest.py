@@ -14,7 +14,10 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# the cores shared among the test processes running at once (``pytest -n N``: N of them), at
+# most 2 each: threads that outnumber the cores wait for each other at every barrier
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 # a process the tests start that dies of a signal (an abort in native code) prints its Python
 # stack, so a failure seen once says where it happened
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
@@ -22,7 +25,10 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 def pytest_configure(config: pytest.Config) -> None:
     """Start the fork server with the runs' imports now: the first system to start one
-    decides what it imports, and the actor tests' bare systems would import nothing."""
+    decides what it imports, and the actor tests' bare systems would import nothing. (Not
+    in the process that hands tests to ``pytest -n`` workers: it runs none.)"""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
     from digen.runtime.transport.forkserver import start_fork_server
 
     start_fork_server()
