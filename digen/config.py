@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -41,6 +42,8 @@ __all__ = [
     "TrainConfig",
     "config_to_dict",
     "dump_config",
+    "field_docs",
+    "knobs_table",
     "load_config",
     "validate",
 ]
@@ -1215,6 +1218,45 @@ def config_to_dict(cfg: Any) -> Any:
     if hasattr(cfg, "__dataclass_fields__"):
         return {f.name: config_to_dict(getattr(cfg, f.name)) for f in fields(cfg)}
     return cfg
+
+
+def field_docs(section: type) -> dict[str, str]:
+    """Each field of a config section (a dataclass of this module) and the docstring under
+    it, read from this module's source: the one place a key is described."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == section.__name__)
+    docs, body = {}, cls.body
+    for node, after in zip(body, [*body[1:], None], strict=True):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if (
+            isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def knobs_table(section: str) -> str:
+    """The markdown table of a config section's keys (``runtime``, ``train``, ...): key,
+    default and meaning, from the fields and their docstrings (:func:`field_docs`).
+    ``docs/RUNTIME.md`` holds the ``runtime`` one; a test keeps it in step."""
+    cls = type(getattr(DigenConfig(), section))
+    docs = field_docs(cls)
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for f in fields(cls):
+        default = getattr(cls(), f.name)
+        if default is None or isinstance(default, bool):
+            shown = "null" if default is None else str(default).lower()  # as YAML writes it
+        else:
+            shown = default if isinstance(default, str) else _show(default)
+        doc = docs.get(f.name, "").replace("|", "\\|")
+        rows.append(f"| `{section}.{f.name}` | `{shown}` | {doc} |")
+    return "\n".join(rows)
 
 
 def dump_config(cfg: DigenConfig, path: str | Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -439,3 +440,21 @@ def test_the_shapes_flavour_presets_the_shapes_task_at_its_own_size() -> None:
     # guidance against the empty prompt, which the flavour was pretrained to give
     assert (cfg.rollout.guidance_scale, tiny.rollout.guidance_scale) == (3.0, 1.0)
     assert (tiny.model.height, tiny.data.prompts, tiny.eval.every) == (64, None, 0)
+
+
+def test_the_knobs_table_in_the_docs_is_the_configs_own() -> None:
+    """RUNTIME.md's table of ``runtime.*`` keys is generated from the config's fields and
+    docstrings; after changing a key, paste ``knobs_table("runtime")`` between its markers."""
+    from pathlib import Path
+
+    from digen.config import RuntimeConfig, field_docs, knobs_table
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "RUNTIME.md").read_text()
+    shown = docs.split("<!-- knobs: runtime -->\n", 1)[1].split("\n<!-- /knobs -->", 1)[0]
+    assert shown == knobs_table("runtime")
+    # every key has its sentence, and the table has a row per key
+    names = [f.name for f in dataclasses.fields(RuntimeConfig)]
+    assert set(field_docs(RuntimeConfig)) == set(names)
+    assert [line.split("`")[1] for line in shown.splitlines()[2:]] == [
+        f"runtime.{n}" for n in names
+    ]
