@@ -245,11 +245,12 @@ class EvalScores:
     total: list[float]
     components: dict[str, list[float]]
     """Each configured reward's raw scores."""
-    strict: list[float] | None
-    """GenEval's rule, 1.0 when every requirement of the caption holds, else 0.0, where the
-    prompts are captions of the shapes world (:mod:`digen.shapes`); else None."""
-    categories: list[str] | None
-    """Each prompt's GenEval category, beside ``strict``."""
+    passed: list[float] | None
+    """Each image judged against its prompt (:func:`digen.rewards.judge.judge`): 1.0 when it
+    meets every requirement, else 0.0; None where the prompts have no rule."""
+    groups: list[str] | None
+    """Each prompt's group for the judge's overall score (GenEval's category), beside
+    ``passed``."""
     thumbnails: torch.Tensor
 
 

@@ -43,9 +43,10 @@ Columns:
 
 An evaluation (``eval.every``) of the weights a step ends with adds to that step's row
 (:func:`eval_metrics`): ``eval/reward_mean`` and ``eval/reward/<name>`` over the evaluation's
-images, and, where the prompts are captions of the shapes world, GenEval's
-``eval/accuracy/<category>`` (the fraction of images that meet every requirement of their
-caption) and ``eval/accuracy`` (the mean over the categories, GenEval's overall score);
+images, and, where the prompts have a judge (:mod:`digen.rewards.judge`: GenEval's rule for
+captions of the shapes world), ``eval/accuracy/<group>`` (the fraction of images that meet
+every requirement of their prompt, per category) and ``eval/accuracy`` (the mean over the
+groups, GenEval's overall score);
 ``eval/policy_version``, ``eval/samples`` and ``eval/time_s`` (not part of ``step_time_s``).
 """
 
@@ -188,17 +189,16 @@ def eval_metrics(batches: Sequence[EvalScores], version: int, seconds: float) ->
     }
     for name in batches[0].components if batches else ():
         row[f"eval/reward/{name}"] = _mean([x for b in batches for x in b.components[name]])
-    if batches and all(b.strict is not None for b in batches):
-        from digen.shapes import CATEGORIES
+    if batches and all(b.passed is not None for b in batches):
+        from digen.rewards.judge import group_order
 
-        judged = [(c, s) for b in batches for c, s in zip(b.categories or (), b.strict or ())]
-        by_category = {
-            c: _mean([s for cat, s in judged if cat == c])
-            for c in CATEGORIES
-            if any(cat == c for cat, _ in judged)
+        judged = [(g, p) for b in batches for g, p in zip(b.groups or (), b.passed or ())]
+        by_group = {
+            g: _mean([p for group, p in judged if group == g])
+            for g in group_order([group for group, _ in judged])
         }
-        row["eval/accuracy"] = _mean(list(by_category.values()))
-        row.update({f"eval/accuracy/{c}": a for c, a in by_category.items()})
+        row["eval/accuracy"] = _mean(list(by_group.values()))
+        row.update({f"eval/accuracy/{g}": a for g, a in by_group.items()})
     return row
 
 

@@ -118,8 +118,8 @@ def _scores(categories: list[str], strict: list[float], total: list[float]) -> E
     return EvalScores(
         total=total,
         components={"shapes": total},
-        strict=strict,
-        categories=categories,
+        passed=strict,
+        groups=categories,
         thumbnails=torch.zeros(len(total), 1, 2, 2, 3, dtype=torch.uint8),
     )
 
@@ -151,7 +151,7 @@ def test_shapes_captions_are_judged_by_genevals_rule_on_the_images() -> None:
     import numpy as np
 
     from digen.prompts import PromptSet
-    from digen.runtime.worker.scorer import judge
+    from digen.rewards.judge import judge
     from digen.shapes import parse, render, scene_for
 
     held_out = PromptSet.for_eval(None, "shapes")  # the training set's held-out companion
@@ -160,10 +160,10 @@ def test_shapes_captions_are_judged_by_genevals_rule_on_the_images() -> None:
     rng = np.random.default_rng(0)
     images = np.stack([render(scene_for(parse(p), rng)) for p in prompts])  # [B, 32, 32, 3]
     pixels = torch.from_numpy(images)[:, None]  # [B, 1, H, W, 3]
-    strict, categories = judge(pixels, prompts)
-    assert strict == [1.0] * len(prompts)
-    assert categories == [parse(p).category for p in prompts]
-    wrong, _ = judge(pixels, prompts[1:] + prompts[:1])  # each image under another caption
+    judged = judge(pixels, prompts)
+    assert judged.passed == [1.0] * len(prompts)
+    assert judged.groups == [parse(p).category for p in prompts]
+    wrong = judge(pixels, prompts[1:] + prompts[:1]).passed  # each image under another caption
     assert sum(wrong) < len(prompts) / 2
     assert judge(pixels[:1], ["a photo of a dog"]) is None  # not the shapes world: no judging
 

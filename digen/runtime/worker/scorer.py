@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from digen.config import DigenConfig
+from digen.rewards.judge import judge
 from digen.rewards.loop import RewardLoop
 from digen.rewards.scoring import build_reward
 from digen.runtime.messages import (
@@ -24,7 +25,7 @@ from digen.runtime.worker.base import WorkerActor, pool_config
 from digen.runtime.worker.store import fetch_pixels
 from digen.sched.names import Pool, index_of, worker_name
 
-__all__ = ["EVAL_STEP", "ScorerActor", "Scoring", "eval_scores", "judge", "reward_loop"]
+__all__ = ["EVAL_STEP", "ScorerActor", "Scoring", "eval_scores", "reward_loop"]
 
 EVAL_STEP = -1
 """The step of an evaluation's images in a store's keys ``(EVAL_STEP, batch)``: never a
@@ -37,31 +38,15 @@ def reward_loop(cfg: DigenConfig, rewards: Sequence[Any] | None) -> RewardLoop:
     return RewardLoop(build_reward(hooks, cfg.train.on_nonfinite), device=cfg.model.device)
 
 
-def judge(pixels: Any, prompts: Sequence[str]) -> tuple[list[float], list[str]] | None:
-    """GenEval's strict score and category of each sample, where every prompt is a caption
-    of the shapes world (:mod:`digen.shapes`); None for any other prompts."""
-    from digen.shapes import parse
-
-    try:
-        for p in prompts:
-            parse(p)
-    except ValueError:
-        return None
-    from digen.rewards.shapes import evaluate
-
-    judged = evaluate(pixels, prompts)
-    return [s.strict for s in judged], [s.category for s in judged]
-
-
 def eval_scores(rewards: Any, pixels: Any, prompts: Sequence[str]) -> EvalScores:
     """Evaluation images scored: ``rewards`` (the run's rewards' result on ``pixels``) and,
-    for captions of the shapes world, GenEval's strict judgement (:func:`judge`)."""
+    where the prompts have a rule, each image judged (:func:`digen.rewards.judge.judge`)."""
     judged = judge(pixels, prompts)
     return EvalScores(
         total=rewards.total.tolist(),
         components={name: v.tolist() for name, v in rewards.components.items()},
-        strict=judged[0] if judged else None,
-        categories=judged[1] if judged else None,
+        passed=judged.passed if judged else None,
+        groups=judged.groups if judged else None,
         thumbnails=thumbnails(pixels),
     )
 
