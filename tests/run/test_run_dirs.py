@@ -65,7 +65,9 @@ def test_the_readme_command_runs_twice_and_overwrite_replaces_the_evaluations(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "eval.txt").write_text("a red cube\na blue sphere\n")
     args = ["run", "--flavour", "tiny", "--steps", "1", "eval.every=1", "eval.samples=1"]
+    args += ["eval.prompts=eval.txt", "data.train_batch_size=1", "train.mini_batch_size=null"]
     first = CliRunner().invoke(main, args, catch_exceptions=False)
     second = CliRunner().invoke(main, args, catch_exceptions=False)
     assert (first.exit_code, second.exit_code) == (0, 0), first.output + second.output

@@ -517,7 +517,7 @@ def test_digen_join_says_what_is_wrong_in_one_line(
 async def test_a_running_world_that_takes_no_joiners_refuses_one() -> None:
     async with ActorSystem([WorkerSpec("generator-0")], stop_timeout_s=1.0) as system:
         assert system.port is not None
-        proc = _start_joiner(system.port, wait_s=20.0)
+        proc = _start_joiner(system.port, wait_s=3.0)  # no hello comes: it waits all of it
         _, err = await asyncio.to_thread(proc.communicate, timeout=300)
     assert proc.returncode == 1
     assert (
