@@ -34,6 +34,18 @@ def pytest_configure(config: pytest.Config) -> None:
     start_fork_server()
 
 
+_LONGEST = ("test_shapes_learning.py", "test_memory.py")
+"""The files whose slow tests take minutes: run first, so the other processes of ``pytest -n``
+run everything else beside them, not after them."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The minutes-long tests first, the rest in their usual order (quick and slow ones mixed,
+    so that two process-heavy tests seldom run at once), and the processes of ``pytest -n``
+    end together."""
+    items.sort(key=lambda item: item.path.name not in _LONGEST)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tiny flavours are built once per session and loaded back through ``from_pretrained``."""

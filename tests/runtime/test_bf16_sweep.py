@@ -24,7 +24,8 @@ from helpers import SMOOTH_REWARD, assert_trained_alike, run_config, tiny_config
 
 from digen.models import load_adapter
 
-pytestmark = pytest.mark.slow
+# slow; one worker of `pytest -n` runs them all, so the module's reference run is made once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_bf16_sweep")]
 
 COMMON = ["steps=1", "rollout.n=4", "rollout.num_inference_steps=4"]
 COMMON += ["train.mini_batch_size=null", "train.lr=1e-3", SMOOTH_REWARD]

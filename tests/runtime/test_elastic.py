@@ -32,7 +32,8 @@ from digen.runtime.transport.actors import _system as system_module
 from digen.runtime.transport.actors._transport import _TOKEN_KEY, wire
 
 # whole runs of worker processes, one of them killed: minutes in all
-pytestmark = pytest.mark.slow
+# slow; one worker of `pytest -n` runs them all, so the module's reference run is made once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_elastic")]
 
 STEPS = 3
 _HOLD_HOOK = '''

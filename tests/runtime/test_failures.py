@@ -26,7 +26,8 @@ from helpers import process_alive, read_jsonl, run_config
 from safetensors.torch import load_file
 
 # each test stops, kills or hangs whole runs of worker processes: minutes in all
-pytestmark = pytest.mark.slow
+# slow; one worker of `pytest -n` runs them all, so the module's reference run is made once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_failures")]
 
 STEPS = 4
 _HOLD_HOOK = '''

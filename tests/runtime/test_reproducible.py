@@ -40,6 +40,10 @@ def _assert_identical(a, b) -> None:
         assert {k: ra[k] for k in NUMBERS} == {k: rb[k] for k in NUMBERS}
 
 
+# one worker of ``pytest -n`` runs the module, so its reference run is made once
+pytestmark = pytest.mark.xdist_group("test_reproducible")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory):
     """One trainer, no TAG, no injected delays."""
