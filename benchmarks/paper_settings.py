@@ -31,7 +31,7 @@ at :data:`HBM_GB_S`.
 - *digen*: the same even split with GAP groups, TSP 4, BTS and scoring beside generation,
   and *+ TCSS* (one version, half a step early); new weights reach the generators over the
   link between the pools every step;
-- *planner*: what ``digen simulate --recommend`` ranks first over every layout.
+- *planner*: what ``digen simulate recommend`` ranks first over every layout.
 
 Step times are the mean of a 4-step simulation. The output is markdown; ``--json FILE``
 writes the rows.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,173 +15,326 @@ from digen.errors import DigenError
 from digen.registry.models import MODEL_NAMES
 
 
-@click.command()
-@click.option(
-    "--microbatches",
-    "-b",
-    type=int,
-    default=32,
-    show_default=True,
-    help="Micro-batches per train step.",
-)
-@click.option(
-    "--generators", "-g", type=int, default=4, show_default=True, help="Generator workers."
-)
-@click.option("--trainers", "-t", type=int, default=4, show_default=True, help="Trainer workers.")
-@click.option(
-    "--profile",
-    "profile_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Costs from a run's profile.json (overrides the cost flags).",
-)
-@click.option(
-    "--gen",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Seconds to generate a micro-batch on a generator.",
-)
-@click.option(
-    "--update-gen-ratio",
-    type=float,
-    default=0.5,
-    show_default=True,
-    help="Update time as a multiple of --gen.",
-)
-@click.option(
-    "--gen-tag", type=float, help="Seconds to generate on a trainer (TAG) [default: --gen]."
-)
-@click.option(
-    "--score", type=float, default=0.02, show_default=True, help="Seconds to score a micro-batch."
-)
-@click.option(
-    "--step-cost", type=float, default=0.0, show_default=True, help="Seconds of one optimizer step."
-)
-@click.option(
-    "--sync-cost", type=float, default=0.0, show_default=True, help="Seconds of one weight sync."
-)
-@click.option("--steps", type=int, default=4, show_default=True, help="Train steps to simulate.")
-@click.option("--static-k", type=int, help="k of the static-k policy [default: --trainers].")
-@click.option(
-    "--mbs-per-group", type=int, default=1, show_default=True, help="Micro-batches per group (GAP)."
-)
-@click.option(
-    "--max-staleness", type=int, default=1, show_default=True, help="TCSS W for the +tcss rows."
-)
-@click.option(
-    "--staleness-ratio",
-    type=float,
-    default=0.25,
-    show_default=True,
-    help="TCSS ratio for the +tcss rows.",
-)
-@click.option(
-    "--recommend",
-    is_flag=True,
-    help="Rank colocated and every generator/trainer split of --devices, by time and cost.",
-)
-@click.option("--devices", type=int, help="Devices to lay out (with --recommend).")
-@click.option(
-    "--hardware",
-    "hardware_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="With --recommend: a YAML/JSON description of the devices (kinds, memory, links, "
-    "prices; see docs/RUNTIME.md), to add the GPU costs of each layout.",
-)
-@click.option(
-    "--device",
-    "device_kind",
-    help="With --recommend: every device of this kind (h100, h200, a100, a100-40gb, l40s, "
-    "l4), with its spec-sheet defaults.",
-)
-@click.option(
-    "--model",
-    "model_name",
-    type=click.Choice(MODEL_NAMES),
-    help="With --hardware/--device: the backbone whose published sizes are moved and stored.",
-)
-@click.option(
-    "--lora-rank",
-    type=int,
-    default=8,
-    show_default=True,
-    help="With --model: the LoRA rank trained (0: full fine-tuning).",
-)
-@click.option(
-    "--reward-params",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="With --model: parameters of a reward model that sits beside the sampler.",
-)
-@click.option(
-    "--sampling-passes",
-    type=int,
-    default=10,
-    show_default=True,
-    help="With --model: denoiser passes to sample one micro-batch (sampling steps).",
-)
-@click.option(
-    "--update-tsp",
-    type=float,
-    help="With --recommend: seconds of an update with TSP, to rank layouts with and without.",
-)
-@click.option(
-    "--tsp-degree", type=int, default=4, show_default=True, help="The TSP degree of --update-tsp."
-)
-@click.option(
-    "--samples-per-microbatch",
-    type=int,
-    default=1,
-    show_default=True,
-    help="With --recommend: samples in one micro-batch (for the cost per 1,000 samples).",
-)
-@click.option(
-    "--by",
-    type=click.Choice(["time", "cost"]),
-    default="time",
-    show_default=True,
-    help="With --recommend: rank by step time or by cost per 1,000 samples.",
-)
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Draw the BTS schedule to this PNG.",
-)
-@click.option(
-    "--score-overlap/--no-score-overlap",
-    default=True,
-    show_default=True,
-    help="Score beside generation on a lane per generator, as runs do by default.",
-)
-@click.option(
-    "--loss-rate",
-    type=float,
-    help="Losses of each generator per hour (preemptions): price generators that come and go.",
-)
-@click.option(
-    "--rejoin-s",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="With --loss-rate: seconds until a lost generator is back, on average.",
-)
-@click.option(
-    "--generator-price", type=float, default=0.0, show_default=True, help="Per device-hour."
-)
-@click.option(
-    "--preemptible-price",
-    type=float,
-    help="Per device-hour of a generator that comes and goes [default: --generator-price].",
-)
-@click.option(
-    "--trainer-price", type=float, default=0.0, show_default=True, help="Per device-hour."
-)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--quiet", is_flag=True, help="No progress lines on stderr (--recommend).")
+def _option(*decls: str, **attrs: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    return decls, attrs
+
+
+_OPTIONS = [
+    _option(
+        "--microbatches",
+        "-b",
+        type=int,
+        default=32,
+        show_default=True,
+        help="Micro-batches per train step.",
+    ),
+    _option(
+        "--generators", "-g", type=int, default=4, show_default=True, help="Generator workers."
+    ),
+    _option("--trainers", "-t", type=int, default=4, show_default=True, help="Trainer workers."),
+    _option(
+        "--profile",
+        "profile_path",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Costs from a run's profile.json (overrides the cost flags).",
+    ),
+    _option(
+        "--gen",
+        type=float,
+        default=1.0,
+        show_default=True,
+        help="Seconds to generate a micro-batch on a generator.",
+    ),
+    _option(
+        "--update-gen-ratio",
+        type=float,
+        default=0.5,
+        show_default=True,
+        help="Update time as a multiple of --gen.",
+    ),
+    _option(
+        "--gen-tag", type=float, help="Seconds to generate on a trainer (TAG) [default: --gen]."
+    ),
+    _option(
+        "--score",
+        type=float,
+        default=0.02,
+        show_default=True,
+        help="Seconds to score a micro-batch.",
+    ),
+    _option(
+        "--step-cost",
+        type=float,
+        default=0.0,
+        show_default=True,
+        help="Seconds of one optimizer step.",
+    ),
+    _option(
+        "--sync-cost",
+        type=float,
+        default=0.0,
+        show_default=True,
+        help="Seconds of one weight sync.",
+    ),
+    _option("--steps", type=int, default=4, show_default=True, help="Train steps to simulate."),
+    _option("--static-k", type=int, help="k of the static-k policy [default: --trainers]."),
+    _option(
+        "--mbs-per-group",
+        type=int,
+        default=1,
+        show_default=True,
+        help="Micro-batches per group (GAP).",
+    ),
+    _option(
+        "--max-staleness", type=int, default=1, show_default=True, help="TCSS W for the +tcss rows."
+    ),
+    _option(
+        "--staleness-ratio",
+        type=float,
+        default=0.25,
+        show_default=True,
+        help="TCSS ratio for the +tcss rows.",
+    ),
+    _option(
+        "--recommend",
+        is_flag=True,
+        help="Rank colocated and every generator/trainer split of --devices, by time and cost.",
+    ),
+    _option("--devices", type=int, help="Devices to lay out (with --recommend)."),
+    _option(
+        "--hardware",
+        "hardware_path",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="With --recommend: a YAML/JSON description of the devices (kinds, memory, links, "
+        "prices; see docs/RUNTIME.md), to add the GPU costs of each layout.",
+    ),
+    _option(
+        "--device",
+        "device_kind",
+        help="With --recommend: every device of this kind (h100, h200, a100, a100-40gb, l40s, "
+        "l4), with its spec-sheet defaults.",
+    ),
+    _option(
+        "--model",
+        "model_name",
+        type=click.Choice(MODEL_NAMES),
+        help="With --hardware/--device: the backbone whose published sizes are moved and stored.",
+    ),
+    _option(
+        "--lora-rank",
+        type=int,
+        default=8,
+        show_default=True,
+        help="With --model: the LoRA rank trained (0: full fine-tuning).",
+    ),
+    _option(
+        "--reward-params",
+        type=float,
+        default=0.0,
+        show_default=True,
+        help="With --model: parameters of a reward model that sits beside the sampler.",
+    ),
+    _option(
+        "--sampling-passes",
+        type=int,
+        default=10,
+        show_default=True,
+        help="With --model: denoiser passes to sample one micro-batch (sampling steps).",
+    ),
+    _option(
+        "--update-tsp",
+        type=float,
+        help="With --recommend: seconds of an update with TSP, to rank layouts with and without.",
+    ),
+    _option(
+        "--tsp-degree",
+        type=int,
+        default=4,
+        show_default=True,
+        help="The TSP degree of --update-tsp.",
+    ),
+    _option(
+        "--samples-per-microbatch",
+        type=int,
+        default=1,
+        show_default=True,
+        help="With --recommend: samples in one micro-batch (for the cost per 1,000 samples).",
+    ),
+    _option(
+        "--by",
+        type=click.Choice(["time", "cost"]),
+        default="time",
+        show_default=True,
+        help="With --recommend: rank by step time or by cost per 1,000 samples.",
+    ),
+    _option(
+        "--plot",
+        "plot_path",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Draw the BTS schedule to this PNG.",
+    ),
+    _option(
+        "--score-overlap/--no-score-overlap",
+        default=True,
+        show_default=True,
+        help="Score beside generation on a lane per generator, as runs do by default.",
+    ),
+    _option(
+        "--loss-rate",
+        type=float,
+        help="Losses of each generator per hour (preemptions): price generators that come and go.",
+    ),
+    _option(
+        "--rejoin-s",
+        type=float,
+        default=300.0,
+        show_default=True,
+        help="With --loss-rate: seconds until a lost generator is back, on average.",
+    ),
+    _option(
+        "--generator-price", type=float, default=0.0, show_default=True, help="Per device-hour."
+    ),
+    _option(
+        "--preemptible-price",
+        type=float,
+        help="Per device-hour of a generator that comes and goes [default: --generator-price].",
+    ),
+    _option("--trainer-price", type=float, default=0.0, show_default=True, help="Per device-hour."),
+    _option("--json", "as_json", is_flag=True, help="Machine-readable output."),
+    _option("--quiet", is_flag=True, help="No progress lines on stderr (--recommend)."),
+]
+"""Every option of ``digen simulate``: the subcommands each take their share."""
+
+_BY_NAME = {decls[0].lstrip("-"): (decls, attrs) for decls, attrs in _OPTIONS}
+_COSTS = (
+    "microbatches", "generators", "trainers", "profile", "gen", "update-gen-ratio",
+    "gen-tag", "score", "step-cost", "sync-cost", "steps", "mbs-per-group", "score-overlap",
+    "json",
+)  # fmt: skip
+"""What every job reads: the pools, the costs, the run's shape, the output."""
+_SCHEDULE = ("static-k", "max-staleness", "staleness-ratio")
+_JOBS: dict[str, tuple[str, ...]] = {
+    "policies": _COSTS + _SCHEDULE + ("plot",),
+    "recommend": _COSTS
+    + _SCHEDULE
+    + (
+        "devices",
+        "hardware",
+        "device",
+        "model",
+        "lora-rank",
+        "reward-params",
+        "sampling-passes",
+        "update-tsp",
+        "tsp-degree",
+        "samples-per-microbatch",
+        "by",
+        "generator-price",
+        "trainer-price",
+        "quiet",
+    ),  # fmt: skip
+    "losses": _COSTS
+    + ("loss-rate", "rejoin-s", "generator-price", "preemptible-price", "trainer-price"),
+}
+"""The options of each subcommand."""
+
+
+def _options(names: Sequence[str], *, hidden: bool = False) -> Callable[[Any], Any]:
+    """Decorate a command with the options ``names`` (in :data:`_OPTIONS`' order)."""
+
+    def apply(f: Any) -> Any:
+        for decls, attrs in reversed(_OPTIONS):
+            if decls[0].lstrip("-") in names:
+                text = attrs.get("help", "")
+                if not hidden and text.startswith("With --recommend: "):  # it is the command
+                    text = text.removeprefix("With --recommend: ")
+                    attrs = {**attrs, "help": text[0].upper() + text[1:]}
+                f = click.option(*decls, **attrs, hidden=hidden)(f)
+        return f
+
+    return apply
+
+
+class _Simulate(click.Group):
+    """``digen simulate``: three jobs as subcommands; the flags alone (no subcommand) still
+    work as they always did, ``--recommend`` and ``--loss-rate`` choosing the job."""
+
+    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        formatter.write_usage(ctx.command_path, "COMMAND [OPTIONS]")
+
+
+@click.group(cls=_Simulate, invoke_without_command=True)
+@_options([decls[0].lstrip("-") for decls, _ in _OPTIONS], hidden=True)
+@click.pass_context
 @user_errors
-def simulate(
+def simulate(ctx: click.Context, **options: Any) -> None:
+    """The schedule on modelled costs, before renting a cluster.
+
+    \b
+    digen simulate policies    step times of the TAG / TCSS policies (none, static-k, BTS)
+    digen simulate recommend   colocated and every split of --devices, ranked
+    digen simulate losses      the price of generators that come and go (--loss-rate)
+
+    Costs come from flags (seconds per micro-batch) or from a run's profile.json
+    (--profile); see each command's --help. The flags without a command (the form
+    earlier releases took, with --recommend or --loss-rate choosing the job) still work.
+    """
+    if ctx.invoked_subcommand is None:
+        _simulate(**options)
+        return
+    given = [
+        _PARAMS[name][0][0]
+        for name in options
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        raise DigenError(
+            f"{', '.join(given)} must come after the command "
+            f"(digen simulate {ctx.invoked_subcommand} [OPTIONS])"
+        )
+
+
+_PARAMS = {click.Option(decls, **attrs).name: (decls, attrs) for decls, attrs in _OPTIONS}
+"""Each option by its parameter name: its flags and attributes, written once above."""
+
+
+def _default(attrs: dict[str, Any]) -> Any:
+    """An option's value when it is not given."""
+    return attrs.get("default", False if attrs.get("is_flag") else None)
+
+
+def _job(name: str, summary: str, *, needs: str | None = None, **fixed: Any) -> None:
+    """Add subcommand ``name`` with its options (:data:`_JOBS`): ``needs``, a parameter it
+    cannot go without; ``fixed``, what it sets."""
+
+    @simulate.command(name, help=summary)
+    @_options(_JOBS[name])
+    @user_errors
+    def command(**options: Any) -> None:
+        if needs is not None and options[needs] is None:
+            raise DigenError(f"digen simulate {name} needs {_PARAMS[needs][0][0]}")
+        defaults = {k: _default(attrs) for k, (_, attrs) in _PARAMS.items() if k not in options}
+        _simulate(**{**defaults, **options, **fixed})
+
+
+_job(
+    "policies",
+    "Step times of the TAG / TCSS policies (none, static-k, BTS) on these pools and costs.",
+)
+_job(
+    "recommend",
+    "Rank colocated and every generator/trainer split of --devices, by time or cost.",
+    recommend=True,
+)
+_job(
+    "losses",
+    "Price generators that come and go: --loss-rate losses of each per hour.",
+    needs="loss_rate",
+)
+
+
+def _simulate(
+    *,
     microbatches: int,
     generators: int,
     trainers: int,
@@ -218,10 +372,7 @@ def simulate(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Predict step times of TAG / TCSS policies (none, static-k, BTS) before renting a cluster.
-
-    Costs come from the flags (seconds per micro-batch) or from a run's profile.json.
-    """
+    """Run the job the options choose (``recommend``, ``loss_rate``; else the policies)."""
     from digen.planning import simulate as sc
 
     if profile_path is not None:

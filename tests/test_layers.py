@@ -176,7 +176,7 @@ def test_the_reader_sees_what_it_should() -> None:
     assert "digen.sched.plan" in config and "digen.errors" in config
     assert ("digen.config", 1) not in edges["digen.config"]
     driver = {t for t, _ in edges["digen.runtime.driver.loop"]}
-    assert "digen.sched.book" in driver and "digen.config" in driver
+    assert "digen.sched.scheduler" in driver and "digen.config" in driver
     # a made-up cycle and an upward import are caught
     fake = {"a": [("b", 1)], "b": [("c", 2)], "c": [("a", 3)], "d": [("a", 4)]}
     assert _cycles(fake) == [["a", "b", "c"]]

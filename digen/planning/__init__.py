@@ -3,7 +3,7 @@
 
 - :mod:`.layouts`: every candidate layout of a set of devices (colocated, and every split
   into generators and trainers under each TAG / TCSS policy) simulated with the same task
-  costs and ranked by time and by cost; ``--mode auto`` and ``digen simulate --recommend``
+  costs and ranked by time and by cost; ``--mode auto`` and ``digen simulate recommend``
   take its first;
 - :mod:`.hardware`: what a GPU layout costs beyond the tasks (bytes over links, memory that
   must fit), as explicit formulas;

@@ -10,10 +10,10 @@ The schedule's rules
 --------------------
 Written once, here: every other module points here. The numbers the rules use (micro-batches
 per step ``B``, GAP groups, trainer slots, the stale cap, ``C_gen``) are derived once, in
-:mod:`digen.sched.plan`. The driver (``digen/runtime/driver/loop.py``) follows
-these rules with real workers; the simulator's engine (:mod:`digen.sched._engine`) models
-them for the simulator and the TAG search; :class:`~digen.sched.book.Book` keeps the
-driver's account in the engine's terms.
+:mod:`digen.sched.plan`. One :class:`~digen.sched.scheduler.Scheduler` applies them:
+the driver (``digen/runtime/driver/loop.py``) runs it with real workers, the simulator
+(:mod:`digen.sched.simulator`) with a clock; the TAG search runs a compiled copy of the
+simulator (:mod:`digen.sched._engine`), tested to make the same schedule.
 
 **Hand-out and versions.** A train step has ``B`` micro-batches, handed out in order (step
 ``s`` micro-batch ``0 .. B-1``, then step ``s + 1``), so a micro-batch's index ``m`` is also

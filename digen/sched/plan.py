@@ -2,8 +2,8 @@
 
 A :class:`SchedulePlan` is frozen and torch-free. It is built once per run from the run's
 settings (``digen.config.schedule_plan(cfg)`` hands them over) and then passed, never
-re-derived: the driver and its :class:`~digen.sched.book.Book`, the TAG search's
-:class:`~digen.sched.state.SchedState`, the simulator's engine, ``digen simulate``,
+re-derived: the driver and its :class:`~digen.sched.scheduler.Scheduler`, the TAG search's
+:class:`~digen.sched.state.SchedState`, the simulator, ``digen simulate``,
 ``digen bench`` and a resumed run all read the same object.
 
 The rules (the only place they are written; other modules point here):

@@ -1,8 +1,15 @@
 """Discrete-event simulation of a disaggregated run: G generators, T trainers, S train steps.
 
-The simulator applies the runtime's queue priorities exactly (``digen/runtime/driver/loop.py``),
-so that a TAG policy tuned here behaves the same in a real run and so that the search, which
-runs this very model forward, predicts what the driver will do.
+The simulator is a clock around the driver's own scheduler
+(:class:`~digen.sched.scheduler.Scheduler`): each free worker is asked what it runs next
+exactly as the driver (``digen/runtime/driver/loop.py``) asks, its task ends after its
+kind's cost, and what it made, scored or trained is told back the driver's way. What the
+clock adds is the model of time: tasks ending at one instant take effect together, the
+optimizer step and the weight sync run on every worker at once, and the tie rules of
+:mod:`digen.sched` serve simultaneous free workers. A TAG policy tuned here therefore sees
+what it will see in a real run. The TAG search runs a compiled copy of this model
+(``_engine.Engine``, cloned at every node); ``tests/sched/test_scheduler.py`` checks that
+the two give the same schedule, event for event.
 
 It follows the schedule's rules (:mod:`digen.sched`) with the numbers of a
 :class:`~digen.sched.plan.SchedulePlan`.
@@ -16,15 +23,17 @@ that generated the micro-batch; for ``sync``, the version being installed); ``st
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Literal
 
-from digen.sched._engine import Engine, Model
 from digen.sched.admission import Admission, stale_cap
 from digen.sched.costs import Costs
-from digen.sched.names import TaskKind
+from digen.sched.names import Pool, TaskKind, worker_names
 from digen.sched.plan import SchedulePlan
+from digen.sched.scheduler import Scheduler
 from digen.sched.tag import NoTAG, TagPolicy, make_tag_policy
 from digen.sched.trace import Trace, TraceEvent
 
@@ -125,30 +134,221 @@ def simulate_plan(
         policy = make_tag_policy(plan.tag, plan.tag_k)
     pol = NoTAG() if policy is None else policy
     pol.reset()
-    eng = Engine(Model(plan, costs), horizon=steps, record=True)
+    clock = _Clock(plan, costs, steps)
     decisions: list[bool] = []
-    while True:
-        j = eng.run()
-        if j < 0:
-            break
-        d = bool(pol.decide(eng.to_state(j), costs))
+    while (j := clock.run()) >= 0:
+        d = bool(pol.decide(clock.sched.sched_state(j, clock.now, costs), costs))
         decisions.append(d)
-        eng.decide(j, d)
-    order = {name: i for i, name in enumerate(eng.model.names)}
-    assert eng.events is not None
-    events = sorted(eng.events, key=lambda e: (e.t0, order[e.worker], e.t1))
+        clock.decide(j, d)
+    order = {name: i for i, name in enumerate(clock.names)}
+    events = sorted(clock.events, key=lambda e: (e.t0, order[e.worker], e.t1))
     stale = Counter(
         e.step for e in events if e.kind in (TaskKind.GENERATE, TaskKind.TAG) and e.version < e.step
     )
     return SimResult(
-        makespan=eng.now,
+        makespan=clock.now,
         events=events,
-        step_ends=eng.step_ends,
-        tag_count=eng.tag_total,
-        bubble_count=eng.bubble_total,
+        step_ends=clock.step_ends,
+        tag_count=clock.tag_total,
+        bubble_count=clock.bubble_total,
         decisions=decisions,
         stale={s: stale.get(s, 0) for s in range(steps)},
     )
+
+
+class _Phase(IntEnum):
+    """Where the training side of the current step is."""
+
+    TRAIN = 0
+    WANT_STEP = 1
+    STEPPING = 2
+    WANT_SYNC = 3
+    SYNCING = 4
+
+
+class _Clock:
+    """Time around a :class:`~digen.sched.scheduler.Scheduler` (module docstring).
+
+    Lanes: generators ``0 .. G-1``, trainers ``G .. G+T-1``, then the scoring lanes.
+    """
+
+    def __init__(self, plan: SchedulePlan, costs: Costs, steps: int) -> None:
+        self.sched = Scheduler(plan)
+        g, t = plan.generators, plan.trainers
+        self.g, self.workers = g, g + t
+        self.lanes = g if plan.score_overlap else 0
+        self.names = (
+            worker_names(Pool.GENERATOR, g)
+            + worker_names(Pool.TRAINER, t)
+            + worker_names(Pool.SCORER, self.lanes)
+        )
+        n = len(self.names)
+        self.cost = {
+            TaskKind.GENERATE: costs.gen,
+            TaskKind.TAG: costs.gen_tag,
+            TaskKind.SCORE: costs.score,
+            TaskKind.UPDATE: costs.update,
+            TaskKind.STEP: costs.step,
+            TaskKind.SYNC: costs.sync,
+        }
+        self.horizon = steps
+        rule = plan.admission
+        self.fixed_quota = rule.quota(rule.first_step + 1) > 0
+        self.now = 0.0
+        self.phase = _Phase.TRAIN
+        self.ends = [math.inf] * n
+        """Per lane, when its task ends (inf: idle)."""
+        self.tasks: list[TraceEvent | None] = [None] * n
+        """Per lane, its task (its end still to come)."""
+        self.events: list[TraceEvent] = []
+        self.step_ends: list[float] = []
+        self.tag_total = self.bubble_total = 0
+        self.serve = True
+        """Free workers may not all have been asked since the last change."""
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Advance to the next bubble: the index of the trainer at it, or -1 once the
+        horizon's last sync has ended (``now`` is then its end)."""
+        while True:
+            if self.serve:
+                j = self._serve()
+                if j >= 0:
+                    return j
+                self.serve = False
+            t = min(self.ends)
+            if t == math.inf:  # cannot happen with G, T >= 1; guards against a silent hang
+                raise RuntimeError("the schedule stalled with work left")
+            self.now = t
+            ending = [i for i, end in enumerate(self.ends) if end == t]
+            for i in sorted(ending, key=lambda i: (self.tasks[i].step, self.tasks[i].mb, i)):
+                self._finish(i)
+            if self.phase != _Phase.TRAIN or self._updated() == self.sched.plan.microbatches:
+                self._advance()
+                if self.sched.version >= self.horizon:
+                    return -1
+            self.serve = True
+
+    def decide(self, trainer: int, insert: bool) -> None:
+        """The policy's answer at trainer ``trainer``'s bubble."""
+        self.bubble_total += 1
+        mb = self.sched.answer(trainer, insert)
+        if mb is not None:
+            self.tag_total += 1
+            v = self.sched.version
+            self._start(self.g + trainer, TaskKind.TAG, mb.step, mb.mb, v)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _start(self, i: int, kind: TaskKind, step: int, mb: int, version: int) -> None:
+        self.sched.started(self.names[i], kind, step, mb, self.now)
+        self.tasks[i] = TraceEvent(kind, self.names[i], step, mb, version, self.now, self.now)
+        self.ends[i] = self.now + self.cost[kind]
+
+    def _busy(self, lanes: range) -> bool:
+        return any(self.ends[i] != math.inf for i in lanes)
+
+    def _updated(self) -> int:
+        rec = self.sched.record(self.sched.version)
+        return len(rec.trained) + len(rec.dropped)
+
+    def _quota_pending(self) -> bool:
+        return self.fixed_quota and self.sched.quota_pending(self.sched.version + 1)
+
+    def _serve(self) -> int:
+        """Ask the free workers what they run: lanes, generators, then trainers (those
+        waiting first), each by index. Returns a trainer at a bubble, or -1."""
+        sched, g, n = self.sched, self.g, self.workers
+        for x in range(self.lanes):
+            if self.ends[n + x] == math.inf and (work := sched.lane_work(x)) is not None:
+                self._start(n + x, TaskKind.SCORE, work.mb.step, work.mb.mb, work.version)
+        phase = self.phase
+        if phase < _Phase.WANT_SYNC or (phase == _Phase.WANT_SYNC and self._quota_pending()):
+            for i in range(g):
+                if self.ends[i] != math.inf:
+                    continue
+                work = sched.generator_work(i)
+                if work is None:
+                    break
+                version = work.version if work.kind == TaskKind.SCORE else sched.gen_version[i]
+                self._start(i, work.kind, work.mb.step, work.mb.mb, version)
+        if phase != _Phase.TRAIN:
+            return -1
+        v = sched.version
+        free = [j for j in range(sched.trainers) if self.ends[g + j] == math.inf]
+        waiting = [j for j in free if j in sched.waiting]  # served first
+        for j in waiting + [j for j in free if j not in waiting]:
+            if (m := sched.take_update(v)) is not None:
+                self._start(g + j, TaskKind.UPDATE, v, m, v)
+            elif j not in sched.waiting and sched.at_bubble(j, v):
+                return j
+        return -1
+
+    def _finish(self, i: int) -> None:
+        """Lane ``i``'s task ends now: it takes effect."""
+        task = self.tasks[i]
+        assert task is not None
+        done = TraceEvent(
+            task.kind, task.worker, task.step, task.mb, task.version, task.t0, self.now
+        )
+        self.events.append(done)
+        self.tasks[i], self.ends[i] = None, math.inf
+        sched = self.sched
+        sched.finished(task.worker)
+        if task.kind in (TaskKind.STEP, TaskKind.SYNC):
+            return
+        mb = sched.record(task.step).mbs[task.mb]
+        if task.kind in (TaskKind.GENERATE, TaskKind.TAG):
+            sched.generated(mb, task.worker, task.version)
+            if task.kind == TaskKind.GENERATE and not self.lanes:  # scored where it was made
+                self._start(i, TaskKind.SCORE, task.step, task.mb, task.version)
+        elif task.kind == TaskKind.SCORE:
+            if sched.scored(mb, (), {}):  # its group is complete: onto UQ together
+                for other in sched.record(task.step).group(mb.prompt):
+                    sched.queued(task.step, other.mb)
+        elif task.kind == TaskKind.UPDATE:
+            sched.trained(task.step, task.mb, None)
+
+    def _advance(self) -> None:
+        """The step's end: all trainers step once their updates are done; then, once the
+        generators and trainers are free (and the fixed TCSS quota is out), all sync; then the
+        version moves."""
+        sched, g, n = self.sched, self.g, self.workers
+        trainers = range(g, n)
+        while True:
+            v = sched.version
+            if self.phase == _Phase.TRAIN:
+                if self._updated() < sched.plan.microbatches:
+                    return
+                self.phase = _Phase.WANT_STEP
+            elif self.phase == _Phase.WANT_STEP:
+                if self._busy(trainers):
+                    return
+                for j in trainers:
+                    self._start(j, TaskKind.STEP, v, -1, v)
+                sched.waiting.clear()
+                self.phase = _Phase.STEPPING
+                return
+            elif self.phase == _Phase.STEPPING:
+                if self._busy(trainers):
+                    return
+                self.phase = _Phase.WANT_SYNC
+            elif self.phase == _Phase.WANT_SYNC:
+                if self._busy(range(n)) or self._quota_pending():
+                    return
+                for i in range(n):
+                    self._start(i, TaskKind.SYNC, v, -1, v + 1)
+                self.phase = _Phase.SYNCING
+                return
+            else:
+                if self._busy(range(n)):
+                    return
+                sched.advance(v + 1)
+                sched.gen_version = [v + 1] * g
+                self.step_ends.append(self.now)
+                self.phase = _Phase.TRAIN
+                return
 
 
 def ideal_bound(

@@ -1,6 +1,6 @@
 """What a TAG policy sees at a trainer bubble: counters and clocks, nothing heavy.
 
-The real driver fills a :class:`SchedState` from its own book-keeping (queues, the workers'
+The real driver fills a :class:`SchedState` from its scheduler's account (queues, the workers'
 current tasks with their start times plus the profiled costs); the simulator fills the same
 dataclass from its model. A policy therefore cannot tell the two apart, and the search that
 the policy runs restarts the model from exactly what the driver knows.

@@ -15,8 +15,8 @@ from digen import load_config
 from digen.presets import preset
 from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.messages import LossStats
-from digen.sched.book import StepRecord
 from digen.sched.names import DRIVER, TaskKind
+from digen.sched.scheduler import StepRecord
 from digen.sched.trace import Trace
 
 WORKERS = ["generator-0", "generator-1", "trainer-0"]

@@ -11,8 +11,8 @@ from digen.config import load_config, schedule_plan
 from digen.errors import ConfigError
 from digen.sched import Costs
 from digen.sched._engine import Engine
-from digen.sched.book import Book
 from digen.sched.plan import plan_schedule
+from digen.sched.scheduler import Scheduler
 from digen.sched.tag import brute_force, search
 
 
@@ -97,14 +97,14 @@ def test_a_resumed_runs_first_step_is_on_policy_in_the_searchs_model() -> None:
         last_step=4,
     )
     assert plan.admission.quota(3) == 0 and plan.admission.quota(4) == 2
-    book = Book(plan)
-    assert book.next_for(3) is not None  # the driver's book hands step 3 out on version 3
+    sched = Scheduler(plan)
+    assert sched.next_for(3) is not None  # the driver's book hands step 3 out on version 3
     costs = Costs(gen=1.0, score=0.1, update=0.5, step=0.1, sync=0.1)
-    st = book.sched_state(0, now=0.0, costs=costs)
+    st = sched.sched_state(0, now=0.0, costs=costs)
     assert st.admission == plan.admission and st.admission.first_step == 3
     assert st.can_start_next()
     eng = Engine.from_state(st, costs)
-    assert eng._admissible()  # the model agrees with the book
+    assert eng._admissible()  # the model agrees with the scheduler
     res = search(st, costs)
     assert res.exact and math.isfinite(res.makespan)
     assert res.makespan == brute_force(st, costs).makespan

@@ -119,3 +119,40 @@ def test_loss_rate_prices_generators_that_come_and_go() -> None:
     got = json.loads(_run(*args, "--json").output)
     assert got["availability"] == pytest.approx(2 / 3)
     assert f"step time {got['step_time']:.3f} s" in res.output
+
+
+def test_each_job_is_a_command_and_the_flags_alone_still_work() -> None:
+    """`simulate policies / recommend / losses` give what the flags alone (the earlier
+    form, which stays) give; each command takes only its own options."""
+    shape = ["-b", "6", "-g", "2", "-t", "1", "--steps", "2", "--json"]
+    for command, extra in (
+        ("policies", ["--update-gen-ratio", "0.3"]),
+        ("recommend", ["--devices", "3", "--quiet"]),
+        ("losses", ["--loss-rate", "2", "--generator-price", "1"]),
+    ):
+        old = ["--recommend"] if command == "recommend" else []
+        by_command = _run(command, *shape, *extra)
+        by_flags = _run(*shape, *old, *extra)
+        assert by_command.exit_code == 0, (command, by_command.output)
+        got, want = json.loads(by_command.stdout), json.loads(by_flags.stdout)
+        for table in (got, want):  # how long the search took is not a result
+            for entry in table.values() if command == "policies" else ():
+                entry.pop("search_ms", None)
+                entry.pop("search_ms_max", None)
+        assert got == want, command
+    assert _run("policies", "--devices", "3").exit_code == 2  # a recommend option
+    assert "--loss-rate" not in _run("recommend", "--help").output
+    listed = _run("--help").output
+    assert all(f"digen simulate {c}" in listed for c in ("policies", "recommend", "losses"))
+    assert "--update-tsp" not in listed  # the flags of the earlier form are not listed
+
+
+def test_a_command_refuses_options_before_it_and_losses_needs_a_rate() -> None:
+    for args, msg in (
+        (["-g", "2", "policies"], "--generators must come after the command (digen simulate"),
+        (["losses", "-g", "2"], "digen simulate losses needs --loss-rate"),
+    ):
+        res = _run(*args)
+        assert res.exit_code == 2, (args, res.output)
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and msg in lines[0], (args, res.output)

@@ -20,9 +20,9 @@ import torch
 from digen.config import DigenConfig
 from digen.runtime.messages import LossStats, StepResult
 from digen.runtime.metrics import OVERHEAD_KINDS, Overhead, step_metrics
-from digen.sched.book import StepRecord
 from digen.sched.costs import OnlineProfiler
 from digen.sched.names import TaskKind, pool_of
+from digen.sched.scheduler import StepRecord
 from digen.sched.trace import Trace, device_of
 
 __all__ = ["CostLedger"]

@@ -15,7 +15,7 @@ import logging
 import socket
 from collections.abc import Collection, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -328,6 +328,53 @@ class Cluster:
     def payload(self) -> Any:
         """Bytes the driver's calls moved so far (:attr:`ActorSystem.payload`)."""
         return self.system.payload
+
+
+class ClusterBackend:
+    """The :class:`~digen.runtime.backend.TrainingBackend` calls of a disaggregated run
+    that its cluster answers (the schedule is the driver's): starting and stopping the
+    workers, the final weights, where every worker is."""
+
+    cluster: Any
+    """A :class:`Cluster` (tests: fakes with its methods)."""
+
+    @property
+    def gens(self) -> list[GeneratorHandle]:
+        return self.cluster.gens
+
+    @property
+    def trainers(self) -> list[TrainerHandle]:
+        return self.cluster.trainers
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.cluster.start()
+        except BaseException:
+            await self.cluster.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.cluster.stop()
+
+    async def save_weights(self, out_dir: Any) -> Any:
+        return await self.cluster.save_weights(out_dir)
+
+    async def final_state(self) -> dict[str, torch.Tensor]:
+        return await self.cluster.final_state()
+
+    async def trained_names(self) -> list[str]:
+        """The names of the trained weights, in the order weight syncs carry them."""
+        return await self.cluster.trainers[0].trained_names()
+
+    @property
+    def rendezvous(self) -> str | None:
+        """``address:port`` where the run's workers (and generators joining it) find it."""
+        return getattr(self.cluster, "rendezvous", None)
+
+    async def whereabouts(self) -> dict[str, dict[str, Any]]:
+        """Host and pid of every worker, by name."""
+        return await self.cluster.whereabouts()
 
 
 class ShardedTrainers:

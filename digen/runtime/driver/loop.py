@@ -29,9 +29,10 @@ that join by themselves with ``runtime.accept_generators``, what the log and the
 told) is the :class:`~digen.runtime.driver.pool.GeneratorPool`'s; a generator back or new
 joins at the next weight sync (:meth:`Driver._sync`).
 
-What was handed out, made, scored and trained lives in :class:`~digen.sched.book.Book`
-(pure book-keeping, the model the TAG search plans on); what calls cost is observed by
-:class:`~digen.runtime.driver.accounting.CostLedger`. The loops below are the schedule and nothing else.
+Who runs what next, and what was handed out, made, scored and trained, is the
+:class:`~digen.sched.scheduler.Scheduler`'s (the one the simulator runs with a clock); what
+calls cost is observed by :class:`~digen.runtime.driver.accounting.CostLedger`. The loops
+below ask it, await the actors and tell it what happened.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ import inspect
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +56,12 @@ from digen.checkpoint import PROFILER, Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
 from digen.runtime.driver.accounting import CostLedger
-from digen.runtime.driver.cluster import Cluster
+from digen.runtime.driver.calls import Calls
+from digen.runtime.driver.cluster import Cluster, ClusterBackend
+from digen.runtime.driver.evaluation import Members, evaluate
 from digen.runtime.driver.handles import GeneratorHandle, ScorerHandle, TrainerHandle
 from digen.runtime.driver.pool import GeneratorPool
 from digen.runtime.messages import (
-    EvalRequest,
     EvalScores,
     GenerateRequest,
     SampleKey,
@@ -69,10 +71,10 @@ from digen.runtime.messages import (
     UpdateRequest,
 )
 from digen.runtime.transport.actors import WorkerDied
-from digen.sched.book import Book, Remake
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
 from digen.sched.names import DRIVER, Pool, TaskKind, worker_name, worker_names
+from digen.sched.scheduler import Remake, Scheduler
 from digen.sched.tag import make_tag_policy
 from digen.sched.trace import Trace
 
@@ -100,7 +102,7 @@ class UpdateTask:
     advantages: tuple[float, ...]
 
 
-class Driver:
+class Driver(ClusterBackend):
     """Runs train steps on a generator pool and a trainer pool (module docstring): a
     :class:`~digen.runtime.backend.TrainingBackend`."""
 
@@ -136,7 +138,7 @@ class Driver:
         rt = cfg.runtime
         self.plan = schedule_plan(cfg, first_step=resume.step if resume is not None else 0)
         """The run's schedule (:mod:`digen.sched.plan`): the rules below all read it."""
-        self.book = Book(self.plan)
+        self.sched = Scheduler(self.plan)
         self.overlap = rt.score_overlap
         """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
         workers = worker_names(Pool.GENERATOR, rt.generators)
@@ -151,41 +153,27 @@ class Driver:
         """Prompts per mini-batch: one optimizer step each (``train.mini_batch_size``)."""
         self.mini_ids = [_ids_of(self.plan.microbatches_of(0), prompts) for prompts in minis]
         """Per mini-batch, the ids of its micro-batches (the same in every step)."""
-        self.uq: dict[tuple[int, int], asyncio.Queue[UpdateTask | None]] = {}
-        """Per (train step, mini-batch): scored micro-batches ready to train (None: that
-        mini-batch is trained)."""
         self.changed = asyncio.Condition()
-        """Wakes generators waiting to be admitted: a version, SQ, a trained micro-batch."""
+        """Wakes the loops waiting for work: a version, SQ, UQ, a trained micro-batch."""
         self._trained: dict[tuple[int, int], asyncio.Event] = defaultdict(asyncio.Event)
         self._stepped: dict[tuple[int, int], asyncio.Event] = defaultdict(asyncio.Event)
-        self._ministeps = 0
-        """Optimizer steps started in the train step being trained, not counting its last:
-        after the first, the trainers' weights are no longer the version generators hold
-        (no TAG, and a stop waits for the step's end)."""
         self._stop_after_step = False
         """A stop asked for after the step's first optimizer step: it waits for the step's end."""
         self._held_back: dict[int, list[UpdateTask]] = defaultdict(list)
         self._quota_waiter: tuple[int, asyncio.Future[None]] | None = None
         self._samples_at: Callable[[int], bool] = lambda step: False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = False
-        """A stop was asked for: no new generation, score or update starts."""
-        self._inflight = 0
-        self._quiet = asyncio.Event()
-        """Set once stopping and no call is running: every worker is at a micro-batch boundary."""
+        self._call = Calls(self.sched, self.accounts, clock)
+        """Awaits every actor call, telling the scheduler and the accounts."""
         self._tasks: dict[tuple[int, int], UpdateTask] = {}
         """Each ``(step, mb)``'s update, once its group is scored, until it is trained."""
         self._tg: asyncio.TaskGroup | None = None
         self._loops: list[asyncio.Task] = []
         self.pool = GeneratorPool(
-            cfg, cluster, self.book, trace, clock, stopping=lambda: self._stopping
+            cfg, cluster, self.sched, trace, clock, stopping=lambda: self.sched.stopping
         )
         """Membership: losses, restarts, arrivals (:mod:`digen.runtime.driver.pool`)."""
         self.pool.start = self._start
-
-    @property
-    def gens(self) -> list[GeneratorHandle]:
-        return self.cluster.gens
 
     @property
     def scorers(self) -> list[ScorerHandle]:
@@ -193,27 +181,9 @@ class Driver:
         return self.cluster.scorers if self.overlap else self.cluster.gens
 
     @property
-    def trainers(self) -> list[TrainerHandle]:
-        return self.cluster.trainers
-
-    @property
     def version(self) -> int:
         """The trainers' weights: the train step being trained."""
-        return self.book.version
-
-    async def __aenter__(self) -> Driver:
-        try:
-            await self.cluster.start()
-        except BaseException:
-            await self.cluster.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.cluster.stop()
-
-    async def save_weights(self, out_dir: Any) -> Any:
-        return await self.cluster.save_weights(out_dir)
+        return self.sched.version
 
     async def restore(self, ckpt: Checkpoint) -> None:
         """The trainers loaded ``ckpt`` as they started (``resume``): nothing left to do."""
@@ -230,22 +200,6 @@ class Driver:
         await self.cluster.trainers[0].write_checkpoint(str(directory))
         self.accounts.profiler.save(Path(directory) / PROFILER)
 
-    async def final_state(self) -> dict[str, torch.Tensor]:
-        return await self.cluster.final_state()
-
-    async def trained_names(self) -> list[str]:
-        """The names of the trained weights, in the order weight syncs carry them."""
-        return await self.cluster.trainers[0].trained_names()
-
-    @property
-    def rendezvous(self) -> str | None:
-        """``address:port`` where the run's workers (and generators joining it) find it."""
-        return getattr(self.cluster, "rendezvous", None)
-
-    async def whereabouts(self) -> dict[str, dict[str, Any]]:
-        """Host and pid of every worker, by name."""
-        return await self.cluster.whereabouts()
-
     def request_stop(self) -> None:
         """Stop at the next micro-batch boundary (callable from any thread or a signal
         handler): calls already running finish, no new generation, score or update starts,
@@ -257,12 +211,11 @@ class Driver:
             self._loop.call_soon_threadsafe(self._begin_stop)
 
     def _begin_stop(self) -> None:
-        if self._ministeps and not self._stopping:
+        if self.sched.mid_step and not self.sched.stopping:
             self._stop_after_step = True  # mid-step weights must not be what a checkpoint holds
             return
-        self._stopping = True
-        if self._inflight == 0:
-            self._quiet.set()
+        self.sched.stopping = True  # no new generation, score or update starts
+        self._call.stopping()
         waiting = self._quota_waiter
         if waiting is not None and not waiting[1].done():
             waiting[1].set_result(None)
@@ -285,7 +238,7 @@ class Driver:
         steps = range(steps) if isinstance(steps, int) else steps
         if not steps or steps.start != self.version:
             raise ValueError(f"steps {steps} must be non-empty and start at {self.version}")
-        self.plan = self.book.plan = self.plan.running(steps.start, steps[-1])
+        self.plan = self.sched.plan = self.plan.running(steps.start, steps[-1])
         self._samples_at = samples_at or (lambda step: False)
         self._loop = asyncio.get_running_loop()
         results: list[StepResult] = []
@@ -333,7 +286,7 @@ class Driver:
         else:
             return results
         if not isinstance(error, WorkerDied):
-            went_on = [self.gens[i].worker for i in self.book.lost]  # losses the run survived
+            went_on = [self.gens[i].worker for i in self.sched.lost]  # losses the run survived
             if died := await self.cluster.lost_behind(error, went_on):
                 raise died from error  # a call between two workers met the loss first
         raise error from None
@@ -351,14 +304,14 @@ class Driver:
         """Generator ``i`` is lost (``died``): go on without it, making again elsewhere what
         it held (``running``: what the failed call was making or scoring), or end the run
         (:meth:`GeneratorPool.refuse_loss`)."""
-        first = i not in self.book.lost
-        if first and not self._stopping:
+        first = i not in self.sched.lost
+        if first and not self.sched.stopping:
             self.pool.refuse_loss(died)
-        remakes = self.book.lose_generator(i, running)
-        for r in remakes:
+        remakes = self.sched.lose_generator(i, running)
+        for r in remakes:  # off UQ (the scheduler takes it off) until made again, and rehomed
             if (task := self._tasks.get((r.step, r.mb))) is not None:
-                # what UQ holds of it reads the lost store: no longer its update (an equal
-                # copy stands in until it is made again, and rehomed)
+                # what is held back of it reads the lost store: no longer its update (an
+                # equal copy stands in until it is made again, and rehomed)
                 self._tasks[r.step, r.mb] = dataclasses.replace(task)
             if r.left_with is not None:  # what a trainer still holds of it goes
                 await self.cluster.forget(r.left_with, [(r.step, r.mb)])
@@ -373,24 +326,30 @@ class Driver:
         to :meth:`_scorer_loop`."""
         running: list[tuple[int, int]] = []  # what the call in flight makes or scores
         try:
-            while i not in self.book.lost:
+            while i not in self.sched.lost:
                 running.clear()
-                if not self.overlap and (took := self.book.next_to_score()) is not None:
-                    running.append((took[0].step, took[0].mb))
-                    await self._score(i, RolloutRef(*took))  # SQ: what trainers made, first
-                elif (remake := self._take_remake(i)) is not None:
-                    running.append((remake.step, remake.mb))
-                    await self._make_again(i, remake)
-                elif (mb := self._hand_out(self.book.gen_version[i])) is not None:
-                    running.append((mb.step, mb.mb))
-                    made = await self._generate(self.gens[i], mb, TaskKind.GENERATE)
+                work = self.sched.generator_work(i)
+                if work is None:
+                    async with self.changed:
+                        await self.changed.wait_for(
+                            lambda: (
+                                i in self.sched.lost
+                                or self.sched.generator_work(i, take=False) is not None
+                            )
+                        )
+                    continue
+                running.append((work.mb.step, work.mb.mb))
+                if work.kind == TaskKind.SCORE:  # SQ: what trainers made, first
+                    await self._score(i, RolloutRef(work.mb, work.holder, work.version))
+                elif work.remake is not None:
+                    await self._make_again(i, work.remake)
+                else:
+                    self._handed_out()
+                    made = await self._generate(self.gens[i], work.mb, TaskKind.GENERATE)
                     if self.overlap:
-                        await self._notify()  # on its scoring lane's queue (the book's to_score)
+                        await self._notify()  # on its scoring lane's queue
                     else:
                         await self._score(i, made)  # where its pixels are
-                else:
-                    async with self.changed:
-                        await self.changed.wait_for(lambda: self._generator_has_work(i))
         except WorkerDied as died:
             if died.worker != self.gens[i].worker:
                 raise
@@ -401,47 +360,48 @@ class Driver:
         made, in the order made; the generator does not wait for it."""
         took = None
         try:
-            while i not in self.book.lost:
-                took = None if self._stopping else self.book.next_to_score(i)
+            while i not in self.sched.lost:
+                took = self.sched.lane_work(i)
                 if took is None:
                     async with self.changed:
                         await self.changed.wait_for(
                             lambda: (
-                                i in self.book.lost
-                                or (not self._stopping and self.book.has_to_score(i))
+                                i in self.sched.lost
+                                or (not self.sched.stopping and self.sched.has_to_score(i))
                             )
                         )
                     continue
-                await self._score(i, RolloutRef(*took))
+                await self._score(i, RolloutRef(took.mb, took.holder, took.version))
         except WorkerDied as died:
             if died.worker != self.scorers[i].worker:
                 raise
-            await self._lose(i, died, [(took[0].step, took[0].mb)] if took else [])
+            await self._lose(i, died, [(took.mb.step, took.mb.mb)] if took else [])
 
     async def _trainer_loop(self, j: int, steps: range) -> None:
         """Update what UQ holds, mini-batch by mini-batch; at a bubble, maybe generate (TAG);
         after each mini-batch, its optimizer step."""
         for s in steps:
-            for m in range(len(self.mini_ids)):
-                uq = self._uq(s, m)
-                while True:
-                    if uq.empty() and (mb := self._bubble(j, s)) is not None:
-                        await self._generate(self.trainers[j], mb, TaskKind.TAG)  # onto SQ
+            for m, ids in enumerate(self.mini_ids):
+                while not self._trained[s, m].is_set():
+                    if (mb := self.sched.take_update(s, ids)) is not None:
+                        await self._update(j, self._tasks[s, mb])
+                    elif (tag := self._bubble(j, s)) is not None:
+                        await self._generate(self.trainers[j], tag, TaskKind.TAG)  # onto SQ
                         await self._notify()  # a generator scores it
-                        continue
-                    task = await uq.get()
-                    if task is None:  # every micro-batch of mini-batch m is trained
-                        break
-                    if self._tasks.get((s, task.rollout.mb.mb)) is not task:
-                        continue  # its holder was lost: the micro-batch comes again, remade
-                    await self._update(j, task)
+                    else:  # wait for UQ (not asked about a bubble again before an update)
+                        async with self.changed:
+                            await self.changed.wait_for(
+                                lambda s=s, m=m, ids=ids: (
+                                    self._trained[s, m].is_set() or self.sched.has_update(s, ids)
+                                )
+                            )
                 await self._stepped[s, m].wait()
 
     async def _trained_or_stopped(self, s: int, m: int) -> bool:
         """Wait until mini-batch ``m`` of step ``s`` is trained (True) or a stop has every
         worker idle (False)."""
         trained = asyncio.ensure_future(self._trained[s, m].wait())
-        quiet = asyncio.ensure_future(self._quiet.wait())
+        quiet = asyncio.ensure_future(self._call.quiet.wait())
         try:
             await asyncio.wait({trained, quiet}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -455,7 +415,7 @@ class Driver:
         t0, last = self.clock(), m == len(self.mini_ids) - 1
         ids = self.mini_ids[m]
         if not last:
-            self._ministeps += 1  # from its start: a stop now must wait for the step's end
+            self.sched.mid_step = True  # from its start: a stop now must wait for the step's end
         request = StepRequest(ids, last)
         stepped = await asyncio.gather(
             *(self._call(t, TaskKind.STEP, s, -1, s, t.step(request)) for t in self.trainers)
@@ -472,12 +432,10 @@ class Driver:
         ``since``: the clock and the driver's payload count when the previous step ended."""
         t_start, mark = since
         version = stepped[-1][0]
-        rec = self.book.advance(version)
-        self._ministeps = 0
+        rec = self.sched.advance(version)
         self._stepped[s, len(self.mini_ids) - 1].set()
-        for key in [k for k in (*self.uq, *self._trained) if k[0] < s]:
-            self.uq.pop(key, None)  # every trainer loop is past step s - 1
-            self._trained.pop(key, None)
+        for key in [k for k in self._trained if k[0] < s]:
+            self._trained.pop(key)  # every trainer loop is past step s - 1
         for key in [k for k in self._stepped if k[0] < s - 1]:
             self._stepped.pop(key)
         for key in [k for k in self._tasks if k[0] <= s]:
@@ -493,74 +451,17 @@ class Driver:
             optimizer_s=sum(seconds for _, _, seconds in stepped),
             sync_s=self.clock() - t1,
             driver_mb=(self.cluster.payload - mark).megabytes,
-            generators_alive=len(self.book.alive),
+            generators_alive=len(self.sched.alive),
         )
 
     async def evaluate(
         self, prompts: Sequence[str], metadata: Sequence[dict], samples: int
     ) -> tuple[int, list[EvalScores]]:
-        """Evaluate the generators' current weights on ``prompts`` (``samples`` images each,
-        key order ``(prompt, sample)``): batches of a micro-batch's size go round the
-        generators, each scored beside the generator that made it. Returns the version
-        evaluated and the batches' scores in key order. Outside the schedule (no trace, no
-        cost estimate) and on streams of its own: training is the same with or without it."""
-        keys = [(p, j) for p in range(len(prompts)) for j in range(samples)]
-        size = self.plan.layout.samples_per_microbatch if self.plan.layout else len(keys)
-        batches = [keys[i : i + size] for i in range(0, len(keys), size)]
-
-        async def one(c: int, batch: list[tuple[int, int]]) -> tuple[int, EvalScores]:
-            texts = tuple(prompts[p] for p, _ in batch)
-            request = EvalRequest(c, tuple(batch), texts, tuple(metadata[p] for p, _ in batch))
-            while True:  # a generator lost meanwhile: the batch goes to another
-                alive = self.book.alive
-                i = alive[c % len(alive)]
-                try:
-                    made = await self.gens[i].evaluate(request)
-                    scored = await self.scorers[i].score_eval(request)
-                    return made.value, scored.value
-                except WorkerDied as died:
-                    if died.worker != self.gens[i].worker:
-                        raise
-                    await self._lose(i, died)
-
-        async def every_generator(call: Callable[[GeneratorHandle], Awaitable[None]]) -> None:
-            """Call the generators that took part from the lend's first bucket on."""
-
-            async def to(i: int) -> None:
-                try:
-                    await call(self.gens[i])
-                except WorkerDied as died:
-                    if died.worker != self.gens[i].worker:
-                        raise
-                    await self._lose(i, died)
-
-            await asyncio.gather(*(to(i) for i in self.book.alive if i in pulling))
-
-        lent, source, pulling = False, self.trainers[0].worker, set(self.book.alive)
-        if self.cfg.eval.ema > 0:  # the trainers' moving average, lent to the generators
-            try:  # a bucket at a time: trainer 0 never holds a second full copy
-                bucket, buckets = 0, 1
-                while bucket < buckets:
-                    buckets = await self.trainers[0].lend_ema(bucket)  # sharded: all
-                    if not buckets:  # gather it; 0: no average kept
-                        break
-                    last = bucket == buckets - 1
-                    pull = partial(
-                        GeneratorHandle.pull_eval_weights, source=source, bucket=bucket, last=last
-                    )
-                    await every_generator(pull)
-                    lent, bucket = last, bucket + 1
-            finally:
-                await self.trainers[0].end_lend()
-        try:
-            done = await asyncio.gather(*(one(c, b) for c, b in enumerate(batches)))
-        finally:
-            if lent:
-                await every_generator(lambda g: g.drop_eval_weights())
-        versions = {v for v, _ in done}
-        if len(versions) != 1:
-            raise RuntimeError(f"an evaluation met several versions: {sorted(versions)}")
-        return versions.pop(), [scores for _, scores in done]
+        """Evaluate the generators' current weights
+        (:func:`~digen.runtime.driver.evaluation.evaluate`): the version and the scores."""
+        size = self.plan.layout.samples_per_microbatch if self.plan.layout else None
+        members = Members(self.gens, self.scorers, self.trainers[0], self.sched, self._lose)
+        return await evaluate(members, self.cfg.eval.ema > 0, size, prompts, metadata, samples)
 
     # --- the work ---------------------------------------------------------------------------
 
@@ -571,7 +472,7 @@ class Driver:
         texts = self.prompts(mb.step)[0]
         request = GenerateRequest(mb.step, mb.mb, keys, texts[mb.prompt], True, self._ahead(texts))
         version = await self._call(actor, kind, mb.step, mb.mb, None, actor.generate(request))
-        self.book.generated(mb, actor.worker, version)
+        self.sched.generated(mb, actor.worker, version)
         return RolloutRef(mb, actor.worker, version)
 
     def _ahead(self, texts: list[str]) -> tuple[str, ...]:
@@ -580,17 +481,12 @@ class Driver:
         (not one a micro-batch); nothing otherwise."""
         return tuple(texts) if self.cfg.model.offload_text_encoders else ()
 
-    def _take_remake(self, i: int) -> Remake | None:
-        if self._stopping:
-            return None
-        return self.book.take_remake(self.book.gen_version[i], i)
-
     async def _make_again(self, i: int, remake: Remake) -> None:
         """Generator ``i`` makes ``remake`` again from its keys: a scored one only for the
         trainers (no pixels kept), with the version that made it, so its samples are the
         ones its rewards and advantages are of; an unscored one goes on to be scored."""
         gen, s = self.gens[i], remake.step
-        mb = self.book.record(s).mbs[remake.mb]
+        mb = self.sched.record(s).mbs[remake.mb]
         keys = tuple(SampleKey(s, mb.prompt, j) for j in mb.samples)
         texts = self.prompts(s)[0]
         keep = not remake.scored
@@ -602,14 +498,14 @@ class Driver:
             raise AssertionError(
                 f"{mb} was made again with version {version}, not {remake.version}"
             )
-        self.book.remade(remake, gen.worker, version, self.clock() - t0)
+        self.sched.remade(remake, gen.worker, version, self.clock() - t0)
         if remake.scored:
-            self._rehome(s, mb.mb, gen.worker, version)
+            await self._rehome(s, mb.mb, gen.worker, version)
         elif not self.overlap:
             await self._score(i, RolloutRef(mb, gen.worker, version))
         await self._notify()
 
-    def _rehome(self, s: int, mb: int, holder: str, version: int) -> None:
+    async def _rehome(self, s: int, mb: int, holder: str, version: int) -> None:
         """A scored micro-batch made again by ``holder``: its update (if its group has one
         yet) goes where it was going, now reading from ``holder``."""
         task = self._tasks.get((s, mb))
@@ -617,16 +513,16 @@ class Driver:
             return  # its group is not scored yet: its update will read the new holder
         new = UpdateTask(RolloutRef(task.rollout.mb, holder, version), task.rows, task.advantages)
         self._tasks[s, mb] = new
-        if self.plan.whole_step and not self.book.record(s).all_scored:
+        if self.plan.whole_step and not self.sched.record(s).all_scored:
             self._held_back[s].append(new)  # goes on UQ with its step's others
         else:
-            self.book.queued(s, mb)
-            self._uq(s, task.rollout.mb.prompt // self.mini_size).put_nowait(new)
+            self.sched.queued(s, mb)
+            await self._notify()
 
     def _drop_orphans(self) -> list[Remake]:
         """TCSS: scored stale work of a lost generator that no generator can make again (its
         version is gone) is left out of its step's gradient, and said so."""
-        orphans = self.book.orphaned()
+        orphans = self.sched.orphaned()
         for r in orphans:
             self._tasks.pop((r.step, r.mb), None)
             logging.getLogger("digen").warning(
@@ -645,7 +541,7 @@ class Driver:
         lane = worker_name(Pool.SCORER, i) if self.overlap else g.worker
         scores = await self._call(g, TaskKind.SCORE, mb.step, mb.mb, made.version, call, lane)
         self.accounts.scored(mb.step, scores.latency_s)
-        if self.book.scored(mb, scores.total, scores.components, scores.thumbnails):
+        if self.sched.scored(mb, scores.total, scores.components, scores.thumbnails):
             await self._group_scored(mb.step, mb.prompt)
 
     async def _group_scored(self, s: int, prompt: int) -> None:
@@ -654,13 +550,13 @@ class Driver:
         With ``algo.adv_std = global`` the std spans the whole batch: every group waits for
         the last one to be scored.
         """
-        rec = self.book.record(s)
+        rec = self.sched.record(s)
         whole_batch = self.cfg.algo.adv_std == "global"
         if whole_batch and not rec.all_scored:
             return
         prompts = sorted({m.prompt for m in rec.mbs}) if whole_batch else [prompt]
         n = self.cfg.rollout.n
-        rewards = torch.tensor([self.book.group_rewards(s, p, n) for p in prompts])
+        rewards = torch.tensor([self.sched.group_rewards(s, p, n) for p in prompts])
         parts = []  # each reward's [G, n] scores, for advantage-level weighting
         if self.cfg.algo.reward_weighting == "advantage":
             for name, got in rec.components.items():
@@ -670,11 +566,11 @@ class Driver:
         for row, p in enumerate(prompts):
             for mb in rec.group(p):
                 if mb.mb in rec.dropped:
-                    continue  # a lost generator's stale work, left out (Book.orphaned)
+                    continue  # a lost generator's stale work, left out (Scheduler.orphaned)
                 holder, version = rec.made[mb.mb]
                 rows = tuple(r for r, sample in enumerate(mb.samples) if keep[row, sample])
                 if not rows:  # best-of-N kept none of it
-                    self.book.dropped(s, mb.mb)
+                    self.sched.dropped(s, mb.mb)
                     await self.cluster.release(holder, [(s, mb.mb)])
                     continue
                 advs = tuple(float(adv[row, mb.samples[r]]) for r in rows)
@@ -685,9 +581,8 @@ class Driver:
                 self._held_back[s].append(task)
         if not self.plan.whole_step or rec.all_scored:  # e.g. naive: train once all is scored
             for task in self._held_back.pop(s, []):
-                mb = task.rollout.mb
-                self.book.queued(s, mb.mb)
-                self._uq(s, mb.prompt // self.mini_size).put_nowait(task)
+                if self._tasks.get((s, task.rollout.mb.mb)) is task:  # else lost, made again
+                    self.sched.queued(s, task.rollout.mb.mb)
         await self._notify()
         self._maybe_trained(s)
 
@@ -715,28 +610,26 @@ class Driver:
                 raise died.again("sharded trainers cannot go on from an update it broke") from exc
             await self._lose(i, died)  # its rollout never reached this trainer: make it again
             if self._tasks.get((s, mb.mb)) is task:  # else made again already, and rehomed
-                self.book.remake_scored(s, mb.mb)
+                self.sched.remake_scored(s, mb.mb)
             self._drop_orphans()
             await self._notify()
             return
         self._tasks.pop((s, mb.mb), None)
-        self.book.trained(s, mb.mb, stats)
+        self.sched.trained(s, mb.mb, stats)
         await self._notify()
         self._maybe_trained(s)
 
     def _maybe_trained(self, s: int) -> None:
         """When a mini-batch of step ``s`` is fully trained: release its trainers from its
         UQ, wake its optimizer step."""
-        rec = self.book.record(s)
+        rec = self.sched.record(s)
         for m, ids in enumerate(self.mini_ids):
             if not self._trained[s, m].is_set() and rec.all_trained_in(ids):
-                for _ in self.trainers:
-                    self._uq(s, m).put_nowait(None)
-                self._trained[s, m].set()
+                self._trained[s, m].set()  # its trainers go on to its optimizer step
 
     async def _sync(self, version: int) -> None:
         """Version ``version`` to every generator, queued behind what each is generating."""
-        if self.book.quota_pending(version) and not self._stopping:
+        if self.sched.quota_pending(version) and not self.sched.stopping:
             # fixed TCSS: the step's early micro-batches go out first
             self._quota_waiter = (version, asyncio.get_running_loop().create_future())
             try:
@@ -757,7 +650,7 @@ class Driver:
             return None
 
         async def load(i: int) -> None:
-            self.book.gen_version[i] = version  # the generator's next call runs with it
+            self.sched.gen_version[i] = version  # the generator's next call runs with it
             if died := await send(i):
                 await self._lose(i, died)
 
@@ -767,13 +660,13 @@ class Driver:
             if died := await send(i):
                 await self.pool.lost_before_joining(i, died)
                 return
-            self.book.rejoin(i, version)
+            self.sched.rejoin(i, version)
             self._start(f"loop-{self.gens[i].worker}", lambda: self._generator_loop(i))
             if self.overlap:
                 self._start(f"loop-scorer-{i}", lambda: self._scorer_loop(i))
             await self.pool.joined(i, version)
 
-        calls = [load(i) for i in self.book.alive] + [join(i) for i in joining]
+        calls = [load(i) for i in self.sched.alive] + [join(i) for i in joining]
         served = self.cluster.serve_weights(version)  # trainer 0's part of a broadcast
         if served is not None:
             calls.append(self._call(self.trainers[0], TaskKind.SYNC, step, -1, version, served))
@@ -785,44 +678,24 @@ class Driver:
 
     # --- decisions -----------------------------------------------------------------------------
 
-    def _hand_out(self, version: int) -> MicroBatch | None:
-        """The next micro-batch a worker holding ``version`` may make, now its to make.
-
-        Synchronous, and the caller sends its generate call before it next yields: a weight
-        load queued in between would make it with other weights than the ones admitted.
-        """
-        if self._stopping:
-            return None
-        mb = self.book.hand_out(version)
+    def _handed_out(self) -> None:
+        """A micro-batch was handed out: a weight sync waiting for the fixed TCSS quota may
+        go (the caller sends its generate call before it next yields: a weight load queued
+        in between would make it with other weights than the ones admitted)."""
         waiting = self._quota_waiter
-        released = waiting is not None and not self.book.quota_pending(waiting[0])
-        if mb is not None and released and not waiting[1].done():
+        released = waiting is not None and not self.sched.quota_pending(waiting[0])
+        if released and not waiting[1].done():
             waiting[1].set_result(None)
-        return mb
-
-    def _generator_has_work(self, i: int) -> bool:
-        if i in self.book.lost:
-            return True  # its loop ends
-        if self._stopping:
-            return False
-        version = self.book.gen_version[i]
-        scores_sq = not self.overlap and self.book.has_to_score()
-        remakes = self.book.remakes and self.book.take_remake(version, i, take=False)
-        return scores_sq or bool(remakes) or self.book.next_for(version) is not None
 
     def _bubble(self, j: int, s: int) -> MicroBatch | None:
-        """Trainer ``j`` found UQ empty: generate the next micro-batch now (TAG), or wait."""
-        if self.version != s or self.book.record(s).all_trained or self._stopping:
-            return None  # the step is over (its weights are about to change), or the run
-        if self._ministeps:  # mid-step weights: what they made would belong to no version
-            self.book.idle(j)
+        """Trainer ``j`` found UQ empty in step ``s``: the micro-batch it makes now (TAG),
+        or None (it waits)."""
+        if not self.sched.at_bubble(j, s):
             return None
-        if self.book.next_for(self.version) is None:
-            self.book.idle(j)
-            return None
-        insert = self._decide_tag(j)
-        self.book.bubble(j, insert)
-        return self._hand_out(self.version) if insert else None
+        mb = self.sched.answer(j, self._decide_tag(j))
+        if mb is not None:
+            self._handed_out()
+        return mb
 
     def _decide_tag(self, j: int) -> bool:
         """Ask the TAG policy (the first bubble of a run is a probe of TAG's speed)."""
@@ -831,56 +704,16 @@ class Driver:
             return False
         if not profiler.seen("gen_tag"):
             return True  # one TAG measures the trainer's generation speed, as the paper does
-        if not profiler.ready() or self.book.remakes or self.book.remaking:
+        if not profiler.ready() or not self.sched.plannable:
             return False  # remakes pending: the state the search plans on cannot show them
         costs = profiler.costs(generator_pool=Pool.GENERATOR, trainer_pool=Pool.TRAINER)
-        return self.tag_policy.decide(self.book.sched_state(j, self.clock(), costs), costs)
+        return self.tag_policy.decide(self.sched.sched_state(j, self.clock(), costs), costs)
 
     # --- plumbing ------------------------------------------------------------------------------
-
-    async def _call(
-        self,
-        actor: GeneratorHandle | ScorerHandle | TrainerHandle,
-        kind: TaskKind,
-        step: int,
-        mb: int,
-        version: int | None,
-        call: Coroutine[Any, Any, Any],
-        lane: str | None = None,
-    ) -> Any:
-        """Await an actor call and report it; returns the result's value. ``version`` None:
-        the one the call returns (a generation); ``lane``: the name the book and the trace
-        know the call's worker by (default: the actor's worker; a scoring lane's differs). Once stopping, only a step's optimizer step
-        and weight sync start: other calls wait here until the run's loops are cancelled."""
-        if self._stopping and kind not in (TaskKind.STEP, TaskKind.SYNC):
-            if inspect.iscoroutine(call):
-                call.close()  # never sent
-            await asyncio.get_running_loop().create_future()
-        lane = lane or actor.worker
-        t0 = self.clock()
-        self.book.started(lane, kind, step, mb, t0)
-        self._inflight += 1
-        try:
-            res = await call
-        finally:
-            self.book.finished(lane)
-            self._inflight -= 1
-            if self._stopping and self._inflight == 0:
-                self._quiet.set()
-        ver = res.value if version is None else version
-        span = self.clock() - t0
-        memory = getattr(res, "memory_gb", 0.0)
-        self.accounts.record(kind, lane, step, mb, ver, span, res.t0, res.t1, memory)
-        return res.value
 
     async def _notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
-
-    def _uq(self, step: int, m: int) -> asyncio.Queue[UpdateTask | None]:
-        if (step, m) not in self.uq:
-            self.uq[step, m] = asyncio.Queue()  # remade micro-batches may come twice
-        return self.uq[step, m]
 
 
 def _ids_of(mbs: Sequence[MicroBatch], prompts: range) -> range:

@@ -14,9 +14,9 @@ the pool; this module decides what a change of members means and says it:
   sync, where it takes that step's weights before any work (the driver's ``_sync``), and the
   pool says it is back.
 
-What each member holds and which ones are alive is the book's
-(:class:`~digen.sched.book.Book`): the pool reads it and keeps only what membership adds
-(restarts so far, who is joining).
+What each member holds and which ones are alive is the scheduler's
+(:class:`~digen.sched.scheduler.Scheduler`): the pool reads it and keeps only what membership
+adds (restarts so far, who is joining).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 from digen.config import DigenConfig
 from digen.runtime.transport.actors import WorkerDied
-from digen.sched.book import Book
 from digen.sched.names import Pool, pool_of
+from digen.sched.scheduler import Scheduler
 from digen.sched.trace import Trace
 
 __all__ = ["GeneratorPool"]
@@ -51,15 +51,15 @@ class GeneratorPool:
         self,
         cfg: DigenConfig,
         cluster: Any,
-        book: Book,
+        sched: Scheduler,
         trace: Trace,
         clock: Callable[[], float],
         stopping: Callable[[], bool],
     ) -> None:
-        """``cluster``: the actors; ``book``: who is alive and what each holds; ``trace``:
+        """``cluster``: the actors; ``sched``: who is alive and what each holds; ``trace``:
         where losses and returns are marked; ``stopping``: whether the run is stopping (no
         restart, no new member then)."""
-        self.rt, self.cluster, self.book = cfg.runtime, cluster, book
+        self.rt, self.cluster, self.sched = cfg.runtime, cluster, sched
         self.trace, self.clock, self.stopping = trace, clock, stopping
         self.respawns: dict[int, int] = defaultdict(int)
         """Restarts of each generator so far (``runtime.respawn_generators``)."""
@@ -84,11 +84,11 @@ class GeneratorPool:
     def holder_lost(self, holder: str) -> bool:
         """Whether ``holder`` is a generator the run has lost (what it holds is gone)."""
         i = self.index(holder)
-        return i is not None and i in self.book.lost
+        return i is not None and i in self.sched.lost
 
     def refuse_loss(self, died: WorkerDied) -> None:
         """Raise ``died`` again, with the reason, when the run cannot go on without it."""
-        left, why = len(self.book.alive) - 1, None
+        left, why = len(self.sched.alive) - 1, None
         if self.rt.on_generator_loss == "fail":
             why = "runtime.on_generator_loss is fail"
         elif left < self.rt.min_generators:
@@ -103,7 +103,7 @@ class GeneratorPool:
         are being made again and ``dropped`` stale ones left out: mark it, say it, tell the
         runner, and start it again if the run allows."""
         self.trace.mark("lost", died.worker, self.clock())
-        alive = len(self.book.alive)
+        alive = len(self.sched.alive)
         text = (
             f"{died} The run goes on with {alive} generator(s); "
             f"{remade} micro-batch(es) it held are made again"
@@ -137,7 +137,7 @@ class GeneratorPool:
         """Generator ``i`` has version ``version`` and is in the pool again: mark and say it."""
         name = self.actors[i].worker
         self.trace.mark("joined", name, self.clock())
-        alive = len(self.book.alive)
+        alive = len(self.sched.alive)
         how = "joined the run"
         if self.respawns[i]:
             how = f"is back (restart {self.respawns[i]} of {self.rt.max_respawns})"
@@ -182,7 +182,7 @@ class GeneratorPool:
             except WorkerDied as died:
                 _log().warning(f"{died} It had not joined the run yet.")
                 continue
-            if self.book.add_generator() != i:
+            if self.sched.add_generator() != i:
                 raise RuntimeError(f"{arrival.name}: the pool's generators are out of step")
             workers.append(arrival.name)
             self.joining.add(i)

@@ -1,21 +1,28 @@
-"""The driver's book-keeping (``Book``) against the simulator's model of the same history.
+"""The scheduler the driver and the simulator run, against the TAG search's model (the engine).
 
-The simulator's engine logs every transition; replaying the log into a ``Book`` (as the driver
-reports transitions) must give, at every bubble, exactly the ``SchedState`` the engine gave
-the TAG policy. Partial GAP groups with 3 and 4 micro-batches per group are in the grid: the
-book counts scored *micro-batches* per group, which is what the model expects.
+The engine logs every transition; replaying the log into a ``Scheduler`` (as the driver
+reports transitions) must give the same decision at every start (which micro-batch a free
+generator makes or scores, what a lane scores, which update a trainer takes, whether an
+empty UQ is a bubble) and, at every bubble, exactly the ``SchedState`` the engine gave the
+TAG policy. The simulator (a clock around the scheduler) and the engine must give the same
+schedule, event for event, over a seeded grid of random runs. Partial GAP groups with 3 and
+4 micro-batches per group are in the grid: the scheduler counts scored *micro-batches* per
+group, which is what the model expects.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from digen.sched import BTS, Costs, StaticTAG, TagPolicy
+from digen.sched import BTS, Costs, NoTAG, StaticTAG, TagPolicy
 from digen.sched._engine import GEN, SCORE, TAG, UPDATE, Engine, Model
 from digen.sched.admission import Admission, stale_cap
-from digen.sched.book import Book
 from digen.sched.names import Pool, worker_name
 from digen.sched.plan import SchedulePlan, StepLayout
+from digen.sched.scheduler import Scheduler
+from digen.sched.simulator import simulate_plan
 from digen.sched.state import WORKER_KINDS, SchedState
 
 
@@ -57,26 +64,39 @@ def _simulate_with_log(
 
 
 def _replay(model: Model, log: list[tuple], costs: Costs, seen: list[SchedState]) -> int:
-    """Feed the engine's history to a Book; compare at every bubble. Returns bubbles compared."""
+    """Feed the engine's history to a Scheduler, asking it every decision the engine took
+    (what each free worker ran, whether a trainer's empty UQ was a bubble) and comparing the
+    two; at every bubble, compare the state the policy saw. Returns bubbles compared."""
     names = model.names
-    book = Book(model.plan)
+    book = Scheduler(model.plan)
     compared = 0
     now = 0.0
+    taken: tuple[int, int] | None = None  # the engine's last hand-out, not yet started
+    tagged = None  # the micro-batch the scheduler handed a TAG, not yet started
     for entry in log:
         op = entry[0]
         if op == "take":
             _, s, m, version = entry
-            mb = book.hand_out(version)
-            assert mb is not None and (mb.step, mb.mb) == (s, m)
+            taken = (s, m)
+            assert tagged is None or (tagged.step, tagged.mb) == taken
         elif op == "start":
             _, i, kind, s, m, now = entry
+            if kind == GEN:  # the scheduler hands the same micro-batch to the same generator
+                work = book.generator_work(i)
+                assert work is not None and (work.mb.step, work.mb.mb) == (s, m) == taken
+            elif kind == TAG:
+                assert tagged is not None and (tagged.step, tagged.mb) == (s, m)
+                tagged = None
+            elif kind == SCORE and i >= model.workers:  # a lane: SQ first, then its own
+                work = book.lane_work(i - model.workers)
+                assert work is not None and (work.mb.step, work.mb.mb) == (s, m)
+            elif kind == SCORE and (s, m) in book.sq:  # a free generator scores SQ's head
+                work = book.generator_work(i)
+                assert work is not None and work.kind == "score"
+                assert (work.mb.step, work.mb.mb) == (s, m)
+            elif kind == UPDATE:
+                assert book.take_update(s) == m  # UQ's head
             if kind in (GEN, TAG, SCORE, UPDATE):
-                if kind == SCORE and i >= model.workers:  # a scoring lane: SQ first, then its own
-                    took = book.next_to_score(i - model.workers)
-                    assert took is not None and (took[0].step, took[0].mb) == (s, m)
-                elif kind == SCORE and (s, m) in book.sq:  # a generator scores SQ's head
-                    took = book.next_to_score()
-                    assert took is not None and (took[0].step, took[0].mb) == (s, m)
                 book.started(names[i], WORKER_KINDS[kind], s, m, now)
         elif op == "finish":
             _, i, kind, s, m, version, now = entry
@@ -90,12 +110,15 @@ def _replay(model: Model, log: list[tuple], costs: Costs, seen: list[SchedState]
             elif kind == UPDATE:
                 book.trained(s, m, None)
         elif op == "wait":
-            book.idle(entry[1])
+            assert not book.at_bubble(entry[1], book.version)  # and it now waits
+            assert entry[1] in book.waiting
         elif op == "bubble":
             _, j, insert = entry
+            assert book.at_bubble(j, book.version)
             assert book.sched_state(j, now, costs) == seen[compared]
             compared += 1
-            book.bubble(j, insert)
+            tagged = book.answer(j, insert)
+            assert (tagged is not None) == insert
         elif op == "version":
             book.advance(entry[1])
             book.gen_version = [entry[1]] * model.generators
@@ -172,7 +195,7 @@ def test_partial_groups_count_microbatches_not_samples() -> None:
         admission=Admission(),
         layout=StepLayout(2, 6, 2),
     )
-    book = Book(plan)
+    book = Scheduler(plan)
     mbs = [book.hand_out(0) for _ in range(3)]
     assert [m.samples for m in mbs] == [(0, 1), (2, 3), (4, 5)]
     for m in mbs[:2]:
@@ -201,3 +224,61 @@ def test_admission_fixed_and_eager_tcss_and_back_pressure() -> None:
     assert bounded.admits(0, 0, 0, in_flight=2) and not bounded.admits(0, 0, 0, in_flight=3)
     with pytest.raises(ValueError, match="staleness schedule"):
         Admission(schedule="sometimes")
+
+
+def _engine_schedule(plan: SchedulePlan, costs: Costs, policy: TagPolicy) -> tuple:
+    """What the engine alone makes of ``plan``: the simulator's result fields, its way."""
+    policy.reset()
+    eng = Engine(Model(plan, costs), horizon=plan.admission.last_step + 1, record=True)
+    decisions = []
+    while (j := eng.run()) >= 0:
+        d = bool(policy.decide(eng.to_state(j), costs))
+        decisions.append(d)
+        eng.decide(j, d)
+    order = {name: i for i, name in enumerate(eng.model.names)}
+    events = sorted(eng.events, key=lambda e: (e.t0, order[e.worker], e.t1))
+    return eng.now, events, decisions, eng.step_ends, eng.tag_total, eng.bubble_total
+
+
+def test_the_simulator_and_the_search_model_make_the_same_schedule() -> None:
+    """200 seeded random runs (pools, groups, TCSS fixed and eager, C_gen, scoring lanes,
+    costs with ties), each under three policies: the simulator, a clock around the
+    scheduler, gives the engine's schedule event for event, with the same answers."""
+    rng = random.Random(7)
+    runs = 0
+    for _ in range(200):
+        b = rng.randint(1, 12)
+        gsize = min(rng.choice([1, 2, 3, 4, b]), b)
+        w, ratio = rng.choice([0, 0, 1, 2]), rng.choice([0.0, 0.25, 0.5])
+        schedule, steps = rng.choice(["fixed", "eager"]), rng.randint(1, 3)
+        cap = stale_cap(b, ratio)
+        need = max(gsize, cap if w and schedule == "fixed" else 0)
+        plan = SchedulePlan(
+            microbatches=b,
+            update_group=gsize,
+            generators=rng.randint(1, 4),
+            trainers=rng.randint(1, 3),
+            admission=Admission(
+                max_staleness=w,
+                stale_cap=cap,
+                schedule=schedule,
+                max_inflight=rng.choice([None, need + rng.randint(0, 3)]),
+                last_step=steps - 1,
+            ),
+            score_overlap=rng.random() < 0.5,
+        )
+        costs = Costs(
+            gen=rng.choice([1.0, 2.0, 3.5]),
+            gen_tag=rng.choice([1.0, 2.5, 4.0]),
+            score=rng.choice([0.0, 0.5, 1.0]),
+            update=rng.choice([0.5, 1.0, 2.0]),
+            step=rng.choice([0.0, 0.3]),
+            sync=rng.choice([0.0, 0.2]),
+        )
+        for make in (NoTAG, lambda: StaticTAG(2), BTS):
+            sim = simulate_plan(plan, costs, policy=make())
+            got = (sim.makespan, sim.events, sim.decisions, sim.step_ends)
+            want = _engine_schedule(plan, costs, make())
+            assert got + (sim.tag_count, sim.bubble_count) == want, (plan, costs)
+            runs += 1
+    assert runs == 600

@@ -1,15 +1,19 @@
-"""The driver's book-keeping: what has been handed out, made, scored and trained, and by whom.
+"""The scheduler: what each free worker runs next, and the account of what ran.
 
-Pure and torch-free: the driver (``digen/runtime/driver/loop.py``) tells a :class:`Book` every
-transition as it happens — a micro-batch handed out, a task started or finished, a
-micro-batch generated, scored, queued for update, trained — and reads back what to do next
-(admission), when a group is complete, when a step is trained, and the
-:class:`~digen.sched.state.SchedState` a TAG policy sees at a bubble. Tests drive it with
-scripted histories and no processes; ``tests/sched/test_book.py`` replays the simulator's
-history into it and checks that both describe every bubble the same way.
+One pure, torch-free state machine that both the driver (``digen/runtime/driver/loop.py``,
+real workers) and the simulator (:mod:`digen.sched.simulator`, a clock) run. Events in, as
+they happen: a micro-batch handed out, a task started or finished, a micro-batch generated,
+scored, queued for update, trained; a generator lost or joined; the version moving.
+Decisions out: what a free generator (:meth:`Scheduler.generator_work`), scoring lane
+(:meth:`Scheduler.lane_work`) or trainer (:meth:`Scheduler.take_update`,
+:meth:`Scheduler.at_bubble`) runs next under the rules of :mod:`digen.sched`; the TAG
+policy's answer at a bubble (:meth:`Scheduler.answer`); when a group is complete and a step
+trained; and the :class:`~digen.sched.state.SchedState` a TAG policy sees at a bubble.
+``tests/sched/test_scheduler.py`` replays the TAG search's model's history into it and
+checks every decision and every bubble against the model's.
 
 Identities: a micro-batch is ``(step, mb)``; a group is ``(step, prompt)``. Versions: the
-trainers hold :attr:`Book.version` (the train step being trained); each generator holds its
+trainers hold :attr:`Scheduler.version` (the train step being trained); each generator holds its
 own, which the driver sets when it queues new weights on it.
 """
 
@@ -27,7 +31,7 @@ from digen.sched.names import Pool, TaskKind, index_of, pool_of, worker_name
 from digen.sched.plan import SchedulePlan
 from digen.sched.state import SchedState, WorkerClock
 
-__all__ = ["Book", "Remake", "StepRecord"]
+__all__ = ["Remake", "Scheduler", "StepRecord", "Work"]
 
 
 @dataclass(slots=True)
@@ -111,6 +115,21 @@ class Remake:
     lost scoring lane took): to release once it is made again."""
 
 
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a free worker runs next, as the scheduler decides it.
+
+    ``kind``: ``generate`` (``mb``, or ``remake`` to make again from its keys) or ``score``
+    (``mb``, whose rollout and pixels ``holder`` keeps, made with ``version``).
+    """
+
+    kind: TaskKind
+    mb: MicroBatch
+    holder: str | None = None
+    version: int | None = None
+    remake: Remake | None = None
+
+
 @dataclass(slots=True)
 class _Task:
     kind: TaskKind
@@ -119,13 +138,13 @@ class _Task:
     mb: int
 
 
-class Book:
+class Scheduler:
     """The driver's ledger of a run's schedule: every micro-batch's hand-out, task, result
     and update as they happen, and what the rules (:mod:`digen.sched`) allow next."""
 
     def __init__(self, plan: SchedulePlan) -> None:
         """``plan``: the run's schedule (its micro-batches, pools, GAP groups and admission
-        rule; the book starts at the plan's first step)."""
+        rule; it starts at the plan's first step)."""
         self.plan = plan
         first_step = plan.admission.first_step
         self.generators, self.trainers = plan.generators, plan.trainers
@@ -156,13 +175,25 @@ class Book:
         """What lost generators held, to make again, oldest first (before any hand-out)."""
         self.remaking: dict[tuple[int, int], int] = {}
         """Remakes taken, by the generator making them."""
+        self.uq: dict[int, deque[int]] = defaultdict(deque)
+        """Per step, UQ: micro-batches whose group is scored, not yet taken by a trainer, in
+        the order they became ready."""
+        self.mid_step = False
+        """The trainers took an optimizer step of the current train step that was not its
+        last: their weights belong to no version until it ends (no TAG until then)."""
+        self.stopping = False
+        """A stop was asked for: nothing new is handed out, made again or scored."""
 
     # --- steps -----------------------------------------------------------------------------
 
     def record(self, step: int) -> StepRecord:
         rec = self.steps.get(step)
         if rec is None:
-            mbs = self.plan.microbatches_of(step)
+            if self.plan.layout is not None:
+                mbs = self.plan.microbatches_of(step)
+            else:  # a plan that counts only: each update group stands for one prompt
+                g = self.plan.update_group
+                mbs = [MicroBatch(step, m, m // g, ()) for m in range(self.plan.microbatches)]
             rec = self.steps[step] = StepRecord(step, mbs)
         return rec
 
@@ -170,6 +201,8 @@ class Book:
         """The trainers stepped to ``version``: forget the step before it; returns its record."""
         self.version = version
         self.waiting.clear()
+        self.mid_step = False
+        self.uq.pop(version - 1, None)
         return self.steps.pop(version - 1)
 
     # --- admission ---------------------------------------------------------------------------
@@ -262,6 +295,20 @@ class Book:
     def queued(self, step: int, mb: int) -> None:
         """``(step, mb)`` went on UQ (it has samples to train)."""
         self.record(step).queued.add(mb)
+        self.uq[step].append(mb)
+
+    def has_update(self, step: int, ids: range | None = None) -> bool:
+        """Whether :meth:`take_update` would take something."""
+        return any(ids is None or mb in ids for mb in self.uq.get(step, ()))
+
+    def take_update(self, step: int, ids: range | None = None) -> int | None:
+        """The head of ``step``'s UQ (among ``ids``, one mini-batch's, where given), taken."""
+        queue = self.uq.get(step)
+        for mb in queue or ():
+            if ids is None or mb in ids:
+                queue.remove(mb)
+                return mb
+        return None
 
     def dropped(self, step: int, mb: int) -> None:
         """``(step, mb)`` has nothing to train (best-of-N): it counts as trained."""
@@ -290,6 +337,58 @@ class Book:
         rec.tags += insert
         if not insert:
             self.waiting.add(trainer)
+
+    # --- decisions: what a free worker runs next ----------------------------------------------
+
+    def generator_work(self, i: int, *, take: bool = True) -> Work | None:
+        """What free generator ``i`` runs next (None: it waits for a change), taken unless
+        ``take`` is False: the head of SQ when it scores (scoring first, so trainers get
+        rewards early); else the oldest remake it may make; else the next micro-batch the
+        admission rule lets its version start."""
+        if self.stopping or i in self.lost:
+            return None
+        version = self.gen_version[i]
+        if not self.plan.score_overlap and self.sq:
+            if not take:
+                return Work(TaskKind.SCORE, self.record(self.sq[0][0]).mbs[self.sq[0][1]])
+            mb, holder, made_by = self.next_to_score()  # type: ignore[misc]
+            return Work(TaskKind.SCORE, mb, holder, made_by)
+        if self.remakes and (remake := self.take_remake(version, i, take)) is not None:
+            return Work(TaskKind.GENERATE, self.record(remake.step).mbs[remake.mb], remake=remake)
+        mb = self.hand_out(version) if take else self.next_for(version)
+        return None if mb is None else Work(TaskKind.GENERATE, mb)
+
+    def lane_work(self, i: int) -> Work | None:
+        """What scoring lane ``i`` scores next, taken: the head of SQ, else the head of what
+        its generator made (None: it waits)."""
+        if self.stopping or i in self.lost:
+            return None
+        took = self.next_to_score(i)
+        return None if took is None else Work(TaskKind.SCORE, *took)
+
+    def at_bubble(self, trainer: int, step: int) -> bool:
+        """Trainer ``trainer``, in train step ``step``, found UQ empty: whether this is a
+        bubble for the TAG policy to decide (:meth:`answer`). False: nothing to do but wait
+        for UQ (marked waiting where something could have been made), because the step is
+        over (its weights are about to change), the run stops, the trainers are between a
+        step's optimizer steps, or no micro-batch may start now."""
+        if self.version != step or self.record(step).all_trained or self.stopping:
+            return False
+        if self.mid_step or self.next_for(self.version) is None:
+            self.idle(trainer)
+            return False
+        return True
+
+    def answer(self, trainer: int, insert: bool) -> MicroBatch | None:
+        """The TAG policy's answer at trainer ``trainer``'s bubble: with ``insert`` the
+        micro-batch it makes now, handed out; else None, and it waits for UQ."""
+        self.bubble(trainer, insert)
+        return self.hand_out(self.version) if insert else None
+
+    @property
+    def plannable(self) -> bool:
+        """Whether :meth:`sched_state` shows the whole schedule (remakes pending: it cannot)."""
+        return not self.remakes and not self.remaking
 
     # --- lost generators -------------------------------------------------------------------
 
@@ -380,6 +479,8 @@ class Book:
         if (step, mb) in self.remaking or any((r.step, r.mb) == (step, mb) for r in self.remakes):
             return None
         scored = mb in rec.scored
+        if mb in self.uq.get(step, ()):  # its rollout is gone: on UQ again once made again
+            self.uq[step].remove(mb)
         remake = Remake(step, mb, scored, version if scored else None, left_with)
         if not scored:  # a scored one keeps its entry: its group's advantages read it
             rec.made.pop(mb, None)
@@ -418,6 +519,8 @@ class Book:
             self.remakes.remove(r)
             rec = self.record(r.step)
             rec.queued.discard(r.mb)
+            if r.mb in self.uq.get(r.step, ()):
+                self.uq[r.step].remove(r.mb)
             rec.orphaned += 1
             self.dropped(r.step, r.mb)
         return gone
@@ -497,13 +600,7 @@ class Book:
             next_mb=self.frontier,
             sq=tuple(self.sq),
             to_score=tuple(tuple(self.to_score[i]) for i in lanes),
-            uq=len(rec.queued)
-            - sum(
-                1
-                for queue in self.busy.values()
-                for t in queue
-                if t.kind == TaskKind.UPDATE and t.step == rec.step
-            ),
+            uq=len(self.uq.get(self.version, ())),
             updated=len(rec.trained) + len(rec.dropped),
             partial_groups=partial,
             untrained=self.untrained,
