@@ -66,10 +66,9 @@ async def test_a_timeout_counts_as_a_failure_and_the_last_one_fails_the_batch(
     monkeypatch.setattr("digen.rewards.scoring.RETRY_BACKOFF_S", 0.01)
     hook = Flaky(fails=5, hang=True)
     reward = build_reward([RewardFn("slow", hook, timeout_s=0.05, retries=1)])
-    t0 = time.perf_counter()
     with pytest.raises(RewardError, match=r"'slow' took longer than its timeout_s of 0.05 s"):
-        await reward(*_batch())
-    assert hook.calls == 2 and time.perf_counter() - t0 < 5
+        await asyncio.wait_for(reward(*_batch()), 60.0)  # the hook itself never returns
+    assert hook.calls == 2
 
 
 class Stuck:

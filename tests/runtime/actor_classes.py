@@ -4,11 +4,17 @@ spawned workers import it."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
 
 from digen.runtime.transport.actors import ActorHandle, run_sync
+
+_HOLDING = threading.Event()
+"""Set while an actor of this process is in :meth:`Accumulator.hold`."""
+_GATE = threading.Event()
+"""What :meth:`Accumulator.hold` waits for: :meth:`Accumulator.release`, from any actor."""
 
 
 class Accumulator:
@@ -35,6 +41,33 @@ class Accumulator:
     def sleep(self, seconds: float) -> float:
         time.sleep(seconds)
         return seconds
+
+    def hold(self, timeout: float) -> bool:
+        """Keep this actor's thread until an actor of the process calls :meth:`release`
+        (True), or ``timeout`` seconds pass (False)."""
+        _HOLDING.set()
+        released = _GATE.wait(timeout)
+        _GATE.clear()
+        _HOLDING.clear()
+        return released
+
+    def holding(self, timeout: float) -> bool:
+        """Whether an actor of the process is in :meth:`hold` (waiting up to ``timeout``)."""
+        return _HOLDING.wait(timeout)
+
+    def release(self) -> None:
+        _GATE.set()
+
+    def meet(self, mine: str, theirs: str, timeout: float) -> bool:
+        """Leave file ``mine``, then wait up to ``timeout`` seconds for file ``theirs``: True
+        when the other side arrived (it ran at the same time as this call)."""
+        open(mine, "w").close()
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(theirs):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def fail(self, message: str) -> None:
         raise ValueError(message)
