@@ -304,7 +304,7 @@ class _Clock:
             if task.kind == TaskKind.GENERATE and not self.lanes:  # scored where it was made
                 self._start(i, TaskKind.SCORE, task.step, task.mb, task.version)
         elif task.kind == TaskKind.SCORE:
-            if sched.scored(mb, (), {}):  # its group is complete: onto UQ together
+            if sched.scored(mb, [0.0] * len(mb.samples), {}):  # its group: onto UQ together
                 for other in sched.record(task.step).group(mb.prompt):
                     sched.queued(task.step, other.mb)
         elif task.kind == TaskKind.UPDATE:

@@ -20,6 +20,7 @@ from digen.planning.simulate import load_costs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+pytestmark = pytest.mark.xdist_group("test_gpu_check")  # one worker builds the module's run
 
 
 @pytest.fixture(scope="module")

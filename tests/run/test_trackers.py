@@ -24,6 +24,7 @@ from digen import load_config
 from digen.run.trackers import TRACKERS, wandb_mode
 
 SMALL = ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=4", "steps=2"]
+pytestmark = pytest.mark.xdist_group("test_trackers")  # one worker builds the module's run
 SMALL.append("model.flavour=tiny")  # digen run's own default for flux is the shapes model
 
 

@@ -242,7 +242,7 @@ def _engine_schedule(plan: SchedulePlan, costs: Costs, policy: TagPolicy) -> tup
 
 def test_the_simulator_and_the_search_model_make_the_same_schedule() -> None:
     """200 seeded random runs (pools, groups, TCSS fixed and eager, C_gen, scoring lanes,
-    costs with ties), each under three policies: the simulator, a clock around the
+    costs with ties, plans with and without a sample layout), each under three policies: the simulator, a clock around the
     scheduler, gives the engine's schedule event for event, with the same answers."""
     rng = random.Random(7)
     runs = 0
@@ -266,6 +266,10 @@ def test_the_simulator_and_the_search_model_make_the_same_schedule() -> None:
                 last_step=steps - 1,
             ),
             score_overlap=rng.random() < 0.5,
+            # a run's plan says which samples each micro-batch holds; a planner's counts only
+            layout=StepLayout(b // gsize, gsize, 1)
+            if b % gsize == 0 and rng.random() < 0.5
+            else None,
         )
         costs = Costs(
             gen=rng.choice([1.0, 2.0, 3.5]),

@@ -45,7 +45,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -245,36 +245,16 @@ class Driver(ClusterBackend):
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                loops = self._loops = [
-                    tg.create_task(self._generator_loop(i), name=f"loop-{g.worker}")
-                    for i, g in enumerate(self.gens)
-                ]
-                loops += [
-                    tg.create_task(self._scorer_loop(i), name=f"loop-scorer-{i}")
-                    for i in range(len(self.gens) if self.overlap else 0)
-                ]
-                loops += [
-                    tg.create_task(self._trainer_loop(j, steps), name=f"loop-{t.worker}")
-                    for j, t in enumerate(self.trainers)
-                ]
-                loops.append(tg.create_task(self.pool.watch_losses(self._lose), name="loop-watch"))
-                if self.cfg.runtime.accept_generators:
-                    arrivals = self.pool.watch_arrivals(self.accounts.workers)
-                    loops.append(tg.create_task(arrivals, name="loop-arrivals"))
+                self._start_loops(steps)
                 for s in steps:
-                    since = self.clock(), self.cluster.payload  # the previous step's end
-                    stepped = []  # (version, grad norm, seconds) per mini-batch
-                    for m in range(len(self.mini_ids)):
-                        if not await self._trained_or_stopped(s, m):
-                            break  # stopped at a micro-batch boundary inside step s
-                        stepped.append(await self._optimizer_step(s, m))
-                    if len(stepped) < len(self.mini_ids):
-                        break
-                    results.append(await self._finish_step(s, since, stepped))
+                    result = await self._train_step(s)
+                    if result is None:
+                        break  # stopped at a micro-batch boundary inside step s
+                    results.append(result)
                     if self._stop_after_step:
                         self._begin_stop()
                     if on_step is not None:
-                        go = on_step(results[-1])
+                        go = on_step(result)
                         if inspect.isawaitable(go):
                             go = await go
                         if go is False:
@@ -290,6 +270,30 @@ class Driver(ClusterBackend):
             if died := await self.cluster.lost_behind(error, went_on):
                 raise died from error  # a call between two workers met the loss first
         raise error from None
+
+    def _start_loops(self, steps: range) -> None:
+        """Algorithm 1's coroutines: one per generator, scoring lane and trainer, and the
+        pool's watchers."""
+        for i, g in enumerate(self.gens):
+            self._start(f"loop-{g.worker}", partial(self._generator_loop, i))
+        for i in range(len(self.gens) if self.overlap else 0):
+            self._start(f"loop-scorer-{i}", partial(self._scorer_loop, i))
+        for j, t in enumerate(self.trainers):
+            self._start(f"loop-{t.worker}", partial(self._trainer_loop, j, steps))
+        self._start("loop-watch", partial(self.pool.watch_losses, self._lose))
+        if self.cfg.runtime.accept_generators:
+            self._start("loop-arrivals", partial(self.pool.watch_arrivals, self.accounts.workers))
+
+    async def _train_step(self, s: int) -> StepResult | None:
+        """Lines 27-31: as each mini-batch of step ``s`` is trained, every trainer steps;
+        after the last, the new weights go out. None: stopped inside the step."""
+        since = self.clock(), self.cluster.payload  # the previous step's end
+        stepped = []  # (version, grad norm, seconds) per mini-batch
+        for m in range(len(self.mini_ids)):
+            if not await self._trained_or_stopped(s, m):
+                return None
+            stepped.append(await self._optimizer_step(s, m))
+        return await self._finish_step(s, since, stepped)
 
     def _start(self, name: str, make: Callable[[], Coroutine[Any, Any, None]]) -> bool:
         """Run ``make()`` as one of the running driver's tasks (False: it is not running)."""
