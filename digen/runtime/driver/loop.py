@@ -38,20 +38,16 @@ below ask it, await the actors and tell it what happened.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from digen.algos.train_step import mini_batches, score_groups, step_terms
+from digen.algos.train_step import mini_batches, step_terms
 from digen.checkpoint import PROFILER, Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
@@ -61,6 +57,7 @@ from digen.runtime.driver.cluster import Cluster, ClusterBackend
 from digen.runtime.driver.evaluation import Members, evaluate
 from digen.runtime.driver.handles import GeneratorHandle, ScorerHandle, TrainerHandle
 from digen.runtime.driver.pool import GeneratorPool
+from digen.runtime.driver.updates import RolloutRef, Updates, UpdateTask
 from digen.runtime.messages import (
     EvalScores,
     GenerateRequest,
@@ -82,24 +79,6 @@ __all__ = ["Driver"]
 
 GRID_SAMPLES = 16
 """Samples per step whose thumbnails come back for the sample grid."""
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutRef:
-    """A generated micro-batch: where its rollout and pixels are, and which version made it."""
-
-    mb: MicroBatch
-    holder: str
-    version: int
-
-
-@dataclass(frozen=True, slots=True)
-class UpdateTask:
-    """An update: the kept samples of one micro-batch (``rows`` of it) and their advantages."""
-
-    rollout: RolloutRef
-    rows: tuple[int, ...]
-    advantages: tuple[float, ...]
 
 
 class Driver(ClusterBackend):
@@ -159,14 +138,11 @@ class Driver(ClusterBackend):
         self._stepped: dict[tuple[int, int], asyncio.Event] = defaultdict(asyncio.Event)
         self._stop_after_step = False
         """A stop asked for after the step's first optimizer step: it waits for the step's end."""
-        self._held_back: dict[int, list[UpdateTask]] = defaultdict(list)
         self._quota_waiter: tuple[int, asyncio.Future[None]] | None = None
         self._samples_at: Callable[[int], bool] = lambda step: False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._call = Calls(self.sched, self.accounts, clock)
         """Awaits every actor call, telling the scheduler and the accounts."""
-        self._tasks: dict[tuple[int, int], UpdateTask] = {}
-        """Each ``(step, mb)``'s update, once its group is scored, until it is trained."""
         self._tg: asyncio.TaskGroup | None = None
         self._loops: list[asyncio.Task] = []
         self.pool = GeneratorPool(
@@ -174,6 +150,8 @@ class Driver(ClusterBackend):
         )
         """Membership: losses, restarts, arrivals (:mod:`digen.runtime.driver.pool`)."""
         self.pool.start = self._start
+        self.updates = Updates(cfg, self.sched, self.reward_weights, self.pool.holder_lost)
+        """Each scored micro-batch's update until it is trained, and UQ's feed."""
 
     @property
     def scorers(self) -> list[ScorerHandle]:
@@ -313,10 +291,7 @@ class Driver(ClusterBackend):
             self.pool.refuse_loss(died)
         remakes = self.sched.lose_generator(i, running)
         for r in remakes:  # off UQ (the scheduler takes it off) until made again, and rehomed
-            if (task := self._tasks.get((r.step, r.mb))) is not None:
-                # what is held back of it reads the lost store: no longer its update (an
-                # equal copy stands in until it is made again, and rehomed)
-                self._tasks[r.step, r.mb] = dataclasses.replace(task)
+            self.updates.stand_in(r.step, r.mb)
             if r.left_with is not None:  # what a trainer still holds of it goes
                 await self.cluster.forget(r.left_with, [(r.step, r.mb)])
         orphans = self._drop_orphans()
@@ -388,7 +363,7 @@ class Driver(ClusterBackend):
             for m, ids in enumerate(self.mini_ids):
                 while not self._trained[s, m].is_set():
                     if (mb := self.sched.take_update(s, ids)) is not None:
-                        await self._update(j, self._tasks[s, mb])
+                        await self._update(j, self.updates[s, mb])
                     elif (tag := self._bubble(j, s)) is not None:
                         await self._generate(self.trainers[j], tag, TaskKind.TAG)  # onto SQ
                         await self._notify()  # a generator scores it
@@ -442,8 +417,7 @@ class Driver(ClusterBackend):
             self._trained.pop(key)  # every trainer loop is past step s - 1
         for key in [k for k in self._stepped if k[0] < s - 1]:
             self._stepped.pop(key)
-        for key in [k for k in self._tasks if k[0] <= s]:
-            self._tasks.pop(key)
+        self.updates.step_done(s)
         t1 = self.clock()
         await self._sync(version)
         return self.accounts.step_result(
@@ -504,31 +478,17 @@ class Driver(ClusterBackend):
             )
         self.sched.remade(remake, gen.worker, version, self.clock() - t0)
         if remake.scored:
-            await self._rehome(s, mb.mb, gen.worker, version)
+            self.updates.rehome(s, mb.mb, gen.worker, version)
         elif not self.overlap:
             await self._score(i, RolloutRef(mb, gen.worker, version))
         await self._notify()
-
-    async def _rehome(self, s: int, mb: int, holder: str, version: int) -> None:
-        """A scored micro-batch made again by ``holder``: its update (if its group has one
-        yet) goes where it was going, now reading from ``holder``."""
-        task = self._tasks.get((s, mb))
-        if task is None:
-            return  # its group is not scored yet: its update will read the new holder
-        new = UpdateTask(RolloutRef(task.rollout.mb, holder, version), task.rows, task.advantages)
-        self._tasks[s, mb] = new
-        if self.plan.whole_step and not self.sched.record(s).all_scored:
-            self._held_back[s].append(new)  # goes on UQ with its step's others
-        else:
-            self.sched.queued(s, mb)
-            await self._notify()
 
     def _drop_orphans(self) -> list[Remake]:
         """TCSS: scored stale work of a lost generator that no generator can make again (its
         version is gone) is left out of its step's gradient, and said so."""
         orphans = self.sched.orphaned()
         for r in orphans:
-            self._tasks.pop((r.step, r.mb), None)
+            self.updates.done(r.step, r.mb)
             logging.getLogger("digen").warning(
                 f"micro-batch {r.mb} of step {r.step} (made with version {r.version} by a lost "
                 "generator) is left out of the step: no generator holds that version any more."
@@ -549,44 +509,10 @@ class Driver(ClusterBackend):
             await self._group_scored(mb.step, mb.prompt)
 
     async def _group_scored(self, s: int, prompt: int) -> None:
-        """Advantages of a complete group; its micro-batches with kept samples go to UQ.
-
-        With ``algo.adv_std = global`` the std spans the whole batch: every group waits for
-        the last one to be scored.
-        """
-        rec = self.sched.record(s)
-        whole_batch = self.cfg.algo.adv_std == "global"
-        if whole_batch and not rec.all_scored:
-            return
-        prompts = sorted({m.prompt for m in rec.mbs}) if whole_batch else [prompt]
-        n = self.cfg.rollout.n
-        rewards = torch.tensor([self.sched.group_rewards(s, p, n) for p in prompts])
-        parts = []  # each reward's [G, n] scores, for advantage-level weighting
-        if self.cfg.algo.reward_weighting == "advantage":
-            for name, got in rec.components.items():
-                scores = torch.tensor([[got[(p, j)] for j in range(n)] for p in prompts])
-                parts.append((self.reward_weights[name], scores))
-        adv, keep = score_groups(rewards, self.cfg.algo, parts)
-        for row, p in enumerate(prompts):
-            for mb in rec.group(p):
-                if mb.mb in rec.dropped:
-                    continue  # a lost generator's stale work, left out (Scheduler.orphaned)
-                holder, version = rec.made[mb.mb]
-                rows = tuple(r for r, sample in enumerate(mb.samples) if keep[row, sample])
-                if not rows:  # best-of-N kept none of it
-                    self.sched.dropped(s, mb.mb)
-                    await self.cluster.release(holder, [(s, mb.mb)])
-                    continue
-                advs = tuple(float(adv[row, mb.samples[r]]) for r in rows)
-                task = UpdateTask(RolloutRef(mb, holder, version), rows, advs)
-                self._tasks[s, mb.mb] = task
-                if self.pool.holder_lost(holder):
-                    continue  # it is being made again: it goes on once it is (_rehome)
-                self._held_back[s].append(task)
-        if not self.plan.whole_step or rec.all_scored:  # e.g. naive: train once all is scored
-            for task in self._held_back.pop(s, []):
-                if self._tasks.get((s, task.rollout.mb.mb)) is task:  # else lost, made again
-                    self.sched.queued(s, task.rollout.mb.mb)
+        """A group is complete: its updates go to UQ (:meth:`Updates.group_scored`); what
+        kept no sample is released where it is held."""
+        for holder, mb in self.updates.group_scored(s, prompt):
+            await self.cluster.release(holder, [(s, mb)])
         await self._notify()
         self._maybe_trained(s)
 
@@ -613,12 +539,12 @@ class Driver(ClusterBackend):
             if len(t.members) > 1:  # sharded: the members went apart
                 raise died.again("sharded trainers cannot go on from an update it broke") from exc
             await self._lose(i, died)  # its rollout never reached this trainer: make it again
-            if self._tasks.get((s, mb.mb)) is task:  # else made again already, and rehomed
+            if self.updates.current(task):  # else made again already, and rehomed
                 self.sched.remake_scored(s, mb.mb)
             self._drop_orphans()
             await self._notify()
             return
-        self._tasks.pop((s, mb.mb), None)
+        self.updates.done(s, mb.mb)
         self.sched.trained(s, mb.mb, stats)
         await self._notify()
         self._maybe_trained(s)
