@@ -1,7 +1,16 @@
 """What runs in the driver process: the one asyncio loop that schedules a disaggregated run.
 
-- :mod:`~digen.runtime.driver.loop`: :class:`Driver`, the loop that admits micro-batches and
-  sends generate / score / update work to the workers.
+- :mod:`~digen.runtime.driver.loop`: :class:`Driver`, Algorithm 1's coroutines: each asks
+  the scheduler (:class:`~digen.sched.scheduler.Scheduler`) what its worker runs next,
+  awaits it and says what happened.
+- :mod:`~digen.runtime.driver.updates`: each scored micro-batch's update (advantages, kept
+  rows, holder) until it is trained.
+- :mod:`~digen.runtime.driver.pool`: the generator pool's membership: losses, restarts,
+  generators that join.
+- :mod:`~digen.runtime.driver.evaluation`: evaluation on the generators, outside the
+  schedule.
+- :mod:`~digen.runtime.driver.calls`: every actor call awaited, told to the scheduler and
+  the accounts; :mod:`~digen.runtime.driver.handles`: the typed calls each actor takes.
 - :mod:`~digen.runtime.driver.cluster`: starts the worker processes and calls their actors.
 - :mod:`~digen.runtime.driver.accounting`: a step's book of work done, its costs and trace,
   which becomes the step's metrics row (:mod:`digen.runtime.metrics`, shared with the
