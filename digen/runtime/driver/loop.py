@@ -309,13 +309,12 @@ class Driver(ClusterBackend):
                 running.clear()
                 work = self.sched.generator_work(i)
                 if work is None:
-                    async with self.changed:
-                        await self.changed.wait_for(
-                            lambda: (
-                                i in self.sched.lost
-                                or self.sched.generator_work(i, take=False) is not None
-                            )
+                    await self._until(
+                        lambda: (
+                            i in self.sched.lost
+                            or self.sched.generator_work(i, take=False) is not None
                         )
+                    )
                     continue
                 running.append((work.mb.step, work.mb.mb))
                 if work.kind == TaskKind.SCORE:  # SQ: what trainers made, first
@@ -342,13 +341,12 @@ class Driver(ClusterBackend):
             while i not in self.sched.lost:
                 took = self.sched.lane_work(i)
                 if took is None:
-                    async with self.changed:
-                        await self.changed.wait_for(
-                            lambda: (
-                                i in self.sched.lost
-                                or (not self.sched.stopping and self.sched.has_to_score(i))
-                            )
+                    await self._until(
+                        lambda: (
+                            i in self.sched.lost
+                            or (not self.sched.stopping and self.sched.has_to_score(i))
                         )
+                    )
                     continue
                 await self._score(i, RolloutRef(took.mb, took.holder, took.version))
         except WorkerDied as died:
@@ -368,12 +366,11 @@ class Driver(ClusterBackend):
                         await self._generate(self.trainers[j], tag, TaskKind.TAG)  # onto SQ
                         await self._notify()  # a generator scores it
                     else:  # wait for UQ (not asked about a bubble again before an update)
-                        async with self.changed:
-                            await self.changed.wait_for(
-                                lambda s=s, m=m, ids=ids: (
-                                    self._trained[s, m].is_set() or self.sched.has_update(s, ids)
-                                )
+                        await self._until(
+                            lambda s=s, m=m, ids=ids: (
+                                self._trained[s, m].is_set() or self.sched.has_update(s, ids)
                             )
+                        )
                 await self._stepped[s, m].wait()
 
     async def _trained_or_stopped(self, s: int, m: int) -> bool:
@@ -640,6 +637,11 @@ class Driver(ClusterBackend):
         return self.tag_policy.decide(self.sched.sched_state(j, self.clock(), costs), costs)
 
     # --- plumbing ------------------------------------------------------------------------------
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        """Wait until ``ready()``, asked again at every change (:meth:`_notify`)."""
+        async with self.changed:
+            await self.changed.wait_for(ready)
 
     async def _notify(self) -> None:
         async with self.changed:
