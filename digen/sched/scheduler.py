@@ -50,8 +50,6 @@ class StepRecord:
     rewards: dict[tuple[int, int], float] = field(default_factory=dict)
     """(prompt, sample) -> total reward."""
     components: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
-    queued: set[int] = field(default_factory=set)
-    """Micro-batches put on UQ (kept samples) and not yet trained."""
     dropped: set[int] = field(default_factory=set)
     """Micro-batches with no sample to train (best-of-N kept none of them)."""
     trained: dict[int, Any] = field(default_factory=dict)
@@ -294,7 +292,6 @@ class Scheduler:
 
     def queued(self, step: int, mb: int) -> None:
         """``(step, mb)`` went on UQ (it has samples to train)."""
-        self.record(step).queued.add(mb)
         self.uq[step].append(mb)
 
     def has_update(self, step: int, ids: range | None = None) -> bool:
@@ -310,21 +307,19 @@ class Scheduler:
                 return mb
         return None
 
+    def _off_uq(self, step: int, mb: int) -> None:
+        """``(step, mb)`` leaves UQ if it is on it (its rollout was lost, or it is left out)."""
+        if mb in self.uq.get(step, ()):
+            self.uq[step].remove(mb)
+
     def dropped(self, step: int, mb: int) -> None:
         """``(step, mb)`` has nothing to train (best-of-N): it counts as trained."""
         self.record(step).dropped.add(mb)
         self.untrained -= 1
 
     def trained(self, step: int, mb: int, stats: Any) -> None:
-        rec = self.record(step)
-        rec.queued.discard(mb)
-        rec.trained[mb] = stats
+        self.record(step).trained[mb] = stats
         self.untrained -= 1
-
-    def ready(self, step: int) -> int:
-        """Micro-batches of ``step`` on UQ or being trained."""
-        rec = self.steps.get(step)
-        return len(rec.queued) if rec else 0
 
     def idle(self, trainer: int) -> None:
         """Trainer ``trainer`` waits for UQ with nothing it could generate."""
@@ -479,8 +474,7 @@ class Scheduler:
         if (step, mb) in self.remaking or any((r.step, r.mb) == (step, mb) for r in self.remakes):
             return None
         scored = mb in rec.scored
-        if mb in self.uq.get(step, ()):  # its rollout is gone: on UQ again once made again
-            self.uq[step].remove(mb)
+        self._off_uq(step, mb)  # its rollout is gone: on UQ again once made again
         remake = Remake(step, mb, scored, version if scored else None, left_with)
         if not scored:  # a scored one keeps its entry: its group's advantages read it
             rec.made.pop(mb, None)
@@ -517,11 +511,8 @@ class Scheduler:
         gone = [r for r in self.remakes if r.scored and all(v > r.version for v in live)]
         for r in gone:
             self.remakes.remove(r)
-            rec = self.record(r.step)
-            rec.queued.discard(r.mb)
-            if r.mb in self.uq.get(r.step, ()):
-                self.uq[r.step].remove(r.mb)
-            rec.orphaned += 1
+            self._off_uq(r.step, r.mb)
+            self.record(r.step).orphaned += 1
             self.dropped(r.step, r.mb)
         return gone
 
