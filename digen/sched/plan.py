@@ -106,6 +106,14 @@ class SchedulePlan:
             raise ValueError("this plan counts micro-batches only (no layout)")
         return self.layout.microbatches_of(step)
 
+    def ids_of(self, prompts: range) -> range:
+        """The ids of the micro-batches of ``prompts`` in every step (consecutive: they go
+        out prompt by prompt), as in one mini-batch."""
+        ids = [m.mb for m in self.microbatches_of(0) if m.prompt in prompts]
+        if ids != list(range(ids[0], ids[-1] + 1)):
+            raise AssertionError(f"the micro-batches of prompts {prompts} are apart: {ids}")
+        return range(ids[0], ids[-1] + 1)
+
     def running(self, first_step: int, last_step: int | None) -> SchedulePlan:
         """This plan for a run of steps ``first_step .. last_step`` (None: no end)."""
         rule = dataclasses.replace(self.admission, first_step=first_step, last_step=last_step)

@@ -2,11 +2,17 @@
 
 - :mod:`~digen.runtime.driver.loop`: :class:`Driver`, Algorithm 1's coroutines: each asks
   the scheduler (:class:`~digen.sched.scheduler.Scheduler`) what its worker runs next,
-  awaits it and says what happened.
+  hands it out and waits for the next.
+- :mod:`~digen.runtime.driver.work`: the work handed out (generate, make again, score,
+  update): each call's request, and what its answer tells the scheduler;
+  :mod:`~digen.runtime.driver.progress`: what the loops wait on.
 - :mod:`~digen.runtime.driver.updates`: each scored micro-batch's update (advantages, kept
   rows, holder) until it is trained.
-- :mod:`~digen.runtime.driver.pool`: the generator pool's membership: losses, restarts,
-  generators that join.
+- :mod:`~digen.runtime.driver.sync`: the weight sync at a step's end (and the fixed TCSS
+  quota it waits for).
+- :mod:`~digen.runtime.driver.recovery`: a lost generator gone on without: what it held made
+  again, what cannot be left out; :mod:`~digen.runtime.driver.pool`: the generator pool's
+  membership: losses, restarts, generators that join.
 - :mod:`~digen.runtime.driver.evaluation`: evaluation on the generators, outside the
   schedule.
 - :mod:`~digen.runtime.driver.calls`: every actor call awaited, told to the scheduler and

@@ -19,7 +19,7 @@ from typing import Any, Self
 
 import torch
 
-from digen.checkpoint import Checkpoint
+from digen.checkpoint import PROFILER, Checkpoint
 from digen.config import DigenConfig, config_to_dict
 from digen.runtime.driver.handles import GeneratorHandle, ScorerHandle, TrainerHandle
 from digen.runtime.messages import LossStats, TimedResult
@@ -337,6 +337,10 @@ class ClusterBackend:
 
     cluster: Any
     """A :class:`Cluster` (tests: fakes with its methods)."""
+    resume: Checkpoint | None
+    """The checkpoint the trainers started from."""
+    accounts: Any
+    """The run's cost ledger, whose estimates (its ``profiler``) a checkpoint keeps."""
 
     @property
     def gens(self) -> list[GeneratorHandle]:
@@ -356,6 +360,21 @@ class ClusterBackend:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.cluster.stop()
+
+    async def restore(self, ckpt: Checkpoint) -> None:
+        """The trainers loaded ``ckpt`` as they started (``resume``): nothing left to do."""
+        if self.resume is None or ckpt.path != self.resume.path:
+            raise ValueError(
+                f"the driver's trainers start from the checkpoint it was made with "
+                f"({self.resume.path if self.resume else 'none'}), not {ckpt.path}"
+            )
+
+    async def write_checkpoint(self, directory: Any) -> None:
+        """Trainer 0 writes its weights and optimizer state into a checkpoint directory
+        (behind whatever it is running: only ``step`` changes them, and the next step waits
+        for this; sharded trainers all take part), and the cost estimates beside them."""
+        await self.cluster.trainers[0].write_checkpoint(str(directory))
+        self.accounts.profiler.save(Path(directory) / PROFILER)
 
     async def save_weights(self, out_dir: Any) -> Any:
         return await self.cluster.save_weights(out_dir)

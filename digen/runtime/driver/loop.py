@@ -21,33 +21,30 @@ naming the worker:
   trainers ``step()``, then the generators load version ``s + 1``, each behind the
   generation it is running (trajectory consistency).
 
-A lost generator is the exception to "a failure ends the run" (``runtime.on_generator_loss``):
-:meth:`Driver._lose` takes it out of the pool, and what it held is made again by the others
-from the same keys (:meth:`Driver._make_again`), before any new micro-batch. Membership
-itself (whether the run can go on, restarts with ``runtime.respawn_generators``, generators
-that join by themselves with ``runtime.accept_generators``, what the log and the runner are
-told) is the :class:`~digen.runtime.driver.pool.GeneratorPool`'s; a generator back or new
-joins at the next weight sync (:meth:`Driver._sync`).
-
 Who runs what next, and what was handed out, made, scored and trained, is the
-:class:`~digen.sched.scheduler.Scheduler`'s (the one the simulator runs with a clock); what
-calls cost is observed by :class:`~digen.runtime.driver.accounting.CostLedger`. The loops
-below ask it, await the actors and tell it what happened.
+:class:`~digen.sched.scheduler.Scheduler`'s (the one the simulator runs with a clock). The
+loops below ask it, hand the work to :class:`~digen.runtime.driver.work.Work` (which awaits
+the actors and tells the scheduler what came back) and wait on
+:class:`~digen.runtime.driver.progress.Progress`. Beside them, observing: a lost generator
+is the exception to "a failure ends the run" (``runtime.on_generator_loss``), gone on
+without by :class:`~digen.runtime.driver.recovery.Recovery` (what it held is made again by
+the others, from the same keys); membership (restarts, generators that join) is the
+:class:`~digen.runtime.driver.pool.GeneratorPool`'s; the weight sync is
+:class:`~digen.runtime.driver.sync.WeightSync`'s; what calls cost is the
+:class:`~digen.runtime.driver.accounting.CostLedger`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
-from digen.algos.train_step import mini_batches, step_terms
+from digen.algos.train_step import mini_batches
 from digen.checkpoint import PROFILER, Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
@@ -55,30 +52,22 @@ from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.driver.calls import Calls
 from digen.runtime.driver.cluster import Cluster, ClusterBackend
 from digen.runtime.driver.evaluation import Members, evaluate
-from digen.runtime.driver.handles import GeneratorHandle, ScorerHandle, TrainerHandle
 from digen.runtime.driver.pool import GeneratorPool
-from digen.runtime.driver.updates import RolloutRef, Updates, UpdateTask
-from digen.runtime.messages import (
-    EvalScores,
-    GenerateRequest,
-    SampleKey,
-    ScoreRequest,
-    StepRequest,
-    StepResult,
-    UpdateRequest,
-)
+from digen.runtime.driver.progress import Progress
+from digen.runtime.driver.recovery import Recovery
+from digen.runtime.driver.sync import WeightSync
+from digen.runtime.driver.updates import RolloutRef, Updates
+from digen.runtime.driver.work import Work
+from digen.runtime.messages import EvalScores, StepRequest, StepResult
 from digen.runtime.transport.actors import WorkerDied
 from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
-from digen.sched.names import DRIVER, Pool, TaskKind, worker_name, worker_names
-from digen.sched.scheduler import Remake, Scheduler
+from digen.sched.names import Pool, TaskKind, worker_names
+from digen.sched.scheduler import Scheduler
 from digen.sched.tag import make_tag_policy
 from digen.sched.trace import Trace
 
 __all__ = ["Driver"]
-
-GRID_SAMPLES = 16
-"""Samples per step whose thumbnails come back for the sample grid."""
 
 
 class Driver(ClusterBackend):
@@ -108,75 +97,53 @@ class Driver(ClusterBackend):
             cluster = Cluster(cfg, rewards, resume=resume, notes=notes, join_secret=join_secret)
         self.cluster = cluster
         self.resume = resume
-        self.reward_weights = {r.name: r.weight for r in rewards or cfg.rewards}
-        """Each reward's weight, by name (for ``algo.reward_weighting = advantage``)."""
         self.prompts = lru_cache(maxsize=8)(
             lambda step: prompts.for_step(cfg.seed, step, cfg.data.train_batch_size)
         )
         """``prompts(step)``: the texts and metadata of the step's prompts."""
-        rt = cfg.runtime
         self.plan = schedule_plan(cfg, first_step=resume.step if resume is not None else 0)
         """The run's schedule (:mod:`digen.sched.plan`): the rules below all read it."""
         self.sched = Scheduler(self.plan)
-        self.overlap = rt.score_overlap
-        """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
-        workers = worker_names(Pool.GENERATOR, rt.generators)
+        workers = worker_names(Pool.GENERATOR, cfg.runtime.generators)
         workers += worker_names(Pool.TRAINER, self.plan.trainers)
         self.accounts = CostLedger(cfg, trace, workers)
         if resume is not None and (resume.path / PROFILER).is_file():
             # BTS starts from the cost estimates the run had, not from nothing
             self.accounts.profiler = OnlineProfiler.load(resume.path / PROFILER)
         self.tag_policy = make_tag_policy(self.plan.tag, self.plan.tag_k)
-        minis = mini_batches(cfg)
-        self.mini_size = len(minis[0])
-        """Prompts per mini-batch: one optimizer step each (``train.mini_batch_size``)."""
-        self.mini_ids = [_ids_of(self.plan.microbatches_of(0), prompts) for prompts in minis]
+        minis = mini_batches(cfg)  # one optimizer step each (train.mini_batch_size)
+        self.mini_ids = [self.plan.ids_of(prompts) for prompts in minis]
         """Per mini-batch, the ids of its micro-batches (the same in every step)."""
-        self.changed = asyncio.Condition()
-        """Wakes the loops waiting for work: a version, SQ, UQ, a trained micro-batch."""
-        self._trained: dict[tuple[int, int], asyncio.Event] = defaultdict(asyncio.Event)
-        self._stepped: dict[tuple[int, int], asyncio.Event] = defaultdict(asyncio.Event)
+        self.progress = Progress(self.sched, self.mini_ids)
+        """What the loops wait on: a change, each mini-batch trained, its optimizer step."""
         self._stop_after_step = False
         """A stop asked for after the step's first optimizer step: it waits for the step's end."""
-        self._quota_waiter: tuple[int, asyncio.Future[None]] | None = None
-        self._samples_at: Callable[[int], bool] = lambda step: False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._call = Calls(self.sched, self.accounts, clock)
         """Awaits every actor call, telling the scheduler and the accounts."""
         self._tg: asyncio.TaskGroup | None = None
         self._loops: list[asyncio.Task] = []
+        # the rooms beside the loops (the package's docstring maps them)
         self.pool = GeneratorPool(
             cfg, cluster, self.sched, trace, clock, stopping=lambda: self.sched.stopping
         )
-        """Membership: losses, restarts, arrivals (:mod:`digen.runtime.driver.pool`)."""
         self.pool.start = self._start
-        self.updates = Updates(cfg, self.sched, self.reward_weights, self.pool.holder_lost)
-        """Each scored micro-batch's update until it is trained, and UQ's feed."""
-
-    @property
-    def scorers(self) -> list[ScorerHandle]:
-        """Each generator's scoring actor (``runtime.score_overlap``); else the generators."""
-        return self.cluster.scorers if self.overlap else self.cluster.gens
+        weights = {r.name: r.weight for r in rewards or cfg.rewards}
+        self.updates = Updates(cfg, self.sched, weights, self.pool.holder_lost)
+        self.recovery = Recovery(cluster, self.sched, self.updates, self.pool, self.progress)
+        self.work = Work(
+            cfg, cluster, self.sched, self.updates, self._call, self.accounts, self.progress,
+            self.recovery, self.prompts, len(minis[0]),
+        )  # fmt: skip
+        self.sync = WeightSync(
+            cluster, self.sched, self._call, self.pool, self.recovery, self.progress, trace,
+            clock, self._start_generator,
+        )  # fmt: skip
 
     @property
     def version(self) -> int:
         """The trainers' weights: the train step being trained."""
         return self.sched.version
-
-    async def restore(self, ckpt: Checkpoint) -> None:
-        """The trainers loaded ``ckpt`` as they started (``resume``): nothing left to do."""
-        if self.resume is None or ckpt.path != self.resume.path:
-            raise ValueError(
-                f"the driver's trainers start from the checkpoint it was made with "
-                f"({self.resume.path if self.resume else 'none'}), not {ckpt.path}"
-            )
-
-    async def write_checkpoint(self, directory: Any) -> None:
-        """Trainer 0 writes its weights and optimizer state into a checkpoint directory
-        (behind whatever it is running: only ``step`` changes them, and the next step waits
-        for this; sharded trainers all take part)."""
-        await self.cluster.trainers[0].write_checkpoint(str(directory))
-        self.accounts.profiler.save(Path(directory) / PROFILER)
 
     def request_stop(self) -> None:
         """Stop at the next micro-batch boundary (callable from any thread or a signal
@@ -194,9 +161,7 @@ class Driver(ClusterBackend):
             return
         self.sched.stopping = True  # no new generation, score or update starts
         self._call.stopping()
-        waiting = self._quota_waiter
-        if waiting is not None and not waiting[1].done():
-            waiting[1].set_result(None)
+        self.sync.release()
 
     # --- Algorithm 1 -----------------------------------------------------------------------
 
@@ -217,7 +182,7 @@ class Driver(ClusterBackend):
         if not steps or steps.start != self.version:
             raise ValueError(f"steps {steps} must be non-empty and start at {self.version}")
         self.plan = self.sched.plan = self.plan.running(steps.start, steps[-1])
-        self._samples_at = samples_at or (lambda step: False)
+        self.work.samples_at = samples_at or (lambda step: False)
         self._loop = asyncio.get_running_loop()
         results: list[StepResult] = []
         try:
@@ -254,11 +219,11 @@ class Driver(ClusterBackend):
         pool's watchers."""
         for i, g in enumerate(self.gens):
             self._start(f"loop-{g.worker}", partial(self._generator_loop, i))
-        for i in range(len(self.gens) if self.overlap else 0):
+        for i in range(len(self.gens) if self.work.overlap else 0):
             self._start(f"loop-scorer-{i}", partial(self._scorer_loop, i))
         for j, t in enumerate(self.trainers):
             self._start(f"loop-{t.worker}", partial(self._trainer_loop, j, steps))
-        self._start("loop-watch", partial(self.pool.watch_losses, self._lose))
+        self._start("loop-watch", partial(self.pool.watch_losses, self.recovery.lose))
         if self.cfg.runtime.accept_generators:
             self._start("loop-arrivals", partial(self.pool.watch_arrivals, self.accounts.workers))
 
@@ -268,7 +233,7 @@ class Driver(ClusterBackend):
         since = self.clock(), self.cluster.payload  # the previous step's end
         stepped = []  # (version, grad norm, seconds) per mini-batch
         for m in range(len(self.mini_ids)):
-            if not await self._trained_or_stopped(s, m):
+            if not await self.progress.trained_or_stopped(s, m, self._call.quiet):
                 return None
             stepped.append(await self._optimizer_step(s, m))
         return await self._finish_step(s, since, stepped)
@@ -280,24 +245,11 @@ class Driver(ClusterBackend):
         self._loops.append(self._tg.create_task(make(), name=name))
         return True
 
-    async def _lose(
-        self, i: int, died: WorkerDied, running: Sequence[tuple[int, int]] = ()
-    ) -> None:
-        """Generator ``i`` is lost (``died``): go on without it, making again elsewhere what
-        it held (``running``: what the failed call was making or scoring), or end the run
-        (:meth:`GeneratorPool.refuse_loss`)."""
-        first = i not in self.sched.lost
-        if first and not self.sched.stopping:
-            self.pool.refuse_loss(died)
-        remakes = self.sched.lose_generator(i, running)
-        for r in remakes:  # off UQ (the scheduler takes it off) until made again, and rehomed
-            self.updates.stand_in(r.step, r.mb)
-            if r.left_with is not None:  # what a trainer still holds of it goes
-                await self.cluster.forget(r.left_with, [(r.step, r.mb)])
-        orphans = self._drop_orphans()
-        if first:
-            await self.pool.lost(i, died, len(remakes), len(orphans))
-        await self._notify()
+    def _start_generator(self, i: int) -> None:
+        """The loops of generator ``i``, which joined the running run."""
+        self._start(f"loop-{self.gens[i].worker}", partial(self._generator_loop, i))
+        if self.work.overlap:
+            self._start(f"loop-scorer-{i}", partial(self._scorer_loop, i))
 
     async def _generator_loop(self, i: int) -> None:
         """Score what trainers made first; else generate the next admitted micro-batch (and
@@ -309,7 +261,7 @@ class Driver(ClusterBackend):
                 running.clear()
                 work = self.sched.generator_work(i)
                 if work is None:
-                    await self._until(
+                    await self.progress.until(
                         lambda: (
                             i in self.sched.lost
                             or self.sched.generator_work(i, take=False) is not None
@@ -318,20 +270,20 @@ class Driver(ClusterBackend):
                     continue
                 running.append((work.mb.step, work.mb.mb))
                 if work.kind == TaskKind.SCORE:  # SQ: what trainers made, first
-                    await self._score(i, RolloutRef(work.mb, work.holder, work.version))
+                    await self.work.score(i, RolloutRef(work.mb, work.holder, work.version))
                 elif work.remake is not None:
-                    await self._make_again(i, work.remake)
+                    await self.work.make_again(i, work.remake)
                 else:
-                    self._handed_out()
-                    made = await self._generate(self.gens[i], work.mb, TaskKind.GENERATE)
-                    if self.overlap:
-                        await self._notify()  # on its scoring lane's queue
+                    self.sync.handed_out()
+                    made = await self.work.generate(self.gens[i], work.mb, TaskKind.GENERATE)
+                    if self.work.overlap:
+                        await self.progress.notify()  # on its scoring lane's queue
                     else:
-                        await self._score(i, made)  # where its pixels are
+                        await self.work.score(i, made)  # where its pixels are
         except WorkerDied as died:
             if died.worker != self.gens[i].worker:
                 raise
-            await self._lose(i, died, running)
+            await self.recovery.lose(i, died, running)
 
     async def _scorer_loop(self, i: int) -> None:
         """Scoring lane ``i``: score what trainers made (SQ) first, else what generator ``i``
@@ -341,49 +293,37 @@ class Driver(ClusterBackend):
             while i not in self.sched.lost:
                 took = self.sched.lane_work(i)
                 if took is None:
-                    await self._until(
+                    await self.progress.until(
                         lambda: (
                             i in self.sched.lost
                             or (not self.sched.stopping and self.sched.has_to_score(i))
                         )
                     )
                     continue
-                await self._score(i, RolloutRef(took.mb, took.holder, took.version))
+                await self.work.score(i, RolloutRef(took.mb, took.holder, took.version))
         except WorkerDied as died:
-            if died.worker != self.scorers[i].worker:
+            if died.worker != self.work.scorers[i].worker:
                 raise
-            await self._lose(i, died, [(took.mb.step, took.mb.mb)] if took else [])
+            await self.recovery.lose(i, died, [(took.mb.step, took.mb.mb)] if took else [])
 
     async def _trainer_loop(self, j: int, steps: range) -> None:
         """Update what UQ holds, mini-batch by mini-batch; at a bubble, maybe generate (TAG);
         after each mini-batch, its optimizer step."""
         for s in steps:
             for m, ids in enumerate(self.mini_ids):
-                while not self._trained[s, m].is_set():
+                while not self.progress.trained(s, m):
                     if (mb := self.sched.take_update(s, ids)) is not None:
-                        await self._update(j, self.updates[s, mb])
+                        await self.work.update(j, self.updates[s, mb])
                     elif (tag := self._bubble(j, s)) is not None:
-                        await self._generate(self.trainers[j], tag, TaskKind.TAG)  # onto SQ
-                        await self._notify()  # a generator scores it
+                        await self.work.generate(self.trainers[j], tag, TaskKind.TAG)  # onto SQ
+                        await self.progress.notify()  # a generator scores it
                     else:  # wait for UQ (not asked about a bubble again before an update)
-                        await self._until(
+                        await self.progress.until(
                             lambda s=s, m=m, ids=ids: (
-                                self._trained[s, m].is_set() or self.sched.has_update(s, ids)
+                                self.progress.trained(s, m) or self.sched.has_update(s, ids)
                             )
                         )
-                await self._stepped[s, m].wait()
-
-    async def _trained_or_stopped(self, s: int, m: int) -> bool:
-        """Wait until mini-batch ``m`` of step ``s`` is trained (True) or a stop has every
-        worker idle (False)."""
-        trained = asyncio.ensure_future(self._trained[s, m].wait())
-        quiet = asyncio.ensure_future(self._call.quiet.wait())
-        try:
-            await asyncio.wait({trained, quiet}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            trained.cancel()
-            quiet.cancel()
-        return self._trained[s, m].is_set()
+                await self.progress.wait_stepped(s, m)
 
     async def _optimizer_step(self, s: int, m: int) -> tuple[int, float, float]:
         """Mini-batch ``m`` of step ``s`` is trained: every trainer steps on its gradients.
@@ -397,7 +337,7 @@ class Driver(ClusterBackend):
             *(self._call(t, TaskKind.STEP, s, -1, s, t.step(request)) for t in self.trainers)
         )
         if not last:
-            self._stepped[s, m].set()  # the trainers go on to the next mini-batch
+            self.progress.stepped(s, m)  # the trainers go on to the next mini-batch
         version, grad_norm = stepped[0]
         return version, grad_norm, self.clock() - t0
 
@@ -409,14 +349,10 @@ class Driver(ClusterBackend):
         t_start, mark = since
         version = stepped[-1][0]
         rec = self.sched.advance(version)
-        self._stepped[s, len(self.mini_ids) - 1].set()
-        for key in [k for k in self._trained if k[0] < s]:
-            self._trained.pop(key)  # every trainer loop is past step s - 1
-        for key in [k for k in self._stepped if k[0] < s - 1]:
-            self._stepped.pop(key)
+        self.progress.step_over(s)
         self.updates.step_done(s)
         t1 = self.clock()
-        await self._sync(version)
+        await self.sync(version)
         return self.accounts.step_result(
             rec,
             self.prompts(s)[0],
@@ -435,184 +371,11 @@ class Driver(ClusterBackend):
         """Evaluate the generators' current weights
         (:func:`~digen.runtime.driver.evaluation.evaluate`): the version and the scores."""
         size = self.plan.layout.samples_per_microbatch if self.plan.layout else None
-        members = Members(self.gens, self.scorers, self.trainers[0], self.sched, self._lose)
+        scorers, lose = self.work.scorers, self.recovery.lose
+        members = Members(self.gens, scorers, self.trainers[0], self.sched, lose)
         return await evaluate(members, self.cfg.eval.ema > 0, size, prompts, metadata, samples)
 
-    # --- the work ---------------------------------------------------------------------------
-
-    async def _generate(
-        self, actor: GeneratorHandle | TrainerHandle, mb: MicroBatch, kind: TaskKind
-    ) -> RolloutRef:
-        keys = tuple(SampleKey(mb.step, mb.prompt, s) for s in mb.samples)
-        texts = self.prompts(mb.step)[0]
-        request = GenerateRequest(mb.step, mb.mb, keys, texts[mb.prompt], True, self._ahead(texts))
-        version = await self._call(actor, kind, mb.step, mb.mb, None, actor.generate(request))
-        self.sched.generated(mb, actor.worker, version)
-        return RolloutRef(mb, actor.worker, version)
-
-    def _ahead(self, texts: list[str]) -> tuple[str, ...]:
-        """What a generate call carries besides its prompt: with offloaded text encoders the
-        step's prompts, which the worker encodes in one visit of the encoders to its device
-        (not one a micro-batch); nothing otherwise."""
-        return tuple(texts) if self.cfg.model.offload_text_encoders else ()
-
-    async def _make_again(self, i: int, remake: Remake) -> None:
-        """Generator ``i`` makes ``remake`` again from its keys: a scored one only for the
-        trainers (no pixels kept), with the version that made it, so its samples are the
-        ones its rewards and advantages are of; an unscored one goes on to be scored."""
-        gen, s = self.gens[i], remake.step
-        mb = self.sched.record(s).mbs[remake.mb]
-        keys = tuple(SampleKey(s, mb.prompt, j) for j in mb.samples)
-        texts = self.prompts(s)[0]
-        keep = not remake.scored
-        request = GenerateRequest(s, mb.mb, keys, texts[mb.prompt], keep, self._ahead(texts))
-        t0 = self.clock()
-        call = gen.generate(request)
-        version = await self._call(gen, TaskKind.GENERATE, s, mb.mb, None, call)
-        if remake.scored and version != remake.version:
-            raise AssertionError(
-                f"{mb} was made again with version {version}, not {remake.version}"
-            )
-        self.sched.remade(remake, gen.worker, version, self.clock() - t0)
-        if remake.scored:
-            self.updates.rehome(s, mb.mb, gen.worker, version)
-        elif not self.overlap:
-            await self._score(i, RolloutRef(mb, gen.worker, version))
-        await self._notify()
-
-    def _drop_orphans(self) -> list[Remake]:
-        """TCSS: scored stale work of a lost generator that no generator can make again (its
-        version is gone) is left out of its step's gradient, and said so."""
-        orphans = self.sched.orphaned()
-        for r in orphans:
-            self.updates.done(r.step, r.mb)
-            logging.getLogger("digen").warning(
-                f"micro-batch {r.mb} of step {r.step} (made with version {r.version} by a lost "
-                "generator) is left out of the step: no generator holds that version any more."
-            )
-            self._maybe_trained(r.step)
-        return orphans
-
-    async def _score(self, i: int, made: RolloutRef) -> None:
-        g, mb, k = self.scorers[i], made.mb, len(made.mb.samples)
-        texts, meta = self.prompts(mb.step)
-        thumbs = self._samples_at(mb.step) and mb.mb * k < GRID_SAMPLES
-        prompt, data = (texts[mb.prompt],) * k, (meta[mb.prompt],) * k
-        call = g.score(ScoreRequest(mb.step, mb.mb, made.holder, prompt, data, thumbs))
-        lane = worker_name(Pool.SCORER, i) if self.overlap else g.worker
-        scores = await self._call(g, TaskKind.SCORE, mb.step, mb.mb, made.version, call, lane)
-        self.accounts.scored(mb.step, scores.latency_s)
-        if self.sched.scored(mb, scores.total, scores.components, scores.thumbnails):
-            await self._group_scored(mb.step, mb.prompt)
-
-    async def _group_scored(self, s: int, prompt: int) -> None:
-        """A group is complete: its updates go to UQ (:meth:`Updates.group_scored`); what
-        kept no sample is released where it is held."""
-        for holder, mb in self.updates.group_scored(s, prompt):
-            await self.cluster.release(holder, [(s, mb)])
-        await self._notify()
-        self._maybe_trained(s)
-
-    async def _update(self, j: int, task: UpdateTask) -> None:
-        t, mb, s = self.trainers[j], task.rollout.mb, task.rollout.mb.step
-        keys = tuple(SampleKey(s, mb.prompt, mb.samples[r]) for r in task.rows)
-        text = self.prompts(s)[0][mb.prompt]
-        scale = 1.0 / step_terms(self.cfg, s, prompts=self.mini_size)  # its optimizer step's
-        holder = task.rollout.holder
-        made_by = task.rollout.version  # the version that sampled it (TCSS: maybe behind)
-        request = UpdateRequest(
-            s, mb.mb, holder, keys, task.rows, text, task.advantages, scale, made_by
-        )
-        call = t.update(request)
-        try:
-            stats = await self._call(t, TaskKind.UPDATE, s, mb.mb, s, call)
-        except Exception as exc:
-            i = self.pool.index(holder)
-            if i is None or (isinstance(exc, WorkerDied) and exc.worker != holder):
-                raise  # the trainer's own failure, or its loss
-            died = await self.cluster.death_of(holder)
-            if died is None:
-                raise
-            if len(t.members) > 1:  # sharded: the members went apart
-                raise died.again("sharded trainers cannot go on from an update it broke") from exc
-            await self._lose(i, died)  # its rollout never reached this trainer: make it again
-            if self.updates.current(task):  # else made again already, and rehomed
-                self.sched.remake_scored(s, mb.mb)
-            self._drop_orphans()
-            await self._notify()
-            return
-        self.updates.done(s, mb.mb)
-        self.sched.trained(s, mb.mb, stats)
-        await self._notify()
-        self._maybe_trained(s)
-
-    def _maybe_trained(self, s: int) -> None:
-        """When a mini-batch of step ``s`` is fully trained: release its trainers from its
-        UQ, wake its optimizer step."""
-        rec = self.sched.record(s)
-        for m, ids in enumerate(self.mini_ids):
-            if not self._trained[s, m].is_set() and rec.all_trained_in(ids):
-                self._trained[s, m].set()  # its trainers go on to its optimizer step
-
-    async def _sync(self, version: int) -> None:
-        """Version ``version`` to every generator, queued behind what each is generating."""
-        if self.sched.quota_pending(version) and not self.sched.stopping:
-            # fixed TCSS: the step's early micro-batches go out first
-            self._quota_waiter = (version, asyncio.get_running_loop().create_future())
-            try:
-                await self._quota_waiter[1]
-            finally:
-                self._quota_waiter = None
-        step = version - 1
-
-        async def send(i: int) -> WorkerDied | None:
-            """Version ``version`` to generator ``i``; its loss instead, if it was lost."""
-            call = self.cluster.send_weights(i, version)
-            try:
-                await self._call(self.gens[i], TaskKind.SYNC, step, -1, version, call)
-            except WorkerDied as died:
-                if died.worker != self.gens[i].worker:
-                    raise
-                return died
-            return None
-
-        async def load(i: int) -> None:
-            self.sched.gen_version[i] = version  # the generator's next call runs with it
-            if died := await send(i):
-                await self._lose(i, died)
-
-        joining = self.pool.take_joining()
-
-        async def join(i: int) -> None:  # a generator back: this version before any work
-            if died := await send(i):
-                await self.pool.lost_before_joining(i, died)
-                return
-            self.sched.rejoin(i, version)
-            self._start(f"loop-{self.gens[i].worker}", lambda: self._generator_loop(i))
-            if self.overlap:
-                self._start(f"loop-scorer-{i}", lambda: self._scorer_loop(i))
-            await self.pool.joined(i, version)
-
-        calls = [load(i) for i in self.sched.alive] + [join(i) for i in joining]
-        served = self.cluster.serve_weights(version)  # trainer 0's part of a broadcast
-        if served is not None:
-            calls.append(self._call(self.trainers[0], TaskKind.SYNC, step, -1, version, served))
-        t0 = self.clock()
-        await asyncio.gather(*calls)
-        self.accounts.trace.record(TaskKind.SYNC.value, DRIVER, step, -1, version, t0, self.clock())
-        self._drop_orphans()
-        await self._notify()
-
     # --- decisions -----------------------------------------------------------------------------
-
-    def _handed_out(self) -> None:
-        """A micro-batch was handed out: a weight sync waiting for the fixed TCSS quota may
-        go (the caller sends its generate call before it next yields: a weight load queued
-        in between would make it with other weights than the ones admitted)."""
-        waiting = self._quota_waiter
-        released = waiting is not None and not self.sched.quota_pending(waiting[0])
-        if released and not waiting[1].done():
-            waiting[1].set_result(None)
 
     def _bubble(self, j: int, s: int) -> MicroBatch | None:
         """Trainer ``j`` found UQ empty in step ``s``: the micro-batch it makes now (TAG),
@@ -621,7 +384,7 @@ class Driver(ClusterBackend):
             return None
         mb = self.sched.answer(j, self._decide_tag(j))
         if mb is not None:
-            self._handed_out()
+            self.sync.handed_out()
         return mb
 
     def _decide_tag(self, j: int) -> bool:
@@ -635,25 +398,6 @@ class Driver(ClusterBackend):
             return False  # remakes pending: the state the search plans on cannot show them
         costs = profiler.costs(generator_pool=Pool.GENERATOR, trainer_pool=Pool.TRAINER)
         return self.tag_policy.decide(self.sched.sched_state(j, self.clock(), costs), costs)
-
-    # --- plumbing ------------------------------------------------------------------------------
-
-    async def _until(self, ready: Callable[[], bool]) -> None:
-        """Wait until ``ready()``, asked again at every change (:meth:`_notify`)."""
-        async with self.changed:
-            await self.changed.wait_for(ready)
-
-    async def _notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
-
-
-def _ids_of(mbs: Sequence[MicroBatch], prompts: range) -> range:
-    """The ids of the micro-batches of ``prompts`` (consecutive: they go out prompt by prompt)."""
-    ids = [m.mb for m in mbs if m.prompt in prompts]
-    if ids != list(range(ids[0], ids[-1] + 1)):
-        raise AssertionError(f"the micro-batches of prompts {prompts} are not consecutive: {ids}")
-    return range(ids[0], ids[-1] + 1)
 
 
 def _main_error(group: BaseExceptionGroup) -> BaseException:

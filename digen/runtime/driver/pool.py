@@ -11,8 +11,8 @@ the pool; this module decides what a change of members means and says it:
   process in its place after a back-off;
 - a generator **started again** or one that **joined the world** (``digen join``, with
   ``runtime.accept_generators``) waits in :attr:`GeneratorPool.joining` until the next weight
-  sync, where it takes that step's weights before any work (the driver's ``_sync``), and the
-  pool says it is back.
+  sync, where it takes that step's weights before any work
+  (:mod:`~digen.runtime.driver.sync`), and the pool says it is back.
 
 What each member holds and which ones are alive is the scheduler's
 (:class:`~digen.sched.scheduler.Scheduler`): the pool reads it and keeps only what membership
