@@ -18,9 +18,13 @@ it imports the libraries only inside its functions.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import logging
 import os
+import sys
 from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
 
 __all__ = ["QUIET_ENV", "hf_quiet", "no_progress_bars", "quiet_env"]
 
@@ -39,13 +43,48 @@ def quiet_env() -> None:
         os.environ.setdefault(name, value)
 
 
-def no_progress_bars() -> None:
-    """No loading or saving progress bars from diffusers and transformers in this process."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
+_BAR_SWITCHES = ("diffusers.utils.logging", "transformers.utils.logging")
+"""The modules whose ``disable_progress_bar()`` turns a library's bars off."""
 
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
+
+def no_progress_bars() -> None:
+    """No loading or saving progress bars from diffusers and transformers in this process:
+    at once for a library already imported, else as it is imported. Importing them costs
+    seconds (diffusers pulls in torch's compiler), which a process that never loads a model
+    (the disaggregated driver) does not pay for this."""
+    for name in _BAR_SWITCHES:
+        if name in sys.modules:
+            sys.modules[name].disable_progress_bar()
+        elif not any(isinstance(f, _BarsOff) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _BarsOff(name))
+
+
+class _BarsOff(importlib.abc.MetaPathFinder):
+    """Turns module ``name``'s progress bars off as it is imported, then steps aside."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once: the finders after it find the module itself
+        for finder in sys.meta_path:
+            spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            module.disable_progress_bar()
+
+        spec.loader.exec_module = exec_module  # this module's loader only
+        return spec
 
 
 @contextlib.contextmanager

@@ -46,6 +46,12 @@ from digen.sched.names import Pool, worker_names
 
 __all__ = ["Cluster", "ShardedTrainers"]
 
+# The actors' classes, named for the workers to import: the driver never imports what they
+# import (diffusers, peft), which would cost it seconds of CPU beside the workers' own start.
+GENERATOR = "digen.runtime.worker.generator:GeneratorActor"
+SCORER = "digen.runtime.worker.scorer:ScorerActor"
+TRAINER = "digen.runtime.worker.trainer:TrainerActor"
+
 
 class Cluster:
     """``runtime.generators`` generator actors and ``runtime.trainers`` trainer actors."""
@@ -140,29 +146,21 @@ class Cluster:
             # bound (on that address only) and held there until its store takes it over
             dp_port = await self.system.run(lead, listen, host)
             sync_port = await self.system.run(lead, listen, host)
-        from digen.runtime.worker.generator import GeneratorActor
-        from digen.runtime.worker.scorer import ScorerActor
-        from digen.runtime.worker.trainer import TrainerActor
-
         where = {"devices": self.devices, "direct": self.direct, "hosts": self.hosts}
         self._built = (cfg_dict, where)
         self.gens = [
             GeneratorHandle(
-                self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
+                self.system.actor(name, GENERATOR, cfg_dict, self.rewards, name, **where)
             )
             for name in self.gen_names
         ]
         if rt.score_overlap:  # the rewards beside each generator, on a thread of their own
             self.scorers = [
-                ScorerHandle(
-                    self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
-                )
+                ScorerHandle(self.system.actor(name, SCORER, cfg_dict, self.rewards, name, **where))
                 for name in self.gen_names
             ]
         trainers = [
-            self.system.actor(
-                name, TrainerActor, cfg_dict, i, rt.trainers, dp_port, host, name, **where
-            )
+            self.system.actor(name, TRAINER, cfg_dict, i, rt.trainers, dp_port, host, name, **where)
             for i, name in enumerate(self.trainer_names)
         ]
         self.trainers = [TrainerHandle(t) for t in trainers]
@@ -191,19 +189,16 @@ class Cluster:
     async def respawn_generator(self, i: int) -> None:
         """Start lost generator ``i`` again (``runtime.respawn_generators``): a new process
         under its name, with its actors built; it holds no weights until it pulls some."""
-        from digen.runtime.worker.generator import GeneratorActor
-        from digen.runtime.worker.scorer import ScorerActor
-
         name = self.gen_names[i]
         await self.system.respawn(name)
         cfg_dict, where = self._built
         gen = GeneratorHandle(
-            self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
+            self.system.actor(name, GENERATOR, cfg_dict, self.rewards, name, **where)
         )
         scorer = None
         if self.cfg.runtime.score_overlap:
             scorer = ScorerHandle(
-                self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
+                self.system.actor(name, SCORER, cfg_dict, self.rewards, name, **where)
             )
         await asyncio.gather(*(a.ping() for a in (gen, scorer) if a is not None))
         self.gens[i] = gen
@@ -219,20 +214,15 @@ class Cluster:
         """Build the actors of ``name``, a generator that joined the world by itself; its
         index, the next one. It holds no weights until it pulls some. Its tensors travel
         through the CPU (no device map was set up for it)."""
-        from digen.runtime.worker.generator import GeneratorActor
-        from digen.runtime.worker.scorer import ScorerActor
-
         cfg_dict, where = self._built
         where = {**where, "direct": False}
         gen = GeneratorHandle(
-            self.system.actor(name, GeneratorActor, cfg_dict, self.rewards, name, **where)
+            self.system.actor(name, GENERATOR, cfg_dict, self.rewards, name, **where)
         )
         scorers = []
         if self.cfg.runtime.score_overlap:
             scorers.append(
-                ScorerHandle(
-                    self.system.actor(name, ScorerActor, cfg_dict, self.rewards, name, **where)
-                )
+                ScorerHandle(self.system.actor(name, SCORER, cfg_dict, self.rewards, name, **where))
             )
         await asyncio.gather(*(a.ping() for a in [gen, *scorers]))
         self.gen_names.append(name)

@@ -11,6 +11,7 @@ value, never as the torch future's exception, which is kept for transport failur
 from __future__ import annotations
 
 import collections
+import importlib
 import os
 import pickle
 import sys
@@ -125,6 +126,9 @@ class _Mailbox:
         if self.blob is not None:
             try:
                 cls, args, kwargs = pickle.loads(self.blob)
+                if isinstance(cls, str):  # "package.module:Class", imported here only
+                    module, _, name = cls.partition(":")
+                    cls = getattr(importlib.import_module(module), name)
                 self.obj = cls(*args, **kwargs)
             except BaseException as exc:  # reported by every call; a call is how anyone asks
                 self.error = _RemoteError.capture(exc)

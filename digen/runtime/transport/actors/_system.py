@@ -1009,17 +1009,24 @@ class ActorSystem:
         self._count_received(value)
         return value
 
-    def actor(self, worker: str, cls: type, /, *args: Any, **kwargs: Any) -> ActorHandle:
+    def actor(self, worker: str, cls: type | str, /, *args: Any, **kwargs: Any) -> ActorHandle:
         """Construct ``cls(*args, **kwargs)`` inside ``worker``; return a handle at once.
 
         The object is built in the background on the actor's own thread, which then runs
         all its calls; a constructor error (or a class the worker cannot import) is raised
-        by every call. ``cls`` and the arguments are pickled here.
+        by every call. ``cls`` and the arguments are pickled here; ``cls`` given as
+        ``"package.module:Class"`` is imported by the worker only (this process need not
+        import what the actor's module imports).
         """
         blob = pickle.dumps((cls, args, kwargs))
         actor_id = next(self._ids)
         self._post(worker, _construct, (actor_id, blob))
-        return ActorHandle(worker, actor_id, getattr(cls, "__qualname__", repr(cls)), self)
+        name = (
+            cls.rpartition(":")[2]
+            if isinstance(cls, str)
+            else getattr(cls, "__qualname__", repr(cls))
+        )
+        return ActorHandle(worker, actor_id, name, self)
 
     async def run(self, worker: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run module-level ``fn(*args, **kwargs)`` in ``worker`` (no actor, no lock)."""
