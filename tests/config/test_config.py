@@ -161,6 +161,37 @@ def test_round_trip(tmp_path: Path) -> None:
     assert load_config(path) == cfg
 
 
+def test_a_choice_is_read_as_its_member_and_saved_as_its_plain_string(tmp_path: Path) -> None:
+    import json
+    from enum import StrEnum
+
+    from digen.config import Dtype, Mode
+    from digen.sched.tag import TagPolicyName
+
+    cfg = load_config(overrides=["runtime.mode=disaggregated", "model.dtype=bfloat16"])
+    assert cfg.runtime.mode is Mode.DISAGGREGATED and cfg.runtime.mode == "disaggregated"
+    assert cfg.model.dtype is Dtype.BFLOAT16 and f"{cfg.model.dtype}" == "bfloat16"
+    assert cfg.runtime.tag is TagPolicyName.BTS  # a default is its member too
+    assert DigenConfig(model={"dtype": "float16"}).model.dtype is Dtype.FLOAT16
+    allowed = "is not allowed: choose one of auto, fixed, arrival."
+    with pytest.raises(ConfigError, match=rf"^train\.grad_order = 'first' {allowed}$"):
+        load_config(overrides=["train.grad_order=first"])
+
+    def members(value):
+        if isinstance(value, dict):
+            return [m for v in value.values() for m in members(v)]
+        if isinstance(value, list):
+            return [m for v in value for m in members(v)]
+        return [value] if isinstance(value, StrEnum) else []
+
+    plain = config_to_dict(cfg)
+    assert members(plain) == []  # plain strings only: yaml.safe_dump refuses str subclasses
+    assert json.loads(json.dumps(plain)) == plain
+    path = dump_config(cfg, tmp_path / "config.yaml")
+    assert "mode: disaggregated" in path.read_text()
+    assert load_config(path) == cfg
+
+
 def test_sections_from_mappings_and_direct_checks() -> None:
     assert DigenConfig(rollout={"n": 8}).rollout == RolloutConfig(n=8, sde_type="sde")
     with pytest.raises(ConfigError, match=r"^rollout\.n = 1 is not allowed"):
@@ -191,6 +222,8 @@ BAD = [
     (["algo.name=ppo"], "algo.name", "'ppo'"),
     (["algo.adv_norm=batch"], "algo.adv_norm", "'batch'"),
     (["train.lora_dtype=int8"], "train.lora_dtype", "'int8'"),
+    (["train.grad_order=[fixed]"], "train.grad_order", "['fixed']"),
+    (["rewards.0.on_error=skip"], "rewards.0.on_error", "'skip'"),
     # ranges
     (["rollout.n=1"], "rollout.n", "1"),
     (["rollout.num_inference_steps=0"], "rollout.num_inference_steps", "0"),
