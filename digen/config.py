@@ -35,12 +35,16 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DigenConfig",
+    "ElasticConfig",
     "EvalConfig",
     "ModelConfig",
+    "PlacementConfig",
     "RewardSpec",
     "RolloutConfig",
     "RuntimeConfig",
+    "ScheduleConfig",
     "TrainConfig",
+    "TransportConfig",
     "config_to_dict",
     "dump_config",
     "field_docs",
@@ -158,7 +162,7 @@ class Mode(StrEnum):
 
 
 class TrainerParallel(StrEnum):
-    """``runtime.trainer_parallel``."""
+    """``runtime.placement.trainer_parallel``."""
 
     REPLICATE = "replicate"
     FSDP = "fsdp"
@@ -166,25 +170,26 @@ class TrainerParallel(StrEnum):
 
 
 SHARDED_PARALLEL = frozenset({TrainerParallel.FSDP, TrainerParallel.HSDP})
-"""The ``runtime.trainer_parallel`` values whose trainers shard one model (and move as one)."""
+"""The ``runtime.placement.trainer_parallel`` values whose trainers shard one model (and
+move as one)."""
 
 
 class MicrobatchAxis(StrEnum):
-    """``runtime.microbatch_axis``."""
+    """``runtime.schedule.microbatch_axis``."""
 
     GENERATION = "generation"
     PROMPT = "prompt"
 
 
 class WeightSync(StrEnum):
-    """``runtime.weight_sync``."""
+    """``runtime.transport.weight_sync``."""
 
     RPC = "rpc"
     BROADCAST = "broadcast"
 
 
 class GeneratorLoss(StrEnum):
-    """``runtime.on_generator_loss``."""
+    """``runtime.elastic.on_generator_loss``."""
 
     CONTINUE = "continue"
     FAIL = "fail"
@@ -367,10 +372,20 @@ _CONVERTERS["RewardErrorPolicy"] = _member(RewardErrorPolicy, "use fail or drop"
 
 
 def _validate_section(section: Any, prefix: str) -> None:
-    """Coerce every field of one section to its declared type, then run its own checks."""
+    """Coerce every field of one section to its declared type (a field that is a section of
+    its own, as ``runtime.schedule``, is built and checked as one), then run its own checks."""
     for f in fields(section):
-        convert = _CONVERTERS[f.type]
-        setattr(section, f.name, convert(getattr(section, f.name), _key(prefix, f.name)))
+        key, value = _key(prefix, f.name), getattr(section, f.name)
+        inner = _SUBSECTIONS.get(f.type)
+        if inner is None:
+            value = _CONVERTERS[f.type](value, key)
+        elif value is None or isinstance(value, Mapping):  # an empty YAML section is None
+            value = _make(inner, value or {}, key)
+        elif isinstance(value, inner):
+            _validate_section(value, key)
+        else:
+            raise _bad(key, value, f"it must be a mapping of {key} settings")
+        setattr(section, f.name, value)
     section._check_values(prefix)
 
 
@@ -761,13 +776,7 @@ class RewardSpec:
 
 
 @dataclass(kw_only=True, slots=True)
-class RuntimeConfig:
-    mode: Mode = Mode.COLOCATED
-    """colocated (every worker samples, then trains) or disaggregated (generator and trainer pools over RPC)."""
-    generators: int = 1
-    """Generator workers (disaggregated): sample and score."""
-    trainers: int = 1
-    """Trainer workers (disaggregated): data-parallel among themselves."""
+class PlacementConfig:
     trainer_parallel: TrainerParallel = TrainerParallel.REPLICATE
     """How trainers (and colocated workers) share the model: replicate (each holds all of it; gradients all-reduced), fsdp (FSDP2: every transformer block sharded over all of them; the trainers act as one), hsdp (sharded inside groups of shard_size, replicated across)."""
     shard_size: int | None = None
@@ -782,6 +791,34 @@ class RuntimeConfig:
     """Weights dtype of the trainer pool; None uses model.dtype."""
     threads_per_worker: int = 1
     """CPU threads each worker process may use (torch.set_num_threads)."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "runtime.placement")
+
+    @property
+    def sharded(self) -> bool:
+        """The trainers shard one model (fsdp / hsdp): they move in lockstep, as one."""
+        return self.trainer_parallel in SHARDED_PARALLEL
+
+    def _check_values(self, p: str) -> None:
+        if self.shard_size is not None:
+            _at_least(p, "shard_size", self.shard_size, 1)
+        for pool in ("generator", "trainer"):
+            devices = getattr(self, f"{pool}_devices")
+            for device in devices or ():
+                if not _DEVICE_RE.fullmatch(device):
+                    raise _bad(
+                        _key(p, f"{pool}_devices"),
+                        devices,
+                        "name devices such as cpu, cuda or cuda:1, one per entry",
+                    )
+            if devices:  # a bare cuda in a device list is the first GPU, as torch reads it
+                setattr(self, f"{pool}_devices", ["cuda:0" if d == "cuda" else d for d in devices])
+        _at_least(p, "threads_per_worker", self.threads_per_worker, 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduleConfig:
     microbatch_axis: MicrobatchAxis = MicrobatchAxis.GENERATION
     """generation: a prompt's n samples are spread over the generators (GAP); prompt: whole groups per micro-batch."""
     samples_per_microbatch: int | None = None
@@ -804,6 +841,24 @@ class RuntimeConfig:
     """TCSS: fixed (the first staleness_ratio of every step's micro-batches are made one version early, always the same ones, whatever max_staleness >= 1: seeded runs repeat) or eager (stale while a worker is free, up to max_staleness versions and the ratio: the paper's form; which ones depends on timing)."""
     max_inflight: int | None = None
     """C_gen: micro-batches generated but not yet trained, at most (back-pressure on generators, bounds what workers hold); None = one step's plus the TCSS share."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "runtime.schedule")
+
+    def _check_values(self, p: str) -> None:
+        if self.samples_per_microbatch is not None:
+            _at_least(p, "samples_per_microbatch", self.samples_per_microbatch, 1)
+        _at_least(p, "tsp_degree", self.tsp_degree, 1)
+        _at_least(p, "tag_k", self.tag_k, 0)
+        _at_least(p, "max_staleness", self.max_staleness, 0, " (0 is on-policy)")
+        if not 0.0 <= self.staleness_ratio <= 1.0:
+            raise _bad(_key(p, "staleness_ratio"), self.staleness_ratio, "it must be in [0, 1]")
+        if self.max_inflight is not None:
+            _at_least(p, "max_inflight", self.max_inflight, 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class TransportConfig:
     weight_sync: WeightSync = WeightSync.RPC
     """How new weights reach the generators: rpc (each pulls them from trainer 0) or broadcast (one gloo/NCCL group)."""
     sync_bucket_mb: float = 256.0
@@ -811,11 +866,29 @@ class RuntimeConfig:
     address: str = "127.0.0.1"
     """Address the RPC and process groups listen on; loopback keeps everything on this machine."""
     port: int | None = None
-    """Port of the RPC rendezvous on runtime.address (where workers, and generators joining with digen join, find the run); None picks a free one, written to workers.json."""
+    """Port of the RPC rendezvous on runtime.transport.address (where workers, and generators joining with digen join, find the run); None picks a free one, written to workers.json."""
     rpc_timeout_s: float = 600.0
     """Longest a single remote call may take before the run stops with an error."""
     heartbeat_s: float = 60.0
     """A worker that answers no ping for this long (hung, or its machine gone) counts as lost, named in the log; a worker process that exits is noticed within 0.1 s."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "runtime.transport")
+
+    def _check_values(self, p: str) -> None:
+        _positive(p, "sync_bucket_mb", self.sync_bucket_mb)
+        if not self.address:
+            raise _bad(_key(p, "address"), self.address, "give an IP address such as 127.0.0.1")
+        _positive(p, "rpc_timeout_s", self.rpc_timeout_s)
+        _positive(p, "heartbeat_s", self.heartbeat_s)
+        if self.port is not None and not 0 < self.port < 65536:
+            raise _bad(
+                _key(p, "port"), self.port, "give a port in 1..65535, or null for a free one"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class ElasticConfig:
     on_generator_loss: GeneratorLoss = GeneratorLoss.CONTINUE
     """A generator lost mid-run (its process killed, its machine gone): continue (the run goes on with the generators left, and what the lost one held is made again elsewhere from the same keys) or fail (the run stops, with a checkpoint and the command to resume). A lost trainer always stops the run."""
     min_generators: int = 1
@@ -827,75 +900,144 @@ class RuntimeConfig:
     max_respawns: int = 3
     """Restarts of one generator, at most; after that its place stays empty."""
     accept_generators: bool = False
-    """Take generators that join the running run (digen join ADDRESS:PORT, on this machine or another): each joins at the next step boundary with that step's weights. The workers then form a dynamic RPC world; not with an external launcher (torchrun) nor weight_sync=broadcast."""
+    """Take generators that join the running run (digen join ADDRESS:PORT, on this machine or another): each joins at the next step boundary with that step's weights. The workers then form a dynamic RPC world; not with an external launcher (torchrun) nor runtime.transport.weight_sync=broadcast."""
     join_secret_file: str | None = None
     """With accept_generators: a file holding the run's join secret (at least 16 characters), which digen join must prove it knows and the run proves to it in turn; None: the run makes a new one at each start and writes it to join-secret in its output directory (readable by its owner only)."""
 
     def __post_init__(self) -> None:
-        _validate_section(self, "runtime")
-
-    @property
-    def sharded(self) -> bool:
-        """The trainers shard one model (fsdp / hsdp): they move in lockstep, as one."""
-        return self.trainer_parallel in SHARDED_PARALLEL
+        _validate_section(self, "runtime.elastic")
 
     def _check_values(self, p: str) -> None:
-        _at_least(p, "generators", self.generators, 1)
-        _at_least(p, "trainers", self.trainers, 1)
-        if self.shard_size is not None:
-            _at_least(p, "shard_size", self.shard_size, 1)
-        for pool in ("generator", "trainer"):
-            devices = getattr(self, f"{pool}_devices")
-            for device in devices or ():
-                if not _DEVICE_RE.fullmatch(device):
-                    raise _bad(
-                        _key(p, f"{pool}_devices"),
-                        devices,
-                        "name devices such as cpu, cuda or cuda:1, one per entry",
-                    )
-            if devices:  # a bare cuda in a device list is the first GPU, as torch reads it
-                setattr(self, f"{pool}_devices", ["cuda:0" if d == "cuda" else d for d in devices])
-        _positive(p, "sync_bucket_mb", self.sync_bucket_mb)
-        _at_least(p, "threads_per_worker", self.threads_per_worker, 1)
-        if self.samples_per_microbatch is not None:
-            _at_least(p, "samples_per_microbatch", self.samples_per_microbatch, 1)
-        _at_least(p, "tsp_degree", self.tsp_degree, 1)
-        _at_least(p, "tag_k", self.tag_k, 0)
-        _at_least(p, "max_staleness", self.max_staleness, 0, " (0 is on-policy)")
-        if not 0.0 <= self.staleness_ratio <= 1.0:
-            raise _bad(_key(p, "staleness_ratio"), self.staleness_ratio, "it must be in [0, 1]")
-        if self.max_inflight is not None:
-            _at_least(p, "max_inflight", self.max_inflight, 1)
-        if not self.address:
-            raise _bad(_key(p, "address"), self.address, "give an IP address such as 127.0.0.1")
-        _positive(p, "rpc_timeout_s", self.rpc_timeout_s)
-        _positive(p, "heartbeat_s", self.heartbeat_s)
         _at_least(p, "min_generators", self.min_generators, 1, " (scoring runs beside a generator)")
         _at_least(p, "respawn_after_s", self.respawn_after_s, 0)
         _at_least(p, "max_respawns", self.max_respawns, 0)
-        if self.respawn_generators and self.on_generator_loss == "fail":
-            why = "a lost generator ends the run with runtime.on_generator_loss=fail"
+        if self.respawn_generators and self.on_generator_loss == GeneratorLoss.FAIL:
+            why = f"a lost generator ends the run with {_key(p, 'on_generator_loss')}=fail"
             raise _bad(_key(p, "respawn_generators"), self.respawn_generators, why)
-        if self.port is not None and not 0 < self.port < 65536:
-            raise _bad(
-                _key(p, "port"), self.port, "give a port in 1..65535, or null for a free one"
-            )
-        if self.accept_generators and self.mode != "disaggregated":
-            why = "generators join a run in runtime.mode=disaggregated"
-            raise _bad(_key(p, "accept_generators"), self.accept_generators, why)
-        if self.accept_generators and self.weight_sync == "broadcast":
-            why = "the weight broadcast group has a fixed size (runtime.weight_sync=rpc can grow)"
-            raise _bad(_key(p, "accept_generators"), self.accept_generators, why)
         if self.join_secret_file is not None:
             if not self.accept_generators:
-                why = "a join secret is for a run that takes joining generators (runtime.accept_generators=true)"
+                why = (
+                    "a join secret is for a run that takes joining generators "
+                    f"({_key(p, 'accept_generators')}=true)"
+                )
                 raise _bad(_key(p, "join_secret_file"), self.join_secret_file, why)
             if not str(self.join_secret_file).strip():
                 why = "name a file that holds the secret, or null for one the run makes"
                 raise _bad(_key(p, "join_secret_file"), self.join_secret_file, why)
-        if self.min_generators > self.generators:
-            why = f"it cannot exceed runtime.generators ({self.generators})"
-            raise _bad(_key(p, "min_generators"), self.min_generators, why)
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    mode: Mode = Mode.COLOCATED
+    """colocated (every worker samples, then trains) or disaggregated (generator and trainer pools over RPC)."""
+    generators: int = 1
+    """Generator workers (disaggregated): sample and score."""
+    trainers: int = 1
+    """Trainer workers (disaggregated): data-parallel among themselves."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Where the workers run and how the trainers share the model."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """How a step's work is cut into micro-batches and ordered: GAP, TSP, pipelining, TAG, TCSS."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """How the processes reach each other and new weights reach the generators."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Generators lost, started again, or joining while the run goes on."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "runtime")
+
+    def _check_values(self, p: str) -> None:
+        _at_least(p, "generators", self.generators, 1)
+        _at_least(p, "trainers", self.trainers, 1)
+        # the rules that span the sections
+        elastic = self.elastic
+        if elastic.accept_generators and self.mode != Mode.DISAGGREGATED:
+            why = f"generators join a run in {_key(p, 'mode')}=disaggregated"
+            raise _bad(_key(p, "elastic.accept_generators"), elastic.accept_generators, why)
+        if elastic.accept_generators and self.transport.weight_sync == WeightSync.BROADCAST:
+            why = (
+                "the weight broadcast group has a fixed size "
+                f"({_key(p, 'transport.weight_sync')}=rpc can grow)"
+            )
+            raise _bad(_key(p, "elastic.accept_generators"), elastic.accept_generators, why)
+        if elastic.min_generators > self.generators:
+            why = f"it cannot exceed {_key(p, 'generators')} ({self.generators})"
+            raise _bad(_key(p, "elastic.min_generators"), elastic.min_generators, why)
+
+
+_RUNTIME_SECTIONS: dict[str, type] = {
+    "placement": PlacementConfig,
+    "schedule": ScheduleConfig,
+    "transport": TransportConfig,
+    "elastic": ElasticConfig,
+}
+"""``runtime``'s sections, by field name."""
+
+FORMER_RUNTIME_KEYS: dict[str, str] = {
+    "trainer_parallel": "placement",
+    "shard_size": "placement",
+    "generator_devices": "placement",
+    "trainer_devices": "placement",
+    "generator_dtype": "placement",
+    "trainer_dtype": "placement",
+    "threads_per_worker": "placement",
+    "microbatch_axis": "schedule",
+    "samples_per_microbatch": "schedule",
+    "tsp_degree": "schedule",
+    "pipeline": "schedule",
+    "score_overlap": "schedule",
+    "tag": "schedule",
+    "tag_k": "schedule",
+    "max_staleness": "schedule",
+    "staleness_ratio": "schedule",
+    "staleness_schedule": "schedule",
+    "max_inflight": "schedule",
+    "weight_sync": "transport",
+    "sync_bucket_mb": "transport",
+    "address": "transport",
+    "port": "transport",
+    "rpc_timeout_s": "transport",
+    "heartbeat_s": "transport",
+    "on_generator_loss": "elastic",
+    "min_generators": "elastic",
+    "respawn_generators": "elastic",
+    "respawn_after_s": "elastic",
+    "max_respawns": "elastic",
+    "accept_generators": "elastic",
+    "join_secret_file": "elastic",
+}
+"""The flat ``runtime`` layout of older configs (and of every older run's ``config.yaml``):
+each former key ``runtime.<key>`` -> the section that holds it now,
+``runtime.<section>.<key>``. The loader still takes the former keys."""
+
+_SUBSECTIONS: dict[str, type] = {cls.__name__: cls for cls in _RUNTIME_SECTIONS.values()}
+"""A field annotated with one of these names is a section of its own."""
+
+
+def _sectioned_runtime(values: Mapping[str, Any], prefix: str = "runtime") -> dict[str, Any]:
+    """``runtime`` settings with each former flat key moved into its section
+    (:data:`FORMER_RUNTIME_KEYS`); a setting given by both its keys, differently, is refused."""
+    out = dict(values)
+    for key in [k for k in values if k in FORMER_RUNTIME_KEYS]:
+        name, value = FORMER_RUNTIME_KEYS[key], out.pop(key)
+        inner = out.get(name)
+        if isinstance(inner, _RUNTIME_SECTIONS[name]):
+            inner = config_to_dict(inner)
+        elif inner is None:
+            inner = {}
+        elif not isinstance(inner, Mapping):
+            where = f"{prefix}.{name}"
+            raise _bad(where, inner, f"it must be a mapping of {where} settings")
+        if key in inner and inner[key] != value:
+            raise _twice(f"{prefix}.{key}", value, f"{prefix}.{name}.{key}", inner[key])
+        out[name] = {**inner, key: value}
+    return out
+
+
+def _twice(former: str, value: Any, new: str, new_value: Any) -> ConfigError:
+    """One setting given by its former key and its new one, with different values."""
+    why = f"it is the former name of {new}, which is given as {_show(new_value)}; give only {new}"
+    return _bad(former, value, why)
 
 
 _SECTIONS: dict[str, type] = {
@@ -946,7 +1088,10 @@ class DigenConfig:
 
 
 def _make(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
-    """Build section ``cls`` from a mapping, naming keys ``prefix.<field>`` in every error."""
+    """Build section ``cls`` from a mapping, naming keys ``prefix.<field>`` in every error
+    (``runtime`` takes its former flat keys too: :data:`FORMER_RUNTIME_KEYS`)."""
+    if cls is RuntimeConfig:
+        values = _sectioned_runtime(values, prefix)
     names = [f.name for f in fields(cls)]
     for key in values:
         if key not in names:
@@ -1104,18 +1249,18 @@ def schedule_plan(cfg: DigenConfig, *, first_step: int = 0) -> SchedulePlan:
         group_size=cfg.rollout.n,
         generators=rt.generators,
         trainers=rt.trainers,
-        sharded_trainers=rt.sharded,
-        axis=rt.microbatch_axis,
-        samples_per_microbatch=rt.samples_per_microbatch,
-        pipeline=rt.pipeline,
+        sharded_trainers=rt.placement.sharded,
+        axis=rt.schedule.microbatch_axis,
+        samples_per_microbatch=rt.schedule.samples_per_microbatch,
+        pipeline=rt.schedule.pipeline,
         batch_advantages=cfg.algo.adv_std == "global",
-        max_staleness=rt.max_staleness,
-        staleness_ratio=rt.staleness_ratio,
-        staleness_schedule=rt.staleness_schedule,
-        max_inflight=rt.max_inflight,
-        score_overlap=rt.score_overlap,
-        tag=rt.tag,
-        tag_k=rt.tag_k,
+        max_staleness=rt.schedule.max_staleness,
+        staleness_ratio=rt.schedule.staleness_ratio,
+        staleness_schedule=rt.schedule.staleness_schedule,
+        max_inflight=rt.schedule.max_inflight,
+        score_overlap=rt.schedule.score_overlap,
+        tag=rt.schedule.tag,
+        tag_k=rt.schedule.tag_k,
         first_step=first_step,
         last_step=cfg.steps - 1,
     )
@@ -1155,12 +1300,19 @@ def load_config(
             f"overrides must be a list of key=value strings, not one string ({overrides!r}); "
             "write [" + repr(overrides) + "]."
         )
-    data: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
+    # each layer in the sectioned layout before merging, so a setting given in the flat
+    # runtime layout of an older file is the same setting as its new key in a later layer
+    data: dict[str, Any] = {} if path is None else _current_layout(_read_yaml(Path(path)))
     if base:
-        data = _merge(data, base)
+        data = _merge(data, _current_layout(base))
     said: dict[str, Any] = {}  # what the overrides alone set
+    named: dict[str, tuple[str, Any]] = {}  # each key the overrides set -> (as given, value)
     for item in overrides:
-        _apply_override(data, item)
+        given, key, value = _apply_override(data, item)
+        before = named.setdefault(key, (given, value))
+        if before[0] != given and before[1] != value:  # said by its former key and its own
+            old, new = (before, (given, value)) if given == key else ((given, value), before)
+            raise _twice(*old, key, new[1])
         if item.partition("=")[0].strip() in ("model.name", "algo.name", "runtime.mode"):
             _apply_override(said, item)
     for section, key, given, flag in (
@@ -1208,6 +1360,14 @@ def _with_preset(data: dict[str, Any]) -> dict[str, Any]:
     return _merge(layer, data)
 
 
+def _current_layout(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A layer of settings with its ``runtime`` in sections (:func:`_sectioned_runtime`)."""
+    out = dict(data)
+    if isinstance(out.get("runtime"), Mapping):
+        out["runtime"] = _sectioned_runtime(out["runtime"])
+    return out
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file '{path}' does not exist.")
@@ -1242,8 +1402,9 @@ def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _apply_override(data: dict[str, Any], item: str) -> None:
-    """Set one dotted ``key=value`` into the nested ``data`` mapping."""
+def _apply_override(data: dict[str, Any], item: str) -> tuple[str, str, Any]:
+    """Set one dotted ``key=value`` into the nested ``data`` mapping; return the key as
+    given, the key it sets (a former runtime key's new one) and the value."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
@@ -1256,8 +1417,11 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         ) from None
     if key == "reward.http.url":  # shorthand: score with one reward server, nothing else
         data["rewards"] = [{"name": "http", "url": value}]
-        return
-    parts = key.split(".")
+        return key, key, value
+    given, parts = key, key.split(".")
+    if parts[0] == "runtime" and len(parts) > 1 and parts[1] in FORMER_RUNTIME_KEYS:
+        parts.insert(1, FORMER_RUNTIME_KEYS[parts[1]])  # the flat layout's key
+        key = ".".join(parts)
     top = parts[0]
     names = [f.name for f in fields(DigenConfig)]
     if top not in names:
@@ -1265,26 +1429,37 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     if len(parts) == 1:
         data[top] = value
     elif top in _SECTIONS:
+        cls, where, rest = _SECTIONS[top], top, parts[1:]
         section = data.setdefault(top, {})
-        allowed = [f.name for f in fields(_SECTIONS[top])]
-        if isinstance(section, dict) and len(parts) > 1 and parts[1] not in allowed:
-            raise ConfigError(f"unknown config key '{key}'; {top} has: {', '.join(allowed)}.")
-        mapping = len(parts) == 3 and _SECTIONS[top].__annotations__[parts[1]] == "dict[str, Any]"
-        if not isinstance(section, dict) or (len(parts) > 2 and not mapping):
-            raise ConfigError(f"config key '{key}' does not exist: {top} holds plain settings.")
+        while isinstance(section, dict):  # down to the section that holds the setting
+            allowed = [f.name for f in fields(cls)]
+            if rest[0] not in allowed:
+                raise ConfigError(
+                    f"unknown config key '{given}'; {where} has: {', '.join(allowed)}."
+                )
+            inner_cls = _SUBSECTIONS.get(cls.__annotations__[rest[0]])
+            if inner_cls is None or len(rest) == 1:
+                break
+            if section.get(rest[0]) is None:
+                section[rest[0]] = {}
+            cls, where, section, rest = inner_cls, f"{where}.{rest[0]}", section[rest[0]], rest[1:]
+        mapping = len(rest) == 2 and cls.__annotations__[rest[0]] == "dict[str, Any]"
+        if not isinstance(section, dict) or (len(rest) > 1 and not mapping):
+            raise ConfigError(f"config key '{given}' does not exist: {where} holds plain settings.")
         if mapping:  # a setting of a mapping field, e.g. algo.params.stride=2
-            inner = section.setdefault(parts[1], {})
+            inner = section.setdefault(rest[0], {})
             if not isinstance(inner, dict):
                 raise ConfigError(
-                    f"config key '{key}' does not exist: {parts[1]} is not a mapping."
+                    f"config key '{given}' does not exist: {rest[0]} is not a mapping."
                 )
-            inner[parts[2]] = value
+            inner[rest[1]] = value
         else:
-            section[parts[1]] = value
+            section[rest[0]] = value
     elif top == "rewards":
         _override_reward(data, key, parts[1:], value)
     else:
         raise ConfigError(f"config key '{key}' does not exist: {top} is a single value.")
+    return given, key, value
 
 
 def _override_reward(data: dict[str, Any], key: str, parts: list[str], value: Any) -> None:
@@ -1356,13 +1531,22 @@ def field_docs(section: type) -> dict[str, str]:
 
 
 def knobs_table(section: str) -> str:
-    """The markdown table of a config section's keys (``runtime``, ``train``, ...): key,
-    default and meaning, from the fields and their docstrings (:func:`field_docs`).
-    ``docs/RUNTIME.md`` holds the ``runtime`` one; a test keeps it in step."""
-    cls = type(getattr(DigenConfig(), section))
+    """The markdown table of a config section's keys (``runtime``, ``train``,
+    ``runtime.schedule``, ...): key, default and meaning, from the fields and their
+    docstrings (:func:`field_docs`); a section's own sections follow, each as its line and
+    its table. ``docs/RUNTIME.md`` holds the ``runtime`` one; a test keeps it in step."""
+    owner: Any = DigenConfig()
+    for name in section.split("."):
+        owner = getattr(owner, name)
+    cls = type(owner)
     docs = field_docs(cls)
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    inner = []
     for f in fields(cls):
+        if f.type in _SUBSECTIONS:
+            key = f"{section}.{f.name}"
+            inner.append(f"`{key}`: {docs.get(f.name, '')}\n\n{knobs_table(key)}")
+            continue
         default = getattr(cls(), f.name)
         if default is None or isinstance(default, bool):
             shown = "null" if default is None else str(default).lower()  # as YAML writes it
@@ -1370,7 +1554,7 @@ def knobs_table(section: str) -> str:
             shown = default if isinstance(default, str) else _show(default)
         doc = docs.get(f.name, "").replace("|", "\\|")
         rows.append(f"| `{section}.{f.name}` | `{shown}` | {doc} |")
-    return "\n".join(rows)
+    return "\n\n".join(["\n".join(rows), *inner])
 
 
 def dump_config(cfg: DigenConfig, path: str | Path) -> Path:

@@ -14,7 +14,7 @@ __all__ = ["Admission", "StalenessSchedule", "stale_cap"]
 
 
 class StalenessSchedule(StrEnum):
-    """``runtime.staleness_schedule`` values (see :mod:`digen.sched`)."""
+    """``runtime.schedule.staleness_schedule`` values (see :mod:`digen.sched`)."""
 
     FIXED = "fixed"
     EAGER = "eager"

@@ -463,7 +463,7 @@ class BTS(TagPolicy):
 
 
 class TagPolicyName(StrEnum):
-    """The values ``runtime.tag`` accepts."""
+    """The values ``runtime.schedule.tag`` accepts."""
 
     BTS = "bts"
     STATIC = "static"
@@ -475,9 +475,11 @@ TAG_POLICIES: dict[str, Callable[[int], TagPolicy | None]] = {
     TagPolicyName.STATIC: StaticTAG,
     TagPolicyName.NONE: lambda k: None,
 }
-"""``runtime.tag`` names -> a factory taking ``runtime.tag_k`` (None: trainers only train)."""
+"""``runtime.schedule.tag`` names -> a factory taking ``runtime.schedule.tag_k`` (None:
+trainers only train)."""
 
 
 def make_tag_policy(name: str, k: int) -> TagPolicy | None:
-    """The TAG policy ``runtime.tag = name`` selects (``k``: ``runtime.tag_k``)."""
+    """The TAG policy ``runtime.schedule.tag = name`` selects (``k``:
+    ``runtime.schedule.tag_k``)."""
     return TAG_POLICIES[name](k)

@@ -222,7 +222,7 @@ def test_flavour_is_model_flavour_and_checked_before_torch_loads(tmp_path: Path)
 
 
 def test_a_join_secret_file_that_cannot_serve_is_said_before_torch_loads(tmp_path: Path) -> None:
-    """``runtime.join_secret_file`` unreadable, or holding a secret too short to keep."""
+    """``runtime.elastic.join_secret_file`` unreadable, or holding a secret too short to keep."""
     short = tmp_path / "short"
     short.write_text("abc\n")
     cases = [
@@ -238,11 +238,11 @@ def test_a_join_secret_file_that_cannot_serve_is_said_before_torch_loads(tmp_pat
             "disaggregated",
             "--out",
             str(tmp_path / "run"),
-            "runtime.accept_generators=true",
-            f"runtime.join_secret_file={path}",
+            "runtime.elastic.accept_generators=true",
+            f"runtime.elastic.join_secret_file={path}",
         )
         assert res.returncode == 2, res.stderr[-2000:]
-        said = f"error: runtime.join_secret_file {message}"
+        said = f"error: runtime.elastic.join_secret_file {message}"
         assert res.stderr.startswith(said) and res.stderr.count("\n") == 1, res.stderr
 
 

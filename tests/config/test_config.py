@@ -171,7 +171,7 @@ def test_a_choice_is_read_as_its_member_and_saved_as_its_plain_string(tmp_path: 
     cfg = load_config(overrides=["runtime.mode=disaggregated", "model.dtype=bfloat16"])
     assert cfg.runtime.mode is Mode.DISAGGREGATED and cfg.runtime.mode == "disaggregated"
     assert cfg.model.dtype is Dtype.BFLOAT16 and f"{cfg.model.dtype}" == "bfloat16"
-    assert cfg.runtime.tag is TagPolicyName.BTS  # a default is its member too
+    assert cfg.runtime.schedule.tag is TagPolicyName.BTS  # a default is its member too
     assert DigenConfig(model={"dtype": "float16"}).model.dtype is Dtype.FLOAT16
     allowed = "is not allowed: choose one of auto, fixed, arrival."
     with pytest.raises(ConfigError, match=rf"^train\.grad_order = 'first' {allowed}$"):
@@ -201,6 +201,16 @@ def test_sections_from_mappings_and_direct_checks() -> None:
     cfg = DigenConfig()
     cfg.rollout.n = 0  # changed in place: validate() finds it
     with pytest.raises(ConfigError, match=r"^rollout\.n = 0"):
+        validate(cfg)
+    from digen.config import ScheduleConfig
+
+    with pytest.raises(ConfigError, match=r"^runtime\.schedule\.max_staleness = -1 is not"):
+        ScheduleConfig(max_staleness=-1)
+    with pytest.raises(ConfigError, match=r"^runtime\.schedule\.tag = 'always' is not"):
+        DigenConfig(runtime={"schedule": {"tag": "always"}})
+    cfg = DigenConfig()
+    cfg.runtime.elastic.min_generators = 2  # more than runtime.generators, in place
+    with pytest.raises(ConfigError, match=r"^runtime\.elastic\.min_generators = 2 is not"):
         validate(cfg)
 
 
@@ -313,39 +323,50 @@ BAD = [
     (["runtime.mode=async"], "runtime.mode", "'async'"),
     (["runtime.generators=0"], "runtime.generators", "0"),
     (["runtime.trainers=0"], "runtime.trainers", "0"),
-    (["runtime.threads_per_worker=0"], "runtime.threads_per_worker", "0"),
-    (["runtime.trainer_dtype=fp8"], "runtime.trainer_dtype", "'fp8'"),
-    (["runtime.microbatch_axis=sample"], "runtime.microbatch_axis", "'sample'"),
-    (["runtime.samples_per_microbatch=0"], "runtime.samples_per_microbatch", "0"),
-    (["runtime.tsp_degree=0"], "runtime.tsp_degree", "0"),
-    (["runtime.pipeline=maybe"], "runtime.pipeline", "'maybe'"),
-    (["runtime.weight_sync=nccl"], "runtime.weight_sync", "'nccl'"),
-    (["runtime.tag=always"], "runtime.tag", "'always'"),
-    (["runtime.tag_k=-1"], "runtime.tag_k", "-1"),
-    (["runtime.max_staleness=-1"], "runtime.max_staleness", "-1"),
-    (["runtime.staleness_ratio=1.5"], "runtime.staleness_ratio", "1.5"),
-    (["runtime.rpc_timeout_s=0"], "runtime.rpc_timeout_s", "0.0"),
-    (["runtime.port=70000"], "runtime.port", "70000"),
-    (["runtime.accept_generators=true"], "runtime.accept_generators", "True"),  # colocated
+    (["runtime.placement.threads_per_worker=0"], "runtime.placement.threads_per_worker", "0"),
+    (["runtime.placement.trainer_dtype=fp8"], "runtime.placement.trainer_dtype", "'fp8'"),
+    (["runtime.schedule.microbatch_axis=sample"], "runtime.schedule.microbatch_axis", "'sample'"),
+    (["runtime.schedule.samples_per_microbatch=0"], "runtime.schedule.samples_per_microbatch", "0"),
+    (["runtime.schedule.tsp_degree=0"], "runtime.schedule.tsp_degree", "0"),
+    (["runtime.schedule.pipeline=maybe"], "runtime.schedule.pipeline", "'maybe'"),
+    (["runtime.transport.weight_sync=nccl"], "runtime.transport.weight_sync", "'nccl'"),
+    (["runtime.schedule.tag=always"], "runtime.schedule.tag", "'always'"),
+    (["runtime.schedule.tag_k=-1"], "runtime.schedule.tag_k", "-1"),
+    (["runtime.schedule.max_staleness=-1"], "runtime.schedule.max_staleness", "-1"),
+    (["runtime.schedule.staleness_ratio=1.5"], "runtime.schedule.staleness_ratio", "1.5"),
+    (["runtime.transport.rpc_timeout_s=0"], "runtime.transport.rpc_timeout_s", "0.0"),
+    (["runtime.transport.port=70000"], "runtime.transport.port", "70000"),
     (
-        ["runtime.mode=disaggregated", "runtime.weight_sync=broadcast"]
-        + ["runtime.accept_generators=true"],
-        "runtime.accept_generators",
+        ["runtime.elastic.accept_generators=true"],
+        "runtime.elastic.accept_generators",
+        "True",
+    ),  # colocated
+    (
+        ["runtime.mode=disaggregated", "runtime.transport.weight_sync=broadcast"]
+        + ["runtime.elastic.accept_generators=true"],
+        "runtime.elastic.accept_generators",
         "True",
     ),
     # a join secret only for a run that takes joiners, and a file named
-    (["runtime.join_secret_file=/s"], "runtime.join_secret_file", "'/s'"),
+    (["runtime.elastic.join_secret_file=/s"], "runtime.elastic.join_secret_file", "'/s'"),
+    # the rules that span sections, and the elastic section's own
+    (["runtime.elastic.min_generators=2"], "runtime.elastic.min_generators", "2"),
     (
-        ["runtime.mode=disaggregated", "runtime.accept_generators=true"]
-        + ["runtime.join_secret_file=' '"],
-        "runtime.join_secret_file",
+        ["runtime.elastic.on_generator_loss=fail", "runtime.elastic.respawn_generators=true"],
+        "runtime.elastic.respawn_generators",
+        "True",
+    ),
+    (
+        ["runtime.mode=disaggregated", "runtime.elastic.accept_generators=true"]
+        + ["runtime.elastic.join_secret_file=' '"],
+        "runtime.elastic.join_secret_file",
         "' '",
     ),
     # C_gen below what must be generated before anything trains would deadlock the driver:
     # a GAP group (2 of 2 samples each), or the whole step with a batch-wide std
     (
-        ["runtime.mode=disaggregated", "runtime.generators=2", "runtime.max_inflight=1"],
-        "runtime.max_inflight",
+        ["runtime.mode=disaggregated", "runtime.generators=2", "runtime.schedule.max_inflight=1"],
+        "runtime.schedule.max_inflight",
         "1",
     ),
     (
@@ -354,9 +375,9 @@ BAD = [
             "data.train_batch_size=2",
             "runtime.generators=2",
             "algo.adv_std=global",
-            "runtime.max_inflight=3",
+            "runtime.schedule.max_inflight=3",
         ],
-        "runtime.max_inflight",
+        "runtime.schedule.max_inflight",
         "3",
     ),
 ]
@@ -404,6 +425,27 @@ def test_best_of_n_counts_kept_samples() -> None:
         (["rollout=5"], "rollout = 5 is not allowed: it must be a mapping of rollout settings."),
         (["rewards=[{weight: 2}]"], "rewards.0 = {'weight': 2} is not allowed"),
         (["rewards=jpeg"], "rewards = 'jpeg' is not allowed"),
+        # runtime: its own keys, then its sections
+        (
+            ["runtime.max_stalenes=1"],
+            "unknown config key 'runtime.max_stalenes'; runtime has: mode, generators, "
+            "trainers, placement, schedule, transport, elastic.",
+        ),
+        (
+            ["runtime.schedule.max_stalenes=1"],
+            "unknown config key 'runtime.schedule.max_stalenes'; runtime.schedule has: "
+            "microbatch_axis, samples_per_microbatch,",
+        ),
+        (
+            ["runtime.schedule=5"],
+            "runtime.schedule = 5 is not allowed: it must be a mapping of runtime.schedule "
+            "settings.",
+        ),
+        (
+            ["runtime.schedule.tag.k=1"],
+            "config key 'runtime.schedule.tag.k' does not exist: runtime.schedule holds plain "
+            "settings.",
+        ),
     ],
 )
 def test_bad_keys_and_overrides(overrides: list[str], expected: str) -> None:
@@ -419,6 +461,15 @@ def test_unknown_key_in_yaml_section(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"^unknown config key 'algo\.clip_ratoi'; algo has: name,"
     ):
+        load_config(path)
+    path.write_text("runtime:\n  elastic:\n    max_respawn: 2\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^unknown config key 'runtime\.elastic\.max_respawn'; runtime\.elastic has: ",
+    ):
+        load_config(path)
+    path.write_text("runtime:\n  respawn: true\n")
+    with pytest.raises(ConfigError, match=r"'runtime\.respawn'; runtime has: mode, generators,"):
         load_config(path)
     path.write_text("rewards:\n  - {name: jpeg_compressibility, weigth: 2}\n")
     with pytest.raises(
@@ -451,7 +502,10 @@ def test_each_pool_gets_its_own_device_and_dtype() -> None:
     from digen.runtime.worker.base import pool_config
 
     cfg = load_config(
-        overrides=["runtime.generator_dtype=bfloat16", "runtime.trainer_devices=meta"]
+        overrides=[
+            "runtime.placement.generator_dtype=bfloat16",
+            "runtime.placement.trainer_devices=meta",
+        ]
     )
     gen, trainer = pool_config(cfg, "generator"), pool_config(cfg, "trainer")
     assert (gen.model.dtype, gen.model.device) == ("bfloat16", "cpu")
@@ -476,8 +530,9 @@ def test_the_shapes_flavour_presets_the_shapes_task_at_its_own_size() -> None:
 
 
 def test_the_knobs_table_in_the_docs_is_the_configs_own() -> None:
-    """RUNTIME.md's table of ``runtime.*`` keys is generated from the config's fields and
-    docstrings; after changing a key, paste ``knobs_table("runtime")`` between its markers."""
+    """RUNTIME.md's tables of ``runtime.*`` keys (the top ones, then one per section) are
+    generated from the config's fields and docstrings; after changing a key, paste
+    ``knobs_table("runtime")`` between its markers."""
     from pathlib import Path
 
     from digen.config import RuntimeConfig, field_docs, knobs_table
@@ -485,9 +540,25 @@ def test_the_knobs_table_in_the_docs_is_the_configs_own() -> None:
     docs = (Path(__file__).resolve().parents[2] / "docs" / "RUNTIME.md").read_text()
     shown = docs.split("<!-- knobs: runtime -->\n", 1)[1].split("\n<!-- /knobs -->", 1)[0]
     assert shown == knobs_table("runtime")
-    # every key has its sentence, and the table has a row per key
-    names = [f.name for f in dataclasses.fields(RuntimeConfig)]
-    assert set(field_docs(RuntimeConfig)) == set(names)
-    assert [line.split("`")[1] for line in shown.splitlines()[2:]] == [
-        f"runtime.{n}" for n in names
+    # every key has its sentence, and the tables have a row per key: the top ones, then
+    # each section's
+    top, sections = [], {}
+    assert set(field_docs(RuntimeConfig)) == {f.name for f in dataclasses.fields(RuntimeConfig)}
+    for f in dataclasses.fields(RuntimeConfig):
+        inner = getattr(RuntimeConfig(), f.name)
+        if not dataclasses.is_dataclass(inner):
+            top.append(f"runtime.{f.name}")
+            continue
+        names = [g.name for g in dataclasses.fields(inner)]
+        assert set(field_docs(type(inner))) == set(names)
+        sections[f"runtime.{f.name}"] = [f"runtime.{f.name}.{n}" for n in names]
+    assert list(sections) == [
+        "runtime.placement",
+        "runtime.schedule",
+        "runtime.transport",
+        "runtime.elastic",
     ]
+    rows = [line.split("`")[1] for line in shown.splitlines() if line.startswith("| `")]
+    assert rows == top + [key for keys in sections.values() for key in keys]
+    leads = [line.split("`")[1] for line in shown.splitlines() if line.startswith("`")]
+    assert leads == list(sections)

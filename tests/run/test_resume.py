@@ -41,7 +41,7 @@ _SAME = ("step", "reward_mean", "reward_std", "loss", "clip_fraction", "approx_k
 def test_stopped_and_resumed_equals_uninterrupted_bit_for_bit(
     tmp_path: Path, mode: str, algo: str
 ) -> None:
-    extra = ["runtime.tag=none"] if mode == "disaggregated" else []
+    extra = ["runtime.schedule.tag=none"] if mode == "disaggregated" else []
     if algo == "nft":
         extra.append("algo.params.decay_rate=0.2")  # an old policy well behind the trained one
     whole = run_config(_cfg(mode, 3, extra, algo), tmp_path / "whole")
@@ -150,7 +150,7 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
     hook = tmp_path / "stop_hook.py"
     hook.write_text(_STOP_HOOK)
     extra = [f"rewards=[{{name: '{hook}:StopAt'}}]"]
-    extra += ["runtime.tag=none"] if mode == "disaggregated" else []
+    extra += ["runtime.schedule.tag=none"] if mode == "disaggregated" else []
     # two data-parallel workers: the lead (this process) is signalled, both stop together
     extra += ["train.num_devices=2", "train.micro_batch_size=4"] if mode == "colocated-dp" else []
     cfg = _cfg(mode.removesuffix("-dp"), 3, extra)
@@ -180,7 +180,11 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
 def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> None:
     """Under fixed TCSS a step's early micro-batches come from the previous version, which a
     resumed run does not have: its first step is on-policy, the next ones stale again."""
-    extra = ["runtime.max_staleness=1", "runtime.staleness_ratio=0.5", "runtime.tag=none"]
+    extra = [
+        "runtime.schedule.max_staleness=1",
+        "runtime.schedule.staleness_ratio=0.5",
+        "runtime.schedule.tag=none",
+    ]
     run_config(_cfg("disaggregated", 2, extra), tmp_path)
     resumed = run_config(_cfg("disaggregated", 4, extra), tmp_path, resume=True)
     rows = _rows(tmp_path)
@@ -217,7 +221,12 @@ def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
     from safetensors import safe_open
 
     lag = ["algo.params.decay_rate=0.2"] if algo == "nft" else []  # old well behind theta
-    fsdp = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none", *lag]
+    fsdp = [
+        "runtime.trainers=2",
+        "runtime.placement.trainer_parallel=fsdp",
+        "runtime.schedule.tag=none",
+        *lag,
+    ]
     whole = run_config(_cfg("disaggregated", 3, fsdp, algo), tmp_path / "whole")
     split = run_config(_cfg("disaggregated", 2, fsdp, algo), tmp_path / "split")
     files = sorted((split.checkpoint / "sharded").iterdir())
@@ -235,7 +244,7 @@ def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
         assert len(held) == len(split.final_state) and 0.3 * total < numel < 0.7 * total
     shutil.copytree(tmp_path / "split", tmp_path / "moved")
     resumed = run_config(_cfg("disaggregated", 3, fsdp, algo), tmp_path / "split", resume=True)
-    one = ["runtime.tag=none", *lag]
+    one = ["runtime.schedule.tag=none", *lag]
     moved = run_config(_cfg("disaggregated", 3, one, algo), tmp_path / "moved", resume=True)
     for name, value in whole.final_state.items():
         assert torch.equal(resumed.final_state[name], value), name

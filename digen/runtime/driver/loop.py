@@ -8,10 +8,10 @@ naming the worker:
 
 - :meth:`Driver._generator_loop`, one per generator (Algorithm 1, lines 5-17): score what
   trainers made (SQ) first; else take the next micro-batch the admission rule allows
-  (staleness, and ``C_gen``: at most ``runtime.max_inflight`` generated and not yet
+  (staleness, and ``C_gen``: at most ``runtime.schedule.max_inflight`` generated and not yet
   trained), generate it and score it where its pixels are. A scored group gets its
   advantages at once and its micro-batches go on the step's UQ. With
-  ``runtime.score_overlap`` (the default) the scoring half of that loop is its own
+  ``runtime.schedule.score_overlap`` (the default) the scoring half of that loop is its own
   coroutine, :meth:`Driver._scorer_loop`, calling the scoring actor beside the generator:
   SQ first, then what its generator made, while the generator goes on generating;
 - :meth:`Driver._trainer_loop`, one per trainer (lines 18-26): update what UQ holds; when UQ
@@ -21,11 +21,12 @@ naming the worker:
   trainers ``step()``, then the generators load version ``s + 1``, each behind the
   generation it is running (trajectory consistency).
 
-A lost generator is the exception to "a failure ends the run" (``runtime.on_generator_loss``):
-:meth:`Driver._lose` takes it out of the pool, and what it held is made again by the others
-from the same keys (:meth:`Driver._make_again`), before any new micro-batch. Membership
-itself (whether the run can go on, restarts with ``runtime.respawn_generators``, generators
-that join by themselves with ``runtime.accept_generators``, what the log and the runner are
+A lost generator is the exception to "a failure ends the run"
+(``runtime.elastic.on_generator_loss``): :meth:`Driver._lose` takes it out of the pool, and
+what it held is made again by the others from the same keys (:meth:`Driver._make_again`),
+before any new micro-batch. Membership itself (whether the run can go on, restarts with
+``runtime.elastic.respawn_generators``, generators that join by themselves with
+``runtime.elastic.accept_generators``, what the log and the runner are
 told) is the :class:`~digen.runtime.driver.pool.GeneratorPool`'s; a generator back or new
 joins at the next weight sync (:meth:`Driver._sync`).
 
@@ -102,7 +103,7 @@ class Driver(ClusterBackend):
         pass fakes with its methods); ``clock``: the clock task spans are read on;
         ``resume``: a checkpoint the trainers start from (the run continues at its step);
         ``notes``: the run's log, where the workers write their notes; ``join_secret``:
-        with ``runtime.accept_generators``, what a joining generator must prove it knows."""
+        with ``runtime.elastic.accept_generators``, what a joining generator must prove it knows."""
         self.cfg, self.clock = cfg, clock
         if cluster is None:
             cluster = Cluster(cfg, rewards, resume=resume, notes=notes, join_secret=join_secret)
@@ -118,7 +119,7 @@ class Driver(ClusterBackend):
         self.plan = schedule_plan(cfg, first_step=resume.step if resume is not None else 0)
         """The run's schedule (:mod:`digen.sched.plan`): the rules below all read it."""
         self.sched = Scheduler(self.plan)
-        self.overlap = rt.score_overlap
+        self.overlap = rt.schedule.score_overlap
         """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
         workers = worker_names(Pool.GENERATOR, rt.generators)
         workers += worker_names(Pool.TRAINER, self.plan.trainers)
@@ -155,7 +156,8 @@ class Driver(ClusterBackend):
 
     @property
     def scorers(self) -> list[ScorerHandle]:
-        """Each generator's scoring actor (``runtime.score_overlap``); else the generators."""
+        """Each generator's scoring actor (``runtime.schedule.score_overlap``); else the
+        generators."""
         return self.cluster.scorers if self.overlap else self.cluster.gens
 
     @property
@@ -259,7 +261,7 @@ class Driver(ClusterBackend):
         for j, t in enumerate(self.trainers):
             self._start(f"loop-{t.worker}", partial(self._trainer_loop, j, steps))
         self._start("loop-watch", partial(self.pool.watch_losses, self._lose))
-        if self.cfg.runtime.accept_generators:
+        if self.cfg.runtime.elastic.accept_generators:
             self._start("loop-arrivals", partial(self.pool.watch_arrivals, self.accounts.workers))
 
     async def _train_step(self, s: int) -> StepResult | None:
