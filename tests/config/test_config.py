@@ -192,6 +192,127 @@ def test_a_choice_is_read_as_its_member_and_saved_as_its_plain_string(tmp_path: 
     assert load_config(path) == cfg
 
 
+# Settings in every runtime section, none of them the default.
+SECTIONED = [
+    "runtime.mode=disaggregated",
+    "runtime.generators=2",
+    "runtime.placement.threads_per_worker=2",
+    "runtime.placement.trainer_dtype=bfloat16",
+    "runtime.schedule.max_staleness=1",
+    "runtime.schedule.tag=static",
+    "runtime.schedule.tag_k=2",
+    "runtime.transport.rpc_timeout_s=30",
+    "runtime.transport.port=29400",
+    "runtime.elastic.min_generators=2",
+    "runtime.elastic.respawn_generators=true",
+]
+
+
+def test_the_saved_config_is_sectioned_and_an_older_flat_one_loads_the_same(
+    tmp_path: Path,
+) -> None:
+    """config.yaml is written with ``runtime`` in sections and reads back equal; the flat
+    layout every older run's config.yaml has (each key directly under ``runtime``) loads to
+    the same config, as ``digen run --resume`` reads it too."""
+    from helpers import flat_runtime
+
+    from digen.config import FORMER_RUNTIME_KEYS
+
+    cfg = load_config(overrides=SECTIONED)
+    saved = dump_config(cfg, tmp_path / "new" / "config.yaml")
+    plain = yaml.safe_load(saved.read_text())
+    assert list(plain["runtime"]) == [
+        "mode",
+        "generators",
+        "trainers",
+        "placement",
+        "schedule",
+        "transport",
+        "elastic",
+    ]
+    assert plain["runtime"]["schedule"]["max_staleness"] == 1
+    assert load_config(saved) == cfg
+    flat = flat_runtime(plain)
+    assert set(flat["runtime"]) == {"mode", "generators", "trainers", *FORMER_RUNTIME_KEYS}
+    old = tmp_path / "old" / "config.yaml"
+    old.parent.mkdir()
+    old.write_text(yaml.safe_dump(flat, sort_keys=False))
+    assert load_config(old) == cfg
+    # as --resume reads the run's own file: the command line's flags and overrides on top,
+    # where an override by the new key wins over the file's former one
+    again = {"overrides": ["runtime.schedule.max_staleness=2"], "base": {"steps": 20}}
+    resumed = load_config(old, **again, preset=False)
+    assert resumed == load_config(saved, **again, preset=False)
+    assert (resumed.runtime.schedule.max_staleness, resumed.steps) == (2, 20)
+
+
+def test_the_former_flat_runtime_keys_still_name_their_settings(tmp_path: Path) -> None:
+    """A key of the flat layout (``runtime.max_staleness``) means its section's
+    (``runtime.schedule.max_staleness``), in an override, a YAML file and a Python mapping."""
+    from digen.config import FORMER_RUNTIME_KEYS, RuntimeConfig
+
+    runtime = RuntimeConfig()
+    top = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    for key, section in FORMER_RUNTIME_KEYS.items():
+        assert key not in top
+        assert key in {f.name for f in dataclasses.fields(getattr(runtime, section))}
+    new = load_config(overrides=["runtime.schedule.max_staleness=1"])
+    assert load_config(overrides=["runtime.max_staleness=1"]) == new
+    assert DigenConfig(runtime={"max_staleness": 1}) == new
+    old = tmp_path / "old.yaml"
+    old.write_text("runtime:\n  mode: colocated\n  max_staleness: 1\n")
+    assert load_config(old) == new
+    # one setting said twice, the same
+    assert DigenConfig(runtime={"max_staleness": 1, "schedule": {"max_staleness": 1}}) == new
+    twice = ["runtime.max_staleness=1", "runtime.schedule.max_staleness=1"]
+    assert load_config(overrides=twice) == new
+    # a later layer wins, by either key
+    newer = tmp_path / "new.yaml"
+    newer.write_text("runtime:\n  schedule:\n    max_staleness: 1\n")
+    for later, want in [
+        (load_config(old, ["runtime.schedule.max_staleness=2"]), 2),
+        (load_config(old, base={"runtime": {"schedule": {"max_staleness": 3}}}), 3),
+        (load_config(newer, ["runtime.max_staleness=2"]), 2),
+    ]:
+        assert later.runtime.schedule.max_staleness == want
+    # every former key, as an override
+    for key, section in FORMER_RUNTIME_KEYS.items():
+        value = getattr(getattr(runtime, section), key)
+        said = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        assert load_config(overrides=[f"runtime.{key}={said}"]) == DigenConfig()
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "mapping",
+        "yaml",
+        ["runtime.max_staleness=1", "runtime.schedule.max_staleness=2"],
+        ["runtime.schedule.max_staleness=2", "runtime.max_staleness=1"],
+    ],
+    ids=["mapping", "yaml", "overrides", "overrides, new first"],
+)
+def test_a_setting_given_by_its_former_and_its_new_key_differently_is_refused(
+    tmp_path: Path, given: str | list[str]
+) -> None:
+    both = {"max_staleness": 1, "schedule": {"max_staleness": 2}}
+    with pytest.raises(ConfigError) as info:
+        if given == "mapping":
+            DigenConfig(runtime=both)
+        elif given == "yaml":
+            path = tmp_path / "c.yaml"
+            path.write_text(yaml.safe_dump({"runtime": both}))
+            load_config(path)
+        else:
+            load_config(overrides=given)
+    assert str(info.value) == (
+        "runtime.max_staleness = 1 is not allowed: it is the former name of "
+        "runtime.schedule.max_staleness, which is given as 2; give only "
+        "runtime.schedule.max_staleness."
+    )
+    assert_one_sentence(str(info.value))
+
+
 def test_sections_from_mappings_and_direct_checks() -> None:
     assert DigenConfig(rollout={"n": 8}).rollout == RolloutConfig(n=8, sde_type="sde")
     with pytest.raises(ConfigError, match=r"^rollout\.n = 1 is not allowed"):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_trained_alike, read_jsonl, run_config, tiny_config
+import yaml
+from helpers import assert_trained_alike, flat_runtime, read_jsonl, run_config, tiny_config
 
 from digen.checkpoint import CheckpointWriter, latest_checkpoint, write_trainer_state
 from digen.errors import DigenError
@@ -105,6 +106,38 @@ def test_a_run_is_never_silently_overwritten_and_resume_checks_the_model(tmp_pat
         run_config(_cfg("colocated", 2), tmp_path / "empty", resume=True)
     again = run_config(_cfg("colocated", 1), out, overwrite=True)
     assert len(_rows(out)) == 1 and again.metrics[0]["step"] == 0
+
+
+@pytest.mark.slow
+def test_an_older_run_with_a_flat_runtime_in_its_config_yaml_resumes(tmp_path: Path) -> None:
+    """A run written before the runtime sections (its config.yaml has every runtime key
+    directly under ``runtime``) is continued by ``digen run --resume`` as configured, to the
+    step an uninterrupted run ends on; the resumed run writes its config.yaml in sections."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from cli.main import main
+    from digen.config import load_config
+
+    extra = ["runtime.schedule.tag=none"]  # a setting of a section, kept by the old file
+    run_config(_cfg("colocated", 2, extra), tmp_path / "whole")
+    run_config(_cfg("colocated", 1, extra), tmp_path / "old")
+    saved = tmp_path / "old" / "config.yaml"
+    sectioned = load_config(saved)
+    saved.write_text(yaml.safe_dump(flat_runtime(yaml.safe_load(saved.read_text()))))
+    assert "max_staleness" in yaml.safe_load(saved.read_text())["runtime"]  # the old layout
+    assert load_config(saved) == sectioned
+    args = ["run", "--resume", str(tmp_path / "old"), "--steps", "2", "--quiet"]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    want, got = _rows(tmp_path / "whole"), _rows(tmp_path / "old")
+    assert [{k: r[k] for k in _SAME} for r in got] == [{k: r[k] for k in _SAME} for r in want]
+    last = Path("checkpoints") / "step-000002" / "weights.safetensors"
+    a, b = load_file(tmp_path / "whole" / last), load_file(tmp_path / "old" / last)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    plain = yaml.safe_load(saved.read_text())
+    assert "max_staleness" not in plain["runtime"] and "schedule" in plain["runtime"]
+    assert load_config(saved, ["steps=1"]) == sectioned  # the same run, now at 2 steps
 
 
 def test_the_learning_rate_schedule() -> None:
