@@ -39,7 +39,7 @@ def main() -> None:
         f"model.height={args.size}",
         f"model.width={args.size}",
         "train.mini_batch_size=null",
-        "runtime.threads_per_worker=1",
+        "runtime.placement.threads_per_worker=1",
     ]
     cfg = load_config(base=preset("flux", "flowgrpo"), overrides=over)
     choice = asyncio.run(choose_layout(cfg, devices=args.devices))

@@ -35,7 +35,7 @@ from digen.presets import preset
 
 def run(size: int, steps: int, extra: list[str]) -> dict[str, float]:
     over = [f"steps={steps}", f"model.height={size}", f"model.width={size}"]
-    over += ["runtime.generators=2", "runtime.trainers=1", "runtime.tag=none", *extra]
+    over += ["runtime.generators=2", "runtime.trainers=1", "runtime.schedule.tag=none", *extra]
     cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over)
     with tempfile.TemporaryDirectory() as out:
         runner = DigenRunner(cfg, out_dir=out, progress=False, save_weights=False)

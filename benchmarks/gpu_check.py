@@ -201,7 +201,10 @@ def pool_overrides(plan: Plan, visible_gpus: int) -> list[str]:
     if plan.device != "cuda":
         return []
     trainer = "cuda:1" if visible_gpus > 1 else "cuda:0"
-    return ["runtime.generator_devices=cuda:0", f"runtime.trainer_devices={trainer}"]
+    return [
+        "runtime.placement.generator_devices=cuda:0",
+        f"runtime.placement.trainer_devices={trainer}",
+    ]
 
 
 # --- pure summaries ----------------------------------------------------------------------
@@ -459,7 +462,7 @@ def run(cfg: DigenConfig, out: Path, device: str):
     as each worker process does, so the two modes use the same kernels."""
     threads = torch.get_num_threads()
     if device == "cpu":
-        torch.set_num_threads(cfg.runtime.threads_per_worker)
+        torch.set_num_threads(cfg.runtime.placement.threads_per_worker)
     t0 = time.perf_counter()
     try:
         runner = DigenRunner(cfg, out_dir=out, progress=False, save_weights=False)
@@ -477,10 +480,10 @@ def equality_runs(plan: Plan, pools: list[str], work: Path, report: dict[str, An
     fp32 = [
         "steps=1",
         "rollout.n=4",
-        "runtime.samples_per_microbatch=4",
+        "runtime.schedule.samples_per_microbatch=4",
         "train.micro_batch_size=4",  # the colocated micro-batches are the generation ones
         "train.lr=1e-3",
-        "runtime.tag=none",
+        "runtime.schedule.tag=none",
     ]
     states = {}
     for mode in ("colocated", "disaggregated"):
@@ -504,13 +507,13 @@ def sharded_runs(plan: Plan, work: Path, report: dict[str, Any]) -> None:
     """With two GPUs or more: one fp32 LoRA step on 2 FSDP trainers, each on a GPU of its
     own (their group on NCCL), against one trainer; trained alike (:data:`SHARDED_REL`)."""
     one_step = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "train.lr=1e-3"]
-    one_step += ["runtime.tag=none", "runtime.generator_devices=[cuda:0]"]
+    one_step += ["runtime.schedule.tag=none", "runtime.placement.generator_devices=[cuda:0]"]
     layouts = {
-        "one_trainer": ["runtime.trainers=1", "runtime.trainer_devices=[cuda:1]"],
+        "one_trainer": ["runtime.trainers=1", "runtime.placement.trainer_devices=[cuda:1]"],
         "fsdp_2": [
             "runtime.trainers=2",
-            "runtime.trainer_parallel=fsdp",
-            "runtime.trainer_devices=[cuda:0,cuda:1]",
+            "runtime.placement.trainer_parallel=fsdp",
+            "runtime.placement.trainer_devices=[cuda:0,cuda:1]",
         ],
     }
     states = {}
@@ -624,7 +627,11 @@ def collective_checks(plan: Plan, pools: list[str], work: Path, report: dict[str
     where = work / "where"
     where.mkdir()
     os.environ["DIGEN_CHECK_WHERE"] = str(where)
-    over = ["steps=1", "runtime.weight_sync=broadcast", f"rewards=[{{name: '{hook}:reward'}}]"]
+    over = [
+        "steps=1",
+        "runtime.transport.weight_sync=broadcast",
+        f"rewards=[{{name: '{hook}:reward'}}]",
+    ]
     log("disaggregated, weights broadcast: 1 step")
     cfg = config(plan, "disaggregated", "bfloat16", [*over, *pools])
     run(cfg, work / "broadcast", plan.device)
@@ -634,7 +641,11 @@ def collective_checks(plan: Plan, pools: list[str], work: Path, report: dict[str
         "gloo_on_a_shared_gpu_said": "weight-broadcast group" in logged,
     }
     out["reward_threads"] = [json.loads(p.read_text()) for p in sorted(where.iterdir())]
-    gen = cfg.runtime.generator_devices[0] if cfg.runtime.generator_devices else device
+    gen = (
+        cfg.runtime.placement.generator_devices[0]
+        if cfg.runtime.placement.generator_devices
+        else device
+    )
     out["rewards_on_the_generators_device"] = all(
         r["worker_device"] == gen and r.get("current_device", gen) == gen
         for r in out["reward_threads"]
@@ -654,7 +665,7 @@ def write_profile(plan: Plan, work: Path, out: Path, report: dict[str, Any]) -> 
     cfg = config(plan, "disaggregated", "bfloat16", [f"rewards.0.name={REWARD}"])
     threads = torch.get_num_threads()
     if plan.device == "cpu":  # a worker's threads: the costs are a worker's
-        torch.set_num_threads(cfg.runtime.threads_per_worker)
+        torch.set_num_threads(cfg.runtime.placement.threads_per_worker)
     try:
         curves, costs, tsp = measure_curves(plan, cfg)
     finally:

@@ -31,7 +31,7 @@ def measure(size: int, steps: int, sync: str) -> dict[str, float]:
         f"steps={steps}",
         f"model.height={size}",
         f"model.width={size}",
-        f"runtime.weight_sync={sync}",
+        f"runtime.transport.weight_sync={sync}",
         "runtime.generators=1",
         "runtime.trainers=1",
     ]

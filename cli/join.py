@@ -24,14 +24,14 @@ from cli._shared import refuse, user_errors
     "--threads",
     type=int,
     default=None,
-    help="CPU threads of this generator  [default: the run's runtime.threads_per_worker]",
+    help="CPU threads of this generator  [default: the run's runtime.placement.threads_per_worker]",
 )
 @click.option(
     "--device",
     default=None,
     help="Device of this generator on this machine (cuda:1, cpu): give each joiner of one "
     "machine its own GPU  [default: the device of its join number in the run's "
-    "runtime.generator_devices]",
+    "runtime.placement.generator_devices]",
 )
 @click.option(
     "--wait",
@@ -51,9 +51,10 @@ def join(
 ) -> None:
     """Join a running run as one more generator, until it ends.
 
-    The run must have been started with runtime.accept_generators=true; ADDRESS:PORT is
+    The run must have been started with runtime.elastic.accept_generators=true; ADDRESS:PORT is
     its rendezvous, printed when it starts and kept in its workers.json (set
-    runtime.address to an address this machine reaches, and runtime.port to fix the port).
+    runtime.transport.address to an address this machine reaches, and runtime.transport.port
+    to fix the port).
     This process proves that it knows the run's join secret (--secret-file, or the
     environment variable DIGEN_JOIN_SECRET), and joins only a run that proves it knows it
     too. It joins at the run's next step boundary with that step's weights. Ctrl-C or

@@ -62,7 +62,7 @@ from digen.registry.models import MODEL_NAMES
     "--devices",
     type=int,
     help="With --mode auto: devices to lay out [default: the visible GPUs with "
-    "model.device=cuda, else the CPU cores over runtime.threads_per_worker].",
+    "model.device=cuda, else the CPU cores over runtime.placement.threads_per_worker].",
 )
 @click.option("--steps", type=int, help="Training steps.")
 @click.option("--seed", type=int, help="Run seed.")
@@ -344,10 +344,12 @@ def _run(req: RunRequest):
     from digen.prompts import PromptSet
 
     PromptSet.load(cfg.data.prompts)  # a bad prompt file is reported before torch loads
-    if cfg.runtime.join_secret_file is not None:  # unreadable or short: said before torch loads
+    if (
+        cfg.runtime.elastic.join_secret_file is not None
+    ):  # unreadable or short: said before torch loads
         from digen.runtime.transport.join_secret import read_secret
 
-        read_secret(cfg.runtime.join_secret_file, "runtime.join_secret_file")
+        read_secret(cfg.runtime.elastic.join_secret_file, "runtime.elastic.join_secret_file")
     if cfg.model.path is not None:
         from digen.models.checks import check_model_dir
 
@@ -421,9 +423,9 @@ def _run_torchrun(cfg, out_dir, quiet, sample_every, dated=False):
         with external_launch(ExternalLaunch(address, port, world)):
             return run_async(runner.run())
     spec = WorkerSpec(
-        role_for_rank(rank, rt.generators, rt.trainers), threads=rt.threads_per_worker
+        role_for_rank(rank, rt.generators, rt.trainers), threads=rt.placement.threads_per_worker
     )
-    serve_worker(spec, rank, world, address, port, rpc_timeout_s=rt.rpc_timeout_s)
+    serve_worker(spec, rank, world, address, port, rpc_timeout_s=rt.transport.rpc_timeout_s)
     return None
 
 

@@ -15,6 +15,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -25,21 +26,25 @@ from digen.registry.algos import ALGO_NAMES, SDE_TYPES, get_algorithm
 from digen.registry.models import BACKBONES, FLAVOURS, MODEL_NAMES
 from digen.registry.rewards import BUILTIN_REWARDS
 from digen.registry.trackers import TRACKERS
-from digen.sched.admission import STALENESS_SCHEDULES
+from digen.sched.admission import StalenessSchedule
 from digen.sched.plan import SchedulePlan, plan_schedule
-from digen.sched.tag import TAG_POLICY_NAMES
+from digen.sched.tag import TagPolicyName
 
 __all__ = [
     "AlgoConfig",
     "ConfigError",
     "DataConfig",
     "DigenConfig",
+    "ElasticConfig",
     "EvalConfig",
     "ModelConfig",
+    "PlacementConfig",
     "RewardSpec",
     "RolloutConfig",
     "RuntimeConfig",
+    "ScheduleConfig",
     "TrainConfig",
+    "TransportConfig",
     "config_to_dict",
     "dump_config",
     "field_docs",
@@ -48,7 +53,6 @@ __all__ = [
     "validate",
 ]
 
-DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"cpu|meta|cuda(:\d+)?|mps|xpu(:\d+)?")
 LORA_INITS = (
     "gaussian", "true", "false", "eva", "olora", "pissa", "pissa_niter_<n>", "corda", "loftq",
@@ -56,12 +60,140 @@ LORA_INITS = (
 )  # fmt: skip
 """``train.lora_init``: peft's ``init_lora_weights`` (true: its default Kaiming-uniform A)."""
 _LORA_INIT_RE = re.compile("|".join(v.replace("<n>", r"\d+") for v in LORA_INITS))
-ADV_NORMS = ("group", "none")
-ADV_STDS = ("group", "global")
-KL_TYPES = ("flowgrpo", "exact")
-CPS_LOGPROBS = ("published", "gaussian")
-SOLVERS = ("euler", "dpm2", "dpm2-post")
-TIME_INPUTS = ("sigma", "int1000")
+
+
+# --------------------------------------------------------------------------- choices
+# A setting with a fixed set of values is a StrEnum: the loader turns the user's string into
+# its member, and a member equals (and prints as) its plain string.
+
+
+class Dtype(StrEnum):
+    """A weights dtype: ``model.dtype``, ``train.lora_dtype``, ``runtime.placement.*_dtype``."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class CpsLogprob(StrEnum):
+    """``rollout.cps_logprob``."""
+
+    PUBLISHED = "published"
+    GAUSSIAN = "gaussian"
+
+
+class Solver(StrEnum):
+    """``rollout.solver``."""
+
+    EULER = "euler"
+    DPM2 = "dpm2"
+    DPM2_POST = "dpm2-post"
+
+
+class TimeInput(StrEnum):
+    """``rollout.time_input``."""
+
+    SIGMA = "sigma"
+    INT1000 = "int1000"
+
+
+class AdvNorm(StrEnum):
+    """``algo.adv_norm``."""
+
+    GROUP = "group"
+    NONE = "none"
+
+
+class AdvStd(StrEnum):
+    """``algo.adv_std``."""
+
+    GROUP = "group"
+    GLOBAL = "global"
+
+
+class KlType(StrEnum):
+    """``algo.kl_type``."""
+
+    FLOWGRPO = "flowgrpo"
+    EXACT = "exact"
+
+
+class RewardWeighting(StrEnum):
+    """``algo.reward_weighting``."""
+
+    SUM = "sum"
+    ADVANTAGE = "advantage"
+
+
+class LrSchedule(StrEnum):
+    """``train.lr_schedule``."""
+
+    CONSTANT = "constant"
+    COSINE = "cosine"
+
+
+class NonfinitePolicy(StrEnum):
+    """``train.on_nonfinite``."""
+
+    FAIL = "fail"
+    DROP = "drop"
+
+
+class GradOrder(StrEnum):
+    """``train.grad_order``."""
+
+    AUTO = "auto"
+    FIXED = "fixed"
+    ARRIVAL = "arrival"
+
+
+class RewardErrorPolicy(StrEnum):
+    """``rewards.<i>.on_error``."""
+
+    FAIL = "fail"
+    DROP = "drop"
+
+
+class Mode(StrEnum):
+    """``runtime.mode``."""
+
+    COLOCATED = "colocated"
+    DISAGGREGATED = "disaggregated"
+
+
+class TrainerParallel(StrEnum):
+    """``runtime.placement.trainer_parallel``."""
+
+    REPLICATE = "replicate"
+    FSDP = "fsdp"
+    HSDP = "hsdp"
+
+
+SHARDED_PARALLEL = frozenset({TrainerParallel.FSDP, TrainerParallel.HSDP})
+"""The ``runtime.placement.trainer_parallel`` values whose trainers shard one model (and
+move as one)."""
+
+
+class MicrobatchAxis(StrEnum):
+    """``runtime.schedule.microbatch_axis``."""
+
+    GENERATION = "generation"
+    PROMPT = "prompt"
+
+
+class WeightSync(StrEnum):
+    """``runtime.transport.weight_sync``."""
+
+    RPC = "rpc"
+    BROADCAST = "broadcast"
+
+
+class GeneratorLoss(StrEnum):
+    """``runtime.elastic.on_generator_loss``."""
+
+    CONTINUE = "continue"
+    FAIL = "fail"
+
 
 # Choices derived from the registries: the config types name them, and the loader checks them.
 ModelName = Literal[MODEL_NAMES]  # type: ignore[valid-type]
@@ -76,6 +208,8 @@ Devices = list[str] | None
 
 def _show(value: Any) -> str:
     """A value as the user would write it back (tuples print as lists)."""
+    if isinstance(value, Enum):
+        value = value.value
     if isinstance(value, tuple):
         return "[" + ", ".join(_show(v) for v in value) + "]"
     if isinstance(value, list):
@@ -181,6 +315,19 @@ def _as_mapping(value: Any, key: str) -> dict[str, Any]:
     return dict(value)
 
 
+def _member(choices: type[StrEnum], allowed: str = "") -> Callable[[Any, str], StrEnum]:
+    """The converter of a setting whose values are ``choices``: the user's string becomes
+    its member; anything else fails naming the values (or ``allowed``)."""
+
+    def convert(value: Any, key: str) -> StrEnum:
+        try:
+            return choices(value)
+        except (ValueError, TypeError):
+            raise _bad(key, value, allowed or "choose one of " + ", ".join(choices)) from None
+
+    return convert
+
+
 def _one_of(choices: Any) -> Callable[[Any, str], str]:
     options = get_args(choices)
 
@@ -212,13 +359,33 @@ _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
     "list[str] | None": _optional(_as_str_list),
     "Devices": _optional(_as_device_list),
 }
+_CHOICES: tuple[type[StrEnum], ...] = (
+    Dtype, CpsLogprob, Solver, TimeInput, AdvNorm, AdvStd, KlType, RewardWeighting, LrSchedule,
+    NonfinitePolicy, GradOrder, RewardErrorPolicy, Mode, TrainerParallel, MicrobatchAxis,
+    WeightSync, GeneratorLoss, StalenessSchedule, TagPolicyName,
+)  # fmt: skip
+"""The settings' sets of values: a field annotated with one (or with ``<it> | None``) takes
+one of its values, which the loader turns into the member."""
+_CONVERTERS.update({c.__name__: _member(c) for c in _CHOICES})
+_CONVERTERS.update({f"{c.__name__} | None": _optional(_member(c)) for c in _CHOICES})
+_CONVERTERS["RewardErrorPolicy"] = _member(RewardErrorPolicy, "use fail or drop")
 
 
 def _validate_section(section: Any, prefix: str) -> None:
-    """Coerce every field of one section to its declared type, then run its own checks."""
+    """Coerce every field of one section to its declared type (a field that is a section of
+    its own, as ``runtime.schedule``, is built and checked as one), then run its own checks."""
     for f in fields(section):
-        convert = _CONVERTERS[f.type]
-        setattr(section, f.name, convert(getattr(section, f.name), _key(prefix, f.name)))
+        key, value = _key(prefix, f.name), getattr(section, f.name)
+        inner = _SUBSECTIONS.get(f.type)
+        if inner is None:
+            value = _CONVERTERS[f.type](value, key)
+        elif value is None or isinstance(value, Mapping):  # an empty YAML section is None
+            value = _make(inner, value or {}, key)
+        elif isinstance(value, inner):
+            _validate_section(value, key)
+        else:
+            raise _bad(key, value, f"it must be a mapping of {key} settings")
+        setattr(section, f.name, value)
     section._check_values(prefix)
 
 
@@ -241,7 +408,7 @@ class ModelConfig:
     """Backbone: one of the registered ones (digen.registry.models: hunyuanvideo, wan, flux, qwenimage, sd3)."""
     path: str | None = None
     """Local diffusers-format directory with real weights; None runs the tiny random-init flavour."""
-    dtype: str = "float32"
+    dtype: Dtype = Dtype.FLOAT32
     """Weights / activations dtype: float32, bfloat16 or float16 (the RL math is always fp32)."""
     device: str = "cpu"
     """Torch device of the model (cpu, cuda, cuda:1, ...)."""
@@ -264,7 +431,6 @@ class ModelConfig:
         _validate_section(self, "model")
 
     def _check_values(self, p: str) -> None:
-        _choice(_key(p, "dtype"), self.dtype, DTYPES)
         if not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device):
             raise _bad(
                 _key(p, "device"), self.device, "name a torch device such as cpu, cuda or cuda:1"
@@ -312,17 +478,17 @@ class RolloutConfig:
     """Classifier-free guidance scale; 1.0 turns CFG off."""
     negative_prompt: str = ""
     """Negative prompt used with CFG."""
-    cps_logprob: str = "published"
+    cps_logprob: CpsLogprob = CpsLogprob.PUBLISHED
     """Log-prob of the cps step: published (-mean((x' - mu)^2), what published clip ranges mean) or gaussian (the full density)."""
     same_initial_noise: bool = False
     """The samples of a group start from the same noise (DanceGRPO / MixGRPO) instead of each its own."""
-    solver: str = "euler"
+    solver: Solver = Solver.EULER
     """How steps without noise move: euler; dpm2 (second-order multistep DPM-Solver++ on every step without noise: DiffusionNFT's sampler); or dpm2-post (Euler up to the end of the SDE window, DPM-Solver++ after it: MixGRPO-Flash's dpm_apply_strategy=post)."""
     post_compress: float = 1.0
     """With solver dpm2-post: the steps after the SDE window are redrawn as int((N - last window step) * post_compress) - 1 uniform steps down to 0 (at least 1); 1.0 keeps them (MixGRPO-Flash's dpm_post_compress_ratio, published 0.4). In (0, 1]."""
     shift: float | None = None
     """A fixed time shift s of the sigmas (s*t / (1 + (s - 1) t) on a uniform grid: MixGRPO's FLUX schedule uses 3); None keeps the backbone scheduler's own (FLUX: resolution-dependent)."""
-    time_input: str = "sigma"
+    time_input: TimeInput = TimeInput.SIGMA
     """What the transformer is told the time is: sigma, or int1000 (int(1000 sigma) / 1000, as DanceGRPO's and MixGRPO's code feeds it); the step math always uses sigma."""
 
     def __post_init__(self) -> None:
@@ -337,9 +503,6 @@ class RolloutConfig:
             )
         _at_least(p, "num_inference_steps", self.num_inference_steps, 1)
         _at_least(p, "noise_level", self.noise_level, 0.0)
-        _choice(_key(p, "cps_logprob"), self.cps_logprob, CPS_LOGPROBS)
-        _choice(_key(p, "solver"), self.solver, SOLVERS)
-        _choice(_key(p, "time_input"), self.time_input, TIME_INPUTS)
         if self.shift is not None:
             _positive(p, "shift", self.shift)
         steps = self.num_inference_steps
@@ -384,9 +547,9 @@ class RolloutConfig:
 class AlgoConfig:
     name: AlgoName = "flowgrpo"
     """One of the registered algorithms (digen.registry.algos: flowgrpo, flowgrpo-fast, dancegrpo, mixgrpo, mixgrpo-flash, nft)."""
-    adv_norm: str = "group"
+    adv_norm: AdvNorm = AdvNorm.GROUP
     """Advantage scaling: group (centre per prompt and divide by a std) or none (Dr.GRPO: centred only)."""
-    adv_std: str = "group"
+    adv_std: AdvStd = AdvStd.GROUP
     """Which std advantages divide by: group (each prompt's own) or global (one over the whole batch: Flow-GRPO's shipped configs; training then waits until the batch is scored)."""
     adv_std_unbiased: bool = False
     """Use the unbiased (n - 1) std (DanceGRPO, MixGRPO) instead of the population std (Flow-GRPO)."""
@@ -398,11 +561,11 @@ class AlgoConfig:
     """PPO clip range eps: the ratio is clipped to [1 - eps, 1 + eps]. Positive."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference (the base model, LoRA off); 0 turns it off."""
-    kl_type: str | None = None
+    kl_type: KlType | None = None
     """KL convention: flowgrpo (divided by Flow-GRPO's std_dev_t^2, without the step's |dt|: what its published beta means) or exact (the Gaussian KL of the step); None takes the algorithm's."""
     best_of_n: int = 0
     """DanceGRPO best-of-N: train only the top and bottom k/2 samples of each group; 0 keeps all."""
-    reward_weighting: str = "sum"
+    reward_weighting: RewardWeighting = RewardWeighting.SUM
     """Several rewards: sum (advantages of their weighted sum: Flow-GRPO's) or advantage (each reward's own group advantages, then their weighted sum: DanceGRPO's multi-reward form, which keeps a reward of small spread from being drowned)."""
     normalize_reward_weights: bool = False
     """With reward_weighting = advantage: divide the rewards' weights by their sum (MixGRPO's multi-reward script), so each reward's advantages mix as a weighted mean."""
@@ -421,11 +584,6 @@ class AlgoConfig:
         return self.kl_type or get_algorithm(self.name).kl_type
 
     def _check_values(self, p: str) -> None:
-        _choice(_key(p, "adv_norm"), self.adv_norm, ADV_NORMS)
-        _choice(_key(p, "adv_std"), self.adv_std, ADV_STDS)
-        _choice(_key(p, "reward_weighting"), self.reward_weighting, REWARD_WEIGHTINGS)
-        if self.kl_type is not None:
-            _choice(_key(p, "kl_type"), self.kl_type, KL_TYPES)
         declared = get_algorithm(self.name).params
         for key, value in self.params.items():
             if key not in declared:
@@ -469,7 +627,7 @@ class TrainConfig:
     """LoRA target modules (peft names); None uses the backbone's defaults."""
     lora_init: str | bool = "gaussian"
     """LoRA initialisation passed to peft (gaussian, true, ...)."""
-    lora_dtype: str | None = None
+    lora_dtype: Dtype | None = None
     """dtype the LoRA parameters are cast to (float32, bfloat16); None keeps the model dtype."""
     mini_batch_size: int | None = None
     """Prompts per optimizer step; None = train_batch_size (one optimizer step per train step)."""
@@ -477,17 +635,17 @@ class TrainConfig:
     """Samples per forward/backward on one device (gradient accumulation unit)."""
     num_devices: int = 1
     """Data-parallel training devices the mini-batch is split over."""
-    lr_schedule: str = "constant"
+    lr_schedule: LrSchedule = LrSchedule.CONSTANT
     """Learning rate over the train steps: constant or cosine (down to lr_min_ratio x lr at the last step); either after a linear warm-up."""
     warmup_steps: int = 0
     """Train steps of linear warm-up from lr / (warmup_steps + 1) to lr."""
     lr_min_ratio: float = 0.0
     """cosine: the last step's learning rate as a fraction of lr."""
-    on_nonfinite: str = "fail"
+    on_nonfinite: NonfinitePolicy = NonfinitePolicy.FAIL
     """A NaN or infinite reward (or a reward hook returning the wrong count), loss or gradient: fail stops the run naming it; drop leaves it out of the update and counts it (dropped_groups, dropped_microbatches, skipped_steps in metrics)."""
     gradient_checkpointing: bool = False
     """Recompute the transformer's activations in the backward pass (less memory, about a third more compute)."""
-    grad_order: str = "auto"
+    grad_order: GradOrder = GradOrder.AUTO
     """How a step's gradients are summed: fixed (per micro-batch, in micro-batch order: a seeded run repeats bit for bit whatever the timing; memory: one gradient copy per micro-batch a trainer holds), arrival (in place, as updates finish: one buffer, last bits vary with timing), auto (fixed with LoRA, arrival for full fine-tuning)."""
 
     def __post_init__(self) -> None:
@@ -505,15 +663,10 @@ class TrainConfig:
                 self.lora_init,
                 f"name one of peft's initialisations: {', '.join(LORA_INITS)}",
             )
-        if self.lora_dtype is not None:
-            _choice(_key(p, "lora_dtype"), self.lora_dtype, DTYPES)
         if self.mini_batch_size is not None:
             _at_least(p, "mini_batch_size", self.mini_batch_size, 1)
         _at_least(p, "micro_batch_size", self.micro_batch_size, 1)
         _at_least(p, "num_devices", self.num_devices, 1)
-        _choice(_key(p, "grad_order"), self.grad_order, GRAD_ORDERS)
-        _choice(_key(p, "lr_schedule"), self.lr_schedule, LR_SCHEDULES)
-        _choice(_key(p, "on_nonfinite"), self.on_nonfinite, NONFINITE_POLICIES)
         _at_least(p, "warmup_steps", self.warmup_steps, 0)
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise _bad(_key(p, "lr_min_ratio"), self.lr_min_ratio, "it must be in [0, 1]")
@@ -592,7 +745,7 @@ class RewardSpec:
     """Seconds one call of this reward may take before it counts as failed (then retried); None: no limit."""
     retries: int = 0
     """Further tries after a failed or timed-out call, waiting 0.5 s, 1 s, 2 s, ... between them."""
-    on_error: str = "fail"
+    on_error: RewardErrorPolicy = RewardErrorPolicy.FAIL
     """When the last try fails: fail stops the run naming the reward; drop leaves out the groups of that batch and counts them (dropped_groups). A failure is never a zero reward."""
     url: str | None = None
     """The reward server's URL (name http)."""
@@ -607,8 +760,6 @@ class RewardSpec:
         if self.timeout_s is not None:
             _positive(p, "timeout_s", self.timeout_s)
         _at_least(p, "retries", self.retries, 0)
-        if self.on_error not in REWARD_ERROR_POLICIES:
-            raise _bad(_key(p, "on_error"), self.on_error, "use fail or drop")
         name = self.name
         if name == "http" and not self.url:
             raise _bad(_key(p, "url"), self.url, "the http reward needs its server's URL")
@@ -624,29 +775,9 @@ class RewardSpec:
             )
 
 
-REWARD_ERROR_POLICIES = ("fail", "drop")
-REWARD_WEIGHTINGS = ("sum", "advantage")
-MODES = ("colocated", "disaggregated")
-TRAINER_PARALLEL = ("replicate", "fsdp", "hsdp")
-SHARDED_PARALLEL = ("fsdp", "hsdp")
-"""The ``runtime.trainer_parallel`` values whose trainers shard one model (and move as one)."""
-LR_SCHEDULES = ("constant", "cosine")
-NONFINITE_POLICIES = ("fail", "drop")
-MICROBATCH_AXES = ("generation", "prompt")
-WEIGHT_SYNCS = ("rpc", "broadcast")
-GENERATOR_LOSS = ("continue", "fail")
-GRAD_ORDERS = ("auto", "fixed", "arrival")
-
-
 @dataclass(kw_only=True, slots=True)
-class RuntimeConfig:
-    mode: str = "colocated"
-    """colocated (every worker samples, then trains) or disaggregated (generator and trainer pools over RPC)."""
-    generators: int = 1
-    """Generator workers (disaggregated): sample and score."""
-    trainers: int = 1
-    """Trainer workers (disaggregated): data-parallel among themselves."""
-    trainer_parallel: str = "replicate"
+class PlacementConfig:
+    trainer_parallel: TrainerParallel = TrainerParallel.REPLICATE
     """How trainers (and colocated workers) share the model: replicate (each holds all of it; gradients all-reduced), fsdp (FSDP2: every transformer block sharded over all of them; the trainers act as one), hsdp (sharded inside groups of shard_size, replicated across)."""
     shard_size: int | None = None
     """hsdp: trainers per sharding group (the GPUs of a node); None = the visible GPUs, at most the trainers. Must divide the trainer count."""
@@ -654,63 +785,15 @@ class RuntimeConfig:
     """Devices of the generator pool (e.g. [cuda:0, cuda:1] or "cuda:0,cuda:1"; a bare cuda is cuda:0); worker i takes entry i mod len. None: model.device, and with model.device = cuda the visible GPUs split between the pools."""
     trainer_devices: Devices = None
     """Devices of the trainer pool, as generator_devices."""
-    generator_dtype: str | None = None
+    generator_dtype: Dtype | None = None
     """Weights dtype of the generator pool (float32, bfloat16, float16); None uses model.dtype."""
-    trainer_dtype: str | None = None
+    trainer_dtype: Dtype | None = None
     """Weights dtype of the trainer pool; None uses model.dtype."""
     threads_per_worker: int = 1
     """CPU threads each worker process may use (torch.set_num_threads)."""
-    microbatch_axis: str = "generation"
-    """generation: a prompt's n samples are spread over the generators (GAP); prompt: whole groups per micro-batch."""
-    samples_per_microbatch: int | None = None
-    """Samples in one generation micro-batch; None = ceil(n / generators) on the generation axis, n on the prompt axis."""
-    tsp_degree: int = 1
-    """Timesteps a trainer evaluates in one batched forward/backward (TSP), in either mode; 1 = one timestep at a time."""
-    pipeline: bool = True
-    """Overlap generation and training; false = naive disaggregation (generate the whole batch, then train)."""
-    score_overlap: bool = True
-    """Score on each generator's own scoring thread (an actor beside the generator in its process), so a slow reward never holds up the next generation; false = a generator scores each micro-batch itself before generating the next."""
-    tag: str = "bts"
-    """Trainer-assisted generation at trainer bubbles: bts (bubble-triggered search), static, or none."""
-    tag_k: int = 1
-    """With tag=static: TAG micro-batches per step, inserted at the first bubbles."""
-    max_staleness: int = 0
-    """TCSS: how many policy versions a generation may lag its train step; 0 = on-policy."""
-    staleness_ratio: float = 0.5
-    """TCSS: the fraction of a step's micro-batches that come from the previous version (at most, with the eager schedule)."""
-    staleness_schedule: str = "fixed"
-    """TCSS: fixed (the first staleness_ratio of every step's micro-batches are made one version early, always the same ones, whatever max_staleness >= 1: seeded runs repeat) or eager (stale while a worker is free, up to max_staleness versions and the ratio: the paper's form; which ones depends on timing)."""
-    max_inflight: int | None = None
-    """C_gen: micro-batches generated but not yet trained, at most (back-pressure on generators, bounds what workers hold); None = one step's plus the TCSS share."""
-    weight_sync: str = "rpc"
-    """How new weights reach the generators: rpc (each pulls them from trainer 0) or broadcast (one gloo/NCCL group)."""
-    sync_bucket_mb: float = 256.0
-    """Largest piece of the weights one sync message or broadcast carries, in MB."""
-    address: str = "127.0.0.1"
-    """Address the RPC and process groups listen on; loopback keeps everything on this machine."""
-    port: int | None = None
-    """Port of the RPC rendezvous on runtime.address (where workers, and generators joining with digen join, find the run); None picks a free one, written to workers.json."""
-    rpc_timeout_s: float = 600.0
-    """Longest a single remote call may take before the run stops with an error."""
-    heartbeat_s: float = 60.0
-    """A worker that answers no ping for this long (hung, or its machine gone) counts as lost, named in the log; a worker process that exits is noticed within 0.1 s."""
-    on_generator_loss: str = "continue"
-    """A generator lost mid-run (its process killed, its machine gone): continue (the run goes on with the generators left, and what the lost one held is made again elsewhere from the same keys) or fail (the run stops, with a checkpoint and the command to resume). A lost trainer always stops the run."""
-    min_generators: int = 1
-    """With on_generator_loss=continue: the run stops when fewer generators than this are left (scoring runs beside the generators, so at least 1)."""
-    respawn_generators: bool = False
-    """With on_generator_loss=continue: start a lost local generator again (it joins at the next step boundary, with that step's weights). The workers then form a dynamic RPC world; not with an external launcher (torchrun)."""
-    respawn_after_s: float = 2.0
-    """Wait before a generator's restart; it doubles with each restart of the same generator."""
-    max_respawns: int = 3
-    """Restarts of one generator, at most; after that its place stays empty."""
-    accept_generators: bool = False
-    """Take generators that join the running run (digen join ADDRESS:PORT, on this machine or another): each joins at the next step boundary with that step's weights. The workers then form a dynamic RPC world; not with an external launcher (torchrun) nor weight_sync=broadcast."""
-    join_secret_file: str | None = None
-    """With accept_generators: a file holding the run's join secret (at least 16 characters), which digen join must prove it knows and the run proves to it in turn; None: the run makes a new one at each start and writes it to join-secret in its output directory (readable by its owner only)."""
 
     def __post_init__(self) -> None:
-        _validate_section(self, "runtime")
+        _validate_section(self, "runtime.placement")
 
     @property
     def sharded(self) -> bool:
@@ -718,16 +801,9 @@ class RuntimeConfig:
         return self.trainer_parallel in SHARDED_PARALLEL
 
     def _check_values(self, p: str) -> None:
-        _choice(_key(p, "mode"), self.mode, MODES)
-        _at_least(p, "generators", self.generators, 1)
-        _at_least(p, "trainers", self.trainers, 1)
-        _choice(_key(p, "trainer_parallel"), self.trainer_parallel, TRAINER_PARALLEL)
         if self.shard_size is not None:
             _at_least(p, "shard_size", self.shard_size, 1)
         for pool in ("generator", "trainer"):
-            dtype = getattr(self, f"{pool}_dtype")
-            if dtype is not None:
-                _choice(_key(p, f"{pool}_dtype"), dtype, DTYPES)
             devices = getattr(self, f"{pool}_devices")
             for device in devices or ():
                 if not _DEVICE_RE.fullmatch(device):
@@ -738,52 +814,230 @@ class RuntimeConfig:
                     )
             if devices:  # a bare cuda in a device list is the first GPU, as torch reads it
                 setattr(self, f"{pool}_devices", ["cuda:0" if d == "cuda" else d for d in devices])
-        _positive(p, "sync_bucket_mb", self.sync_bucket_mb)
         _at_least(p, "threads_per_worker", self.threads_per_worker, 1)
-        _choice(_key(p, "microbatch_axis"), self.microbatch_axis, MICROBATCH_AXES)
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduleConfig:
+    microbatch_axis: MicrobatchAxis = MicrobatchAxis.GENERATION
+    """generation: a prompt's n samples are spread over the generators (GAP); prompt: whole groups per micro-batch."""
+    samples_per_microbatch: int | None = None
+    """Samples in one generation micro-batch; None = ceil(n / generators) on the generation axis, n on the prompt axis."""
+    tsp_degree: int = 1
+    """Timesteps a trainer evaluates in one batched forward/backward (TSP), in either mode; 1 = one timestep at a time."""
+    pipeline: bool = True
+    """Overlap generation and training; false = naive disaggregation (generate the whole batch, then train)."""
+    score_overlap: bool = True
+    """Score on each generator's own scoring thread (an actor beside the generator in its process), so a slow reward never holds up the next generation; false = a generator scores each micro-batch itself before generating the next."""
+    tag: TagPolicyName = TagPolicyName.BTS
+    """Trainer-assisted generation at trainer bubbles: bts (bubble-triggered search), static, or none."""
+    tag_k: int = 1
+    """With tag=static: TAG micro-batches per step, inserted at the first bubbles."""
+    max_staleness: int = 0
+    """TCSS: how many policy versions a generation may lag its train step; 0 = on-policy."""
+    staleness_ratio: float = 0.5
+    """TCSS: the fraction of a step's micro-batches that come from the previous version (at most, with the eager schedule)."""
+    staleness_schedule: StalenessSchedule = StalenessSchedule.FIXED
+    """TCSS: fixed (the first staleness_ratio of every step's micro-batches are made one version early, always the same ones, whatever max_staleness >= 1: seeded runs repeat) or eager (stale while a worker is free, up to max_staleness versions and the ratio: the paper's form; which ones depends on timing)."""
+    max_inflight: int | None = None
+    """C_gen: micro-batches generated but not yet trained, at most (back-pressure on generators, bounds what workers hold); None = one step's plus the TCSS share."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "runtime.schedule")
+
+    def _check_values(self, p: str) -> None:
         if self.samples_per_microbatch is not None:
             _at_least(p, "samples_per_microbatch", self.samples_per_microbatch, 1)
         _at_least(p, "tsp_degree", self.tsp_degree, 1)
-        _choice(_key(p, "weight_sync"), self.weight_sync, WEIGHT_SYNCS)
-        _choice(_key(p, "tag"), self.tag, TAG_POLICY_NAMES)
         _at_least(p, "tag_k", self.tag_k, 0)
         _at_least(p, "max_staleness", self.max_staleness, 0, " (0 is on-policy)")
         if not 0.0 <= self.staleness_ratio <= 1.0:
             raise _bad(_key(p, "staleness_ratio"), self.staleness_ratio, "it must be in [0, 1]")
-        _choice(_key(p, "staleness_schedule"), self.staleness_schedule, STALENESS_SCHEDULES)
         if self.max_inflight is not None:
             _at_least(p, "max_inflight", self.max_inflight, 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class TransportConfig:
+    weight_sync: WeightSync = WeightSync.RPC
+    """How new weights reach the generators: rpc (each pulls them from trainer 0) or broadcast (one gloo/NCCL group)."""
+    sync_bucket_mb: float = 256.0
+    """Largest piece of the weights one sync message or broadcast carries, in MB."""
+    address: str = "127.0.0.1"
+    """Address the RPC and process groups listen on; loopback keeps everything on this machine."""
+    port: int | None = None
+    """Port of the RPC rendezvous on runtime.transport.address (where workers, and generators joining with digen join, find the run); None picks a free one, written to workers.json."""
+    rpc_timeout_s: float = 600.0
+    """Longest a single remote call may take before the run stops with an error."""
+    heartbeat_s: float = 60.0
+    """A worker that answers no ping for this long (hung, or its machine gone) counts as lost, named in the log; a worker process that exits is noticed within 0.1 s."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "runtime.transport")
+
+    def _check_values(self, p: str) -> None:
+        _positive(p, "sync_bucket_mb", self.sync_bucket_mb)
         if not self.address:
             raise _bad(_key(p, "address"), self.address, "give an IP address such as 127.0.0.1")
         _positive(p, "rpc_timeout_s", self.rpc_timeout_s)
         _positive(p, "heartbeat_s", self.heartbeat_s)
-        _choice(_key(p, "on_generator_loss"), self.on_generator_loss, GENERATOR_LOSS)
-        _at_least(p, "min_generators", self.min_generators, 1, " (scoring runs beside a generator)")
-        _at_least(p, "respawn_after_s", self.respawn_after_s, 0)
-        _at_least(p, "max_respawns", self.max_respawns, 0)
-        if self.respawn_generators and self.on_generator_loss == "fail":
-            why = "a lost generator ends the run with runtime.on_generator_loss=fail"
-            raise _bad(_key(p, "respawn_generators"), self.respawn_generators, why)
         if self.port is not None and not 0 < self.port < 65536:
             raise _bad(
                 _key(p, "port"), self.port, "give a port in 1..65535, or null for a free one"
             )
-        if self.accept_generators and self.mode != "disaggregated":
-            why = "generators join a run in runtime.mode=disaggregated"
-            raise _bad(_key(p, "accept_generators"), self.accept_generators, why)
-        if self.accept_generators and self.weight_sync == "broadcast":
-            why = "the weight broadcast group has a fixed size (runtime.weight_sync=rpc can grow)"
-            raise _bad(_key(p, "accept_generators"), self.accept_generators, why)
+
+
+@dataclass(kw_only=True, slots=True)
+class ElasticConfig:
+    on_generator_loss: GeneratorLoss = GeneratorLoss.CONTINUE
+    """A generator lost mid-run (its process killed, its machine gone): continue (the run goes on with the generators left, and what the lost one held is made again elsewhere from the same keys) or fail (the run stops, with a checkpoint and the command to resume). A lost trainer always stops the run."""
+    min_generators: int = 1
+    """With on_generator_loss=continue: the run stops when fewer generators than this are left (scoring runs beside the generators, so at least 1)."""
+    respawn_generators: bool = False
+    """With on_generator_loss=continue: start a lost local generator again (it joins at the next step boundary, with that step's weights). The workers then form a dynamic RPC world; not with an external launcher (torchrun)."""
+    respawn_after_s: float = 2.0
+    """Wait before a generator's restart; it doubles with each restart of the same generator."""
+    max_respawns: int = 3
+    """Restarts of one generator, at most; after that its place stays empty."""
+    accept_generators: bool = False
+    """Take generators that join the running run (digen join ADDRESS:PORT, on this machine or another): each joins at the next step boundary with that step's weights. The workers then form a dynamic RPC world; not with an external launcher (torchrun) nor runtime.transport.weight_sync=broadcast."""
+    join_secret_file: str | None = None
+    """With accept_generators: a file holding the run's join secret (at least 16 characters), which digen join must prove it knows and the run proves to it in turn; None: the run makes a new one at each start and writes it to join-secret in its output directory (readable by its owner only)."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "runtime.elastic")
+
+    def _check_values(self, p: str) -> None:
+        _at_least(p, "min_generators", self.min_generators, 1, " (scoring runs beside a generator)")
+        _at_least(p, "respawn_after_s", self.respawn_after_s, 0)
+        _at_least(p, "max_respawns", self.max_respawns, 0)
+        if self.respawn_generators and self.on_generator_loss == GeneratorLoss.FAIL:
+            why = f"a lost generator ends the run with {_key(p, 'on_generator_loss')}=fail"
+            raise _bad(_key(p, "respawn_generators"), self.respawn_generators, why)
         if self.join_secret_file is not None:
             if not self.accept_generators:
-                why = "a join secret is for a run that takes joining generators (runtime.accept_generators=true)"
+                why = (
+                    "a join secret is for a run that takes joining generators "
+                    f"({_key(p, 'accept_generators')}=true)"
+                )
                 raise _bad(_key(p, "join_secret_file"), self.join_secret_file, why)
             if not str(self.join_secret_file).strip():
                 why = "name a file that holds the secret, or null for one the run makes"
                 raise _bad(_key(p, "join_secret_file"), self.join_secret_file, why)
-        if self.min_generators > self.generators:
-            why = f"it cannot exceed runtime.generators ({self.generators})"
-            raise _bad(_key(p, "min_generators"), self.min_generators, why)
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    mode: Mode = Mode.COLOCATED
+    """colocated (every worker samples, then trains) or disaggregated (generator and trainer pools over RPC)."""
+    generators: int = 1
+    """Generator workers (disaggregated): sample and score."""
+    trainers: int = 1
+    """Trainer workers (disaggregated): data-parallel among themselves."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Where the workers run and how the trainers share the model."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """How a step's work is cut into micro-batches and ordered: GAP, TSP, pipelining, TAG, TCSS."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """How the processes reach each other and new weights reach the generators."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Generators lost, started again, or joining while the run goes on."""
+
+    def __post_init__(self) -> None:
+        _validate_section(self, "runtime")
+
+    def _check_values(self, p: str) -> None:
+        _at_least(p, "generators", self.generators, 1)
+        _at_least(p, "trainers", self.trainers, 1)
+        # the rules that span the sections
+        elastic = self.elastic
+        if elastic.accept_generators and self.mode != Mode.DISAGGREGATED:
+            why = f"generators join a run in {_key(p, 'mode')}=disaggregated"
+            raise _bad(_key(p, "elastic.accept_generators"), elastic.accept_generators, why)
+        if elastic.accept_generators and self.transport.weight_sync == WeightSync.BROADCAST:
+            why = (
+                "the weight broadcast group has a fixed size "
+                f"({_key(p, 'transport.weight_sync')}=rpc can grow)"
+            )
+            raise _bad(_key(p, "elastic.accept_generators"), elastic.accept_generators, why)
+        if elastic.min_generators > self.generators:
+            why = f"it cannot exceed {_key(p, 'generators')} ({self.generators})"
+            raise _bad(_key(p, "elastic.min_generators"), elastic.min_generators, why)
+
+
+_RUNTIME_SECTIONS: dict[str, type] = {
+    "placement": PlacementConfig,
+    "schedule": ScheduleConfig,
+    "transport": TransportConfig,
+    "elastic": ElasticConfig,
+}
+"""``runtime``'s sections, by field name."""
+
+FORMER_RUNTIME_KEYS: dict[str, str] = {
+    "trainer_parallel": "placement",
+    "shard_size": "placement",
+    "generator_devices": "placement",
+    "trainer_devices": "placement",
+    "generator_dtype": "placement",
+    "trainer_dtype": "placement",
+    "threads_per_worker": "placement",
+    "microbatch_axis": "schedule",
+    "samples_per_microbatch": "schedule",
+    "tsp_degree": "schedule",
+    "pipeline": "schedule",
+    "score_overlap": "schedule",
+    "tag": "schedule",
+    "tag_k": "schedule",
+    "max_staleness": "schedule",
+    "staleness_ratio": "schedule",
+    "staleness_schedule": "schedule",
+    "max_inflight": "schedule",
+    "weight_sync": "transport",
+    "sync_bucket_mb": "transport",
+    "address": "transport",
+    "port": "transport",
+    "rpc_timeout_s": "transport",
+    "heartbeat_s": "transport",
+    "on_generator_loss": "elastic",
+    "min_generators": "elastic",
+    "respawn_generators": "elastic",
+    "respawn_after_s": "elastic",
+    "max_respawns": "elastic",
+    "accept_generators": "elastic",
+    "join_secret_file": "elastic",
+}
+"""The flat ``runtime`` layout of older configs (and of every older run's ``config.yaml``):
+each former key ``runtime.<key>`` -> the section that holds it now,
+``runtime.<section>.<key>``. The loader still takes the former keys."""
+
+_SUBSECTIONS: dict[str, type] = {cls.__name__: cls for cls in _RUNTIME_SECTIONS.values()}
+"""A field annotated with one of these names is a section of its own."""
+
+
+def _sectioned_runtime(values: Mapping[str, Any], prefix: str = "runtime") -> dict[str, Any]:
+    """``runtime`` settings with each former flat key moved into its section
+    (:data:`FORMER_RUNTIME_KEYS`); a setting given by both its keys, differently, is refused."""
+    out = dict(values)
+    for key in [k for k in values if k in FORMER_RUNTIME_KEYS]:
+        name, value = FORMER_RUNTIME_KEYS[key], out.pop(key)
+        inner = out.get(name)
+        if isinstance(inner, _RUNTIME_SECTIONS[name]):
+            inner = config_to_dict(inner)
+        elif inner is None:
+            inner = {}
+        elif not isinstance(inner, Mapping):
+            where = f"{prefix}.{name}"
+            raise _bad(where, inner, f"it must be a mapping of {where} settings")
+        if key in inner and inner[key] != value:
+            raise _twice(f"{prefix}.{key}", value, f"{prefix}.{name}.{key}", inner[key])
+        out[name] = {**inner, key: value}
+    return out
+
+
+def _twice(former: str, value: Any, new: str, new_value: Any) -> ConfigError:
+    """One setting given by its former key and its new one, with different values."""
+    why = f"it is the former name of {new}, which is given as {_show(new_value)}; give only {new}"
+    return _bad(former, value, why)
 
 
 _SECTIONS: dict[str, type] = {
@@ -834,7 +1088,10 @@ class DigenConfig:
 
 
 def _make(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
-    """Build section ``cls`` from a mapping, naming keys ``prefix.<field>`` in every error."""
+    """Build section ``cls`` from a mapping, naming keys ``prefix.<field>`` in every error
+    (``runtime`` takes its former flat keys too: :data:`FORMER_RUNTIME_KEYS`)."""
+    if cls is RuntimeConfig:
+        values = _sectioned_runtime(values, prefix)
     names = [f.name for f in fields(cls)]
     for key in values:
         if key not in names:
@@ -992,18 +1249,18 @@ def schedule_plan(cfg: DigenConfig, *, first_step: int = 0) -> SchedulePlan:
         group_size=cfg.rollout.n,
         generators=rt.generators,
         trainers=rt.trainers,
-        sharded_trainers=rt.sharded,
-        axis=rt.microbatch_axis,
-        samples_per_microbatch=rt.samples_per_microbatch,
-        pipeline=rt.pipeline,
+        sharded_trainers=rt.placement.sharded,
+        axis=rt.schedule.microbatch_axis,
+        samples_per_microbatch=rt.schedule.samples_per_microbatch,
+        pipeline=rt.schedule.pipeline,
         batch_advantages=cfg.algo.adv_std == "global",
-        max_staleness=rt.max_staleness,
-        staleness_ratio=rt.staleness_ratio,
-        staleness_schedule=rt.staleness_schedule,
-        max_inflight=rt.max_inflight,
-        score_overlap=rt.score_overlap,
-        tag=rt.tag,
-        tag_k=rt.tag_k,
+        max_staleness=rt.schedule.max_staleness,
+        staleness_ratio=rt.schedule.staleness_ratio,
+        staleness_schedule=rt.schedule.staleness_schedule,
+        max_inflight=rt.schedule.max_inflight,
+        score_overlap=rt.schedule.score_overlap,
+        tag=rt.schedule.tag,
+        tag_k=rt.schedule.tag_k,
         first_step=first_step,
         last_step=cfg.steps - 1,
     )
@@ -1043,12 +1300,19 @@ def load_config(
             f"overrides must be a list of key=value strings, not one string ({overrides!r}); "
             "write [" + repr(overrides) + "]."
         )
-    data: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
+    # each layer in the sectioned layout before merging, so a setting given in the flat
+    # runtime layout of an older file is the same setting as its new key in a later layer
+    data: dict[str, Any] = {} if path is None else _current_layout(_read_yaml(Path(path)))
     if base:
-        data = _merge(data, base)
+        data = _merge(data, _current_layout(base))
     said: dict[str, Any] = {}  # what the overrides alone set
+    named: dict[str, tuple[str, Any]] = {}  # each key the overrides set -> (as given, value)
     for item in overrides:
-        _apply_override(data, item)
+        given, key, value = _apply_override(data, item)
+        before = named.setdefault(key, (given, value))
+        if before[0] != given and before[1] != value:  # said by its former key and its own
+            old, new = (before, (given, value)) if given == key else ((given, value), before)
+            raise _twice(*old, key, new[1])
         if item.partition("=")[0].strip() in ("model.name", "algo.name", "runtime.mode"):
             _apply_override(said, item)
     for section, key, given, flag in (
@@ -1096,6 +1360,14 @@ def _with_preset(data: dict[str, Any]) -> dict[str, Any]:
     return _merge(layer, data)
 
 
+def _current_layout(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A layer of settings with its ``runtime`` in sections (:func:`_sectioned_runtime`)."""
+    out = dict(data)
+    if isinstance(out.get("runtime"), Mapping):
+        out["runtime"] = _sectioned_runtime(out["runtime"])
+    return out
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file '{path}' does not exist.")
@@ -1130,8 +1402,9 @@ def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _apply_override(data: dict[str, Any], item: str) -> None:
-    """Set one dotted ``key=value`` into the nested ``data`` mapping."""
+def _apply_override(data: dict[str, Any], item: str) -> tuple[str, str, Any]:
+    """Set one dotted ``key=value`` into the nested ``data`` mapping; return the key as
+    given, the key it sets (a former runtime key's new one) and the value."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
@@ -1144,8 +1417,11 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         ) from None
     if key == "reward.http.url":  # shorthand: score with one reward server, nothing else
         data["rewards"] = [{"name": "http", "url": value}]
-        return
-    parts = key.split(".")
+        return key, key, value
+    given, parts = key, key.split(".")
+    if parts[0] == "runtime" and len(parts) > 1 and parts[1] in FORMER_RUNTIME_KEYS:
+        parts.insert(1, FORMER_RUNTIME_KEYS[parts[1]])  # the flat layout's key
+        key = ".".join(parts)
     top = parts[0]
     names = [f.name for f in fields(DigenConfig)]
     if top not in names:
@@ -1153,26 +1429,37 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     if len(parts) == 1:
         data[top] = value
     elif top in _SECTIONS:
+        cls, where, rest = _SECTIONS[top], top, parts[1:]
         section = data.setdefault(top, {})
-        allowed = [f.name for f in fields(_SECTIONS[top])]
-        if isinstance(section, dict) and len(parts) > 1 and parts[1] not in allowed:
-            raise ConfigError(f"unknown config key '{key}'; {top} has: {', '.join(allowed)}.")
-        mapping = len(parts) == 3 and _SECTIONS[top].__annotations__[parts[1]] == "dict[str, Any]"
-        if not isinstance(section, dict) or (len(parts) > 2 and not mapping):
-            raise ConfigError(f"config key '{key}' does not exist: {top} holds plain settings.")
+        while isinstance(section, dict):  # down to the section that holds the setting
+            allowed = [f.name for f in fields(cls)]
+            if rest[0] not in allowed:
+                raise ConfigError(
+                    f"unknown config key '{given}'; {where} has: {', '.join(allowed)}."
+                )
+            inner_cls = _SUBSECTIONS.get(cls.__annotations__[rest[0]])
+            if inner_cls is None or len(rest) == 1:
+                break
+            if section.get(rest[0]) is None:
+                section[rest[0]] = {}
+            cls, where, section, rest = inner_cls, f"{where}.{rest[0]}", section[rest[0]], rest[1:]
+        mapping = len(rest) == 2 and cls.__annotations__[rest[0]] == "dict[str, Any]"
+        if not isinstance(section, dict) or (len(rest) > 1 and not mapping):
+            raise ConfigError(f"config key '{given}' does not exist: {where} holds plain settings.")
         if mapping:  # a setting of a mapping field, e.g. algo.params.stride=2
-            inner = section.setdefault(parts[1], {})
+            inner = section.setdefault(rest[0], {})
             if not isinstance(inner, dict):
                 raise ConfigError(
-                    f"config key '{key}' does not exist: {parts[1]} is not a mapping."
+                    f"config key '{given}' does not exist: {rest[0]} is not a mapping."
                 )
-            inner[parts[2]] = value
+            inner[rest[1]] = value
         else:
-            section[parts[1]] = value
+            section[rest[0]] = value
     elif top == "rewards":
         _override_reward(data, key, parts[1:], value)
     else:
         raise ConfigError(f"config key '{key}' does not exist: {top} is a single value.")
+    return given, key, value
 
 
 def _override_reward(data: dict[str, Any], key: str, parts: list[str], value: Any) -> None:
@@ -1217,6 +1504,8 @@ def config_to_dict(cfg: Any) -> Any:
         return [config_to_dict(v) for v in cfg]
     if hasattr(cfg, "__dataclass_fields__"):
         return {f.name: config_to_dict(getattr(cfg, f.name)) for f in fields(cfg)}
+    if isinstance(cfg, Enum):  # a choice's member: its plain string (YAML refuses str subclasses)
+        return cfg.value
     return cfg
 
 
@@ -1242,13 +1531,22 @@ def field_docs(section: type) -> dict[str, str]:
 
 
 def knobs_table(section: str) -> str:
-    """The markdown table of a config section's keys (``runtime``, ``train``, ...): key,
-    default and meaning, from the fields and their docstrings (:func:`field_docs`).
-    ``docs/RUNTIME.md`` holds the ``runtime`` one; a test keeps it in step."""
-    cls = type(getattr(DigenConfig(), section))
+    """The markdown table of a config section's keys (``runtime``, ``train``,
+    ``runtime.schedule``, ...): key, default and meaning, from the fields and their
+    docstrings (:func:`field_docs`); a section's own sections follow, each as its line and
+    its table. ``docs/RUNTIME.md`` holds the ``runtime`` one; a test keeps it in step."""
+    owner: Any = DigenConfig()
+    for name in section.split("."):
+        owner = getattr(owner, name)
+    cls = type(owner)
     docs = field_docs(cls)
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    inner = []
     for f in fields(cls):
+        if f.type in _SUBSECTIONS:
+            key = f"{section}.{f.name}"
+            inner.append(f"`{key}`: {docs.get(f.name, '')}\n\n{knobs_table(key)}")
+            continue
         default = getattr(cls(), f.name)
         if default is None or isinstance(default, bool):
             shown = "null" if default is None else str(default).lower()  # as YAML writes it
@@ -1256,7 +1554,7 @@ def knobs_table(section: str) -> str:
             shown = default if isinstance(default, str) else _show(default)
         doc = docs.get(f.name, "").replace("|", "\\|")
         rows.append(f"| `{section}.{f.name}` | `{shown}` | {doc} |")
-    return "\n".join(rows)
+    return "\n\n".join(["\n".join(rows), *inner])
 
 
 def dump_config(cfg: DigenConfig, path: str | Path) -> Path:

@@ -34,6 +34,15 @@ def run_config(cfg: DigenConfig, out_dir: Path | None, **kwargs: Any) -> RunResu
     return asyncio.run(DigenRunner(cfg, out_dir=out_dir, progress=False, **kwargs).run())
 
 
+def flat_runtime(plain: Mapping[str, Any]) -> dict[str, Any]:
+    """A config as plain data (``config_to_dict``) with its ``runtime`` laid out as runs
+    before the runtime sections wrote it: every key directly under ``runtime``."""
+    runtime: dict[str, Any] = {}
+    for key, value in plain["runtime"].items():
+        runtime.update(value if isinstance(value, dict) else {key: value})
+    return {**plain, "runtime": runtime}
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file (``metrics.jsonl``, ``trace.jsonl``, ``trainer.log``)."""
     return [json.loads(line) for line in path.read_text().splitlines()]

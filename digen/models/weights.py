@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from digen.checkpoint import SAFETENSORS_DTYPES
-from digen.config import DTYPES
+from digen.config import Dtype
 from digen.errors import DigenError
 
 __all__ = ["WeightFiles", "empty_transformer", "file_key", "meta_stand_ins", "torch_dtype"]
@@ -28,9 +28,9 @@ __all__ = ["WeightFiles", "empty_transformer", "file_key", "meta_stand_ins", "to
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype a config names (``model.dtype``, ``train.lora_dtype``, a pool's dtype:
-    one of :data:`digen.config.DTYPES`)."""
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    one of :class:`digen.config.Dtype`)."""
+    if name not in tuple(Dtype):
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(Dtype)}")
     return getattr(torch, name)
 
 

@@ -188,7 +188,7 @@ def with_losses(
     probability ``C(G, k) a^k (1 - a)^(G - k)``; the run with ``k`` up takes the simulated
     BTS step time ``T(k)``. A loss throws away the work its generator holds
     (:func:`held_work_s`), which the others make again: ``losses per step x held / k``
-    more seconds. With no generator up the run stops (``runtime.min_generators = 1``): that
+    more seconds. With no generator up the run stops (``runtime.elastic.min_generators = 1``): that
     probability is reported, and the step time is the expectation given at least one is
     up. Cost per step: up generators and every trainer at their price per device-hour
     (a preempted machine is not billed); the generators that come and go at

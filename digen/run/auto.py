@@ -15,14 +15,14 @@
    (:class:`RunMemory`: on GPUs, the GPU's memory and the backbone's published sizes) only
    layouts whose state fits are ranked, replicated or sharded as the planner found they fit. Only layouts that train the same thing
    are candidates: TCSS (which trains on samples one version old) is considered only when
-   the config already allows staleness (``runtime.max_staleness >= 1``), and the TSP degree
+   the config already allows staleness (``runtime.schedule.max_staleness >= 1``), and the TSP degree
    is the config's.
 3. **Run.** The first candidate the config accepts becomes the run's settings
    (``runtime.mode`` and its pool, TAG policy and micro-batch size), said in one line,
    written to ``config.yaml`` like any setting, and recorded with the whole ranking in
    ``plan.json``.
 
-Every split uses the probe's micro-batch size (``runtime.samples_per_microbatch``), so the
+Every split uses the probe's micro-batch size (``runtime.schedule.samples_per_microbatch``), so the
 costs the planner was given are the costs the chosen run pays.
 """
 
@@ -73,7 +73,7 @@ PROBE_STEPS = 3
 
 def devices_given(cfg: DigenConfig) -> int:
     """The devices a run may lay out: the visible GPUs when the model runs on CUDA, else
-    the CPU cores over ``runtime.threads_per_worker`` (at least two: one of each pool)."""
+    the CPU cores over ``runtime.placement.threads_per_worker`` (at least two: one of each pool)."""
     if cfg.model.device.startswith("cuda"):
         import torch
 
@@ -81,7 +81,7 @@ def devices_given(cfg: DigenConfig) -> int:
     import os
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, (cores or 1) // cfg.runtime.threads_per_worker)
+    return max(2, (cores or 1) // cfg.runtime.placement.threads_per_worker)
 
 
 def call_overhead(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -153,18 +153,12 @@ def probe_config(cfg: DigenConfig, trainers: int = 1) -> DigenConfig:
     replicated, or FSDP over several: :func:`probe_trainers`), for a few steps, with one
     trainer-assisted generation a step and nothing a probe needs not do."""
     d = config_to_dict(cfg)
-    d["runtime"].update(
-        mode="disaggregated",
-        generators=1,
-        trainers=trainers,
-        trainer_parallel="replicate" if trainers == 1 else "fsdp",
-        tag="static",
-        tag_k=1,
-        max_staleness=0,
-        accept_generators=False,
-        respawn_generators=False,
-        port=None,
-    )
+    rt = d["runtime"]
+    rt.update(mode="disaggregated", generators=1, trainers=trainers)
+    rt["placement"]["trainer_parallel"] = "replicate" if trainers == 1 else "fsdp"
+    rt["schedule"].update(tag="static", tag_k=1, max_staleness=0)
+    rt["elastic"].update(accept_generators=False, respawn_generators=False)
+    rt["transport"]["port"] = None
     d.update(steps=PROBE_STEPS, save_every=0, logger=[])
     d["eval"]["every"] = 0
     return load_config(base=d)
@@ -189,7 +183,7 @@ def apply_layout(cfg: DigenConfig, c: Candidate, size: int) -> DigenConfig:
     d = config_to_dict(cfg)
     rt = d["runtime"]
     if c.strategy:  # the planner weighed memory: replicated where a copy fits, else shards
-        rt["trainer_parallel"] = "replicate" if c.strategy == "replicated" else "fsdp"
+        rt["placement"]["trainer_parallel"] = "replicate" if c.strategy == "replicated" else "fsdp"
     if c.layout == COLOCATED:
         rt["mode"] = "colocated"
         d["train"]["num_devices"] = c.trainers
@@ -200,17 +194,12 @@ def apply_layout(cfg: DigenConfig, c: Candidate, size: int) -> DigenConfig:
             d["train"]["micro_batch_size"] = math.gcd(cfg.train.micro_batch_size, share)
     else:
         policy, _, k = c.policy.partition("-")
-        rt.update(
-            mode="disaggregated",
-            generators=c.generators,
-            trainers=c.trainers,
-            tag=policy,
-            samples_per_microbatch=size,
-        )
+        rt.update(mode="disaggregated", generators=c.generators, trainers=c.trainers)
+        rt["schedule"].update(tag=policy, samples_per_microbatch=size)
         if k:
-            rt["tag_k"] = int(k)
+            rt["schedule"]["tag_k"] = int(k)
         if not c.tcss:
-            rt["max_staleness"] = 0
+            rt["schedule"]["max_staleness"] = 0
         d["train"]["num_devices"] = 1
     return load_config(base=d)
 
@@ -239,7 +228,7 @@ def rank_layouts(
         microbatches=sp.microbatches,
         samples_per_microbatch=n,
         mbs_per_group=sp.update_group,
-        tsp_degree=rt.tsp_degree,
+        tsp_degree=rt.schedule.tsp_degree,
         passes=r.num_inference_steps * (2 if r.guidance_scale > 1 else 1),
         model=None if memory is None else memory.model,
     )
@@ -248,9 +237,9 @@ def rank_layouts(
         devices,
         None if memory is None else memory.hardware,
         steps=4,
-        max_staleness=rt.max_staleness,
-        staleness_ratio=rt.staleness_ratio,
-        tcss=rt.max_staleness >= 1,
+        max_staleness=rt.schedule.max_staleness,
+        staleness_ratio=rt.schedule.staleness_ratio,
+        tcss=rt.schedule.max_staleness >= 1,
     )
     return ranked, n, skipped
 

@@ -150,30 +150,42 @@ def ladder(s: BenchSettings) -> list[Rung]:
     shared = (
         f"runtime.generators={s.generators}",
         f"runtime.trainers={s.trainers}",
-        f"runtime.threads_per_worker={s.threads_per_worker}",
+        f"runtime.placement.threads_per_worker={s.threads_per_worker}",
     )
     steps = [
         (
             NAIVE,
             "naive disaggregated",
-            ("runtime.pipeline=false", "runtime.tag=none", "runtime.microbatch_axis=prompt"),
+            (
+                "runtime.schedule.pipeline=false",
+                "runtime.schedule.tag=none",
+                "runtime.schedule.microbatch_axis=prompt",
+            ),
         ),
         (
             "pipeline",
             "+ pipelining (prompt axis)",
-            ("runtime.pipeline=true", "runtime.tag=none", "runtime.microbatch_axis=prompt"),
+            (
+                "runtime.schedule.pipeline=true",
+                "runtime.schedule.tag=none",
+                "runtime.schedule.microbatch_axis=prompt",
+            ),
         ),
         (
             "gap",
             "+ GAP (generation axis)",
-            ("runtime.tag=none", "runtime.microbatch_axis=generation"),
+            ("runtime.schedule.tag=none", "runtime.schedule.microbatch_axis=generation"),
         ),
-        ("tsp", "+ TSP (2 timesteps a pass)", ("runtime.tag=none", "runtime.tsp_degree=2")),
-        ("tag", "+ TAG (BTS)", ("runtime.tag=bts",)),
+        (
+            "tsp",
+            "+ TSP (2 timesteps a pass)",
+            ("runtime.schedule.tag=none", "runtime.schedule.tsp_degree=2"),
+        ),
+        ("tag", "+ TAG (BTS)", ("runtime.schedule.tag=bts",)),
         (
             "tcss",
             "+ TCSS (W=1, ratio 0.5)",
-            ("runtime.max_staleness=1", "runtime.staleness_ratio=0.5"),
+            ("runtime.schedule.max_staleness=1", "runtime.schedule.staleness_ratio=0.5"),
         ),
     ]
     rungs, acc = [], list(shared)

@@ -89,9 +89,9 @@ def arms(s: QualitySettings) -> list[Arm]:
     split = (
         f"runtime.generators={generators}",
         f"runtime.trainers={trainers}",
-        f"runtime.threads_per_worker={max(1, s.cores // s.workers)}",
-        "runtime.tsp_degree=2",
-        "runtime.tag=bts",
+        f"runtime.placement.threads_per_worker={max(1, s.cores // s.workers)}",
+        "runtime.schedule.tsp_degree=2",
+        "runtime.schedule.tag=bts",
     )
     out = [
         Arm("colocated", f"colocated {first}", "colocated", first, threads=s.cores),
@@ -101,7 +101,7 @@ def arms(s: QualitySettings) -> list[Arm]:
             f"disaggregated {first} + TCSS",
             "disaggregated",
             first,
-            (*split, "runtime.max_staleness=1", "runtime.staleness_ratio=0.5"),
+            (*split, "runtime.schedule.max_staleness=1", "runtime.schedule.staleness_ratio=0.5"),
         ),
     ]
     out += [Arm(f"colocated-{a}", f"colocated {a}", "colocated", a, threads=s.cores) for a in rest]

@@ -114,13 +114,13 @@ class DigenRunner:
                     ) from None
                 self.eval_prompts = PromptSet(chosen)
         self._join_secret: str | None = None
-        """With ``runtime.accept_generators``: what a joining generator must prove it knows;
-        read here from ``runtime.join_secret_file``, else made when the run starts."""
-        if self.cfg.runtime.join_secret_file is not None:
+        """With ``runtime.elastic.accept_generators``: what a joining generator must prove it knows;
+        read here from ``runtime.elastic.join_secret_file``, else made when the run starts."""
+        if self.cfg.runtime.elastic.join_secret_file is not None:
             from digen.runtime.transport.join_secret import read_secret
 
             self._join_secret = read_secret(
-                self.cfg.runtime.join_secret_file, "runtime.join_secret_file"
+                self.cfg.runtime.elastic.join_secret_file, "runtime.elastic.join_secret_file"
             )
         self._temporary = not out_dir
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="digen-run-"))
@@ -255,7 +255,7 @@ class DigenRunner:
         try:
             return run_data_parallel(
                 devices,
-                self.cfg.runtime.rpc_timeout_s,
+                self.cfg.runtime.transport.rpc_timeout_s,
                 lambda: asyncio.run(self._run_worker(0, world)),
                 _dp_rank,
                 self._spawn_state(),

@@ -160,7 +160,9 @@ class RunSession:
             cfg.logger if self.lead else (), self.out_dir, first_step=self.start
         )
         self.trackers.log_config(config_to_dict(cfg))
-        made_secret = cfg.runtime.accept_generators and self.lead and setup.join_secret is None
+        made_secret = (
+            cfg.runtime.elastic.accept_generators and self.lead and setup.join_secret is None
+        )
         if made_secret:
             setup.join_secret = _new_join_secret(self.out_dir / JOIN_SECRET_FILE)
         interrupted, weights, final_state, peak_gb = False, None, {}, 0.0
@@ -249,8 +251,10 @@ class RunSession:
         cfg, log = self.cfg, self.log
         if self.outputs:
             await self._write_workers()
-        if cfg.runtime.accept_generators and self.lead:
-            secret_file = Path(cfg.runtime.join_secret_file or self.out_dir / JOIN_SECRET_FILE)
+        if cfg.runtime.elastic.accept_generators and self.lead:
+            secret_file = Path(
+                cfg.runtime.elastic.join_secret_file or self.out_dir / JOIN_SECRET_FILE
+            )
             log.info(
                 "accepting_generators",
                 rendezvous=backend.rendezvous,

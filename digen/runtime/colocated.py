@@ -87,11 +87,11 @@ class ColocatedTrainer:
         if is_cuda(cfg.model.device):
             torch.cuda.set_device(torch.device(cfg.model.device))
         rt = cfg.runtime
-        self.sharded = world > 1 and rt.sharded
+        self.sharded = world > 1 and rt.placement.sharded
         mesh = None
         if self.sharded and policy is None:
             kind = "cuda" if is_cuda(cfg.model.device) else "cpu"
-            mesh = make_mesh(rt.trainer_parallel, world, kind, rt.shard_size)
+            mesh = make_mesh(rt.placement.trainer_parallel, world, kind, rt.placement.shard_size)
         self.policy = policy or Policy(cfg, trainable=True, mesh=mesh)
         self.trace = trace
         self.worker = f"worker-{rank}"
@@ -310,7 +310,7 @@ class ColocatedTrainer:
                 index = c * self.world + self.rank
                 scale = 1.0 / total_terms if rows is not None else 0.0
                 with self._span(TaskKind.UPDATE, step, c), self.grads.micro_batch(index):
-                    got = self.policy.accumulate(item, scale, cfg.runtime.tsp_degree)
+                    got = self.policy.accumulate(item, scale, cfg.runtime.schedule.tsp_degree)
                 if rows is not None:
                     stats.add(got)
             t_opt = time.perf_counter()

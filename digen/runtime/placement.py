@@ -72,7 +72,10 @@ def check_devices_here(cfg: DigenConfig) -> None:
     rt = cfg.runtime
     named = [("model.device", cfg.model.device)]
     for pool in (Pool.GENERATOR, Pool.TRAINER):
-        named += [(f"runtime.{pool}_devices", d) for d in getattr(rt, f"{pool}_devices") or ()]
+        named += [
+            (f"runtime.placement.{pool}_devices", d)
+            for d in getattr(rt.placement, f"{pool}_devices") or ()
+        ]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for key, device in named:
         if is_cuda(device):
@@ -94,7 +97,7 @@ def check_devices_here(cfg: DigenConfig) -> None:
 def pool_devices(cfg: DigenConfig, pool: Pool | str, visible_gpus: int | None = None) -> list[str]:
     """The devices of ``pool`` (module docstring); ``visible_gpus`` defaults to torch's count."""
     rt = cfg.runtime
-    explicit = getattr(rt, f"{pool}_devices")
+    explicit = getattr(rt.placement, f"{pool}_devices")
     if explicit:
         return list(explicit)
     device = cfg.model.device
@@ -125,7 +128,7 @@ def worker_device(
     """The device of worker ``index`` of ``pool`` (under torchrun, of the rank in ``env``:
     its own node's GPUs are what count, not this process's)."""
     env = os.environ if env is None else env
-    explicit = getattr(cfg.runtime, f"{pool}_devices")
+    explicit = getattr(cfg.runtime.placement, f"{pool}_devices")
     on_gpu = is_cuda(explicit[index % len(explicit)] if explicit else cfg.model.device)
     if on_gpu and "LOCAL_RANK" in env and "TORCHELASTIC_RUN_ID" in env:
         return f"cuda:{int(env['LOCAL_RANK'])}"
@@ -247,13 +250,13 @@ def run_groups(
     and the generators."""
     rt = cfg.runtime
     hosts = dict(hosts or {})
-    sharded = rt.sharded
+    sharded = rt.placement.sharded
     trainers = {w: d for w, d in devices.items() if w.startswith(Pool.TRAINER.value)}
     groups = []
     if len(trainers) > 1:
-        group = Group(f"trainers' {rt.trainer_parallel} group", trainers, sharded, hosts)
+        group = Group(f"trainers' {rt.placement.trainer_parallel} group", trainers, sharded, hosts)
         groups.append(group)
-    if rt.weight_sync == "broadcast":
+    if rt.transport.weight_sync == "broadcast":
         lead = worker_name(Pool.TRAINER, 0)
         members = {lead: devices[lead]}
         members |= {w: d for w, d in devices.items() if w.startswith(Pool.GENERATOR.value)}
@@ -265,9 +268,9 @@ def colocated_groups(cfg: DigenConfig, devices: Sequence[str]) -> list[Group]:
     """The colocated workers' group (``train.num_devices`` > 1), rank ``r`` on ``devices[r]``."""
     if len(devices) < 2:
         return []
-    kind = cfg.runtime.trainer_parallel
+    kind = cfg.runtime.placement.trainer_parallel
     members = {f"rank {r}": d for r, d in enumerate(devices)}
-    return [Group(f"colocated workers' {kind} group", members, cfg.runtime.sharded)]
+    return [Group(f"colocated workers' {kind} group", members, cfg.runtime.placement.sharded)]
 
 
 def check_groups(cfg: DigenConfig, groups: Sequence[Group]) -> list[str]:
@@ -283,11 +286,11 @@ def check_groups(cfg: DigenConfig, groups: Sequence[Group]) -> list[str]:
             continue
         if group.sharded:
             raise DigenError(
-                f"runtime.trainer_parallel={cfg.runtime.trainer_parallel} cannot shard over "
-                f"members that share a GPU ({group.describe()}): NCCL refuses two members of "
-                "a group on one GPU and gloo cannot shard; give each its own GPU "
-                "(runtime.trainer_devices, train.num_devices) or use "
-                "runtime.trainer_parallel=replicate."
+                f"runtime.placement.trainer_parallel={cfg.runtime.placement.trainer_parallel} "
+                f"cannot shard over members that share a GPU ({group.describe()}): NCCL refuses "
+                "two members of a group on one GPU and gloo cannot shard; give each its own GPU "
+                "(runtime.placement.trainer_devices, train.num_devices) or use "
+                "runtime.placement.trainer_parallel=replicate."
             )
         if all(is_cuda(d) for d in group.members.values()):
             notes.append(

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
-__all__ = ["STALENESS_SCHEDULES", "Admission", "stale_cap"]
+__all__ = ["Admission", "StalenessSchedule", "stale_cap"]
 
-STALENESS_SCHEDULES = ("fixed", "eager")
-"""``runtime.staleness_schedule`` values (see :mod:`digen.sched`)."""
+
+class StalenessSchedule(StrEnum):
+    """``runtime.schedule.staleness_schedule`` values (see :mod:`digen.sched`)."""
+
+    FIXED = "fixed"
+    EAGER = "eager"
 
 
 def stale_cap(microbatches: int, staleness_ratio: float) -> int:
@@ -47,9 +52,10 @@ class Admission:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.schedule not in STALENESS_SCHEDULES:
+        if self.schedule not in tuple(StalenessSchedule):
             raise ValueError(
-                f"staleness schedule {self.schedule!r} is not one of {STALENESS_SCHEDULES}"
+                f"staleness schedule {self.schedule!r} is not one of "
+                f"{tuple(s.value for s in StalenessSchedule)}"
             )
 
     def quota(self, step: int) -> int:

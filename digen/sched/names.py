@@ -35,8 +35,9 @@ class Pool(StrEnum):
     GENERATOR = "generator"
     TRAINER = "trainer"
     SCORER = "scorer"
-    """With ``runtime.score_overlap``: generator ``i``'s rewards run on ``scorer-i``, beside
-    its generation (same process, own thread), so scoring never holds up the next micro-batch."""
+    """With ``runtime.schedule.score_overlap``: generator ``i``'s rewards run on ``scorer-i``,
+    beside its generation (same process, own thread), so scoring never holds up the next
+    micro-batch."""
 
 
 DRIVER = "driver"

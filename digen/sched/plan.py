@@ -13,8 +13,8 @@ The rules (the only place they are written; other modules point here):
   (generation axis) or of one whole group (prompt axis); ``per_group`` micro-batches make one
   prompt's group, ``microbatches = prompts x per_group`` make a step;
 - **whole step**: updates wait for the whole step to be scored when the run does not
-  pipeline (``runtime.pipeline = false``) or its advantages use the whole batch's statistics
-  (``algo.adv_std = global``); the schedule then treats the step as one group
+  pipeline (``runtime.schedule.pipeline = false``) or its advantages use the whole batch's
+  statistics (``algo.adv_std = global``); the schedule then treats the step as one group
   (:attr:`SchedulePlan.update_group`);
 - **trainer slots**: trainers the driver schedules: every replicated trainer, or one when
   they shard the model (fsdp / hsdp trainers move in lockstep, as one trainer);
@@ -83,9 +83,9 @@ class SchedulePlan:
     score_overlap: bool = False
     """Each generator's micro-batches are scored on its scoring lane, beside generation."""
     tag: str = "none"
-    """The TAG policy's name (``runtime.tag``)."""
+    """The TAG policy's name (``runtime.schedule.tag``)."""
     tag_k: int = 0
-    """The static TAG policy's ``k`` (``runtime.tag_k``)."""
+    """The static TAG policy's ``k`` (``runtime.schedule.tag_k``)."""
     layout: StepLayout | None = None
     """Which samples each micro-batch holds; None in a simulation that counts only."""
 
@@ -145,8 +145,8 @@ def plan_schedule(
 
     ``sharded_trainers``: the ``trainers`` shard one model (one slot); ``batch_advantages``:
     advantages use the whole batch's statistics; ``max_inflight`` None: the default ``C_gen``.
-    Raises :class:`~digen.errors.ConfigError` naming ``runtime.max_inflight`` when it is too
-    small for an update ever to start.
+    Raises :class:`~digen.errors.ConfigError` naming ``runtime.schedule.max_inflight`` when it
+    is too small for an update ever to start.
     """
     size = microbatch_size(group_size, generators, axis, samples_per_microbatch)
     per_group = -(-group_size // size)
@@ -160,7 +160,7 @@ def plan_schedule(
         if not pipeline:
             need, why = (
                 per_step,
-                "a whole step, which runtime.pipeline = false generates before training",
+                "a whole step, which runtime.schedule.pipeline = false generates before training",
             )
         elif batch_advantages:
             need, why = per_step, "a whole step, which algo.adv_std = global scores before training"
@@ -168,7 +168,7 @@ def plan_schedule(
             need, why = cap, "the share of a step made early under the fixed TCSS schedule"
         if max_inflight < need:
             raise ConfigError(
-                f"runtime.max_inflight = {max_inflight!r} is not allowed: "
+                f"runtime.schedule.max_inflight = {max_inflight!r} is not allowed: "
                 f"it must be at least {need} micro-batches ({why})."
             )
     return SchedulePlan(

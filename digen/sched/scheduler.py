@@ -167,7 +167,7 @@ class Scheduler:
         self.waiting: set[int] = set()
         """Trainers idle at a bubble already decided (or with nothing to generate)."""
         self.lost: set[int] = set()
-        """Generators out of the pool: lost mid-run (``runtime.on_generator_loss =
+        """Generators out of the pool: lost mid-run (``runtime.elastic.on_generator_loss =
         continue``), or new to it and not yet joined (:meth:`add_generator`)."""
         self.remakes: deque[Remake] = deque()
         """What lost generators held, to make again, oldest first (before any hand-out)."""

@@ -40,6 +40,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from digen.sched._engine import GEN, TAG, UPDATE, Engine
 from digen.sched.costs import Costs
@@ -48,7 +49,6 @@ from digen.sched.state import SchedState, WorkerClock
 __all__ = [
     "BTS",
     "TAG_POLICIES",
-    "TAG_POLICY_NAMES",
     "make_tag_policy",
     "BTSStats",
     "NoTAG",
@@ -462,16 +462,24 @@ class BTS(TagPolicy):
         return res.insert
 
 
+class TagPolicyName(StrEnum):
+    """The values ``runtime.schedule.tag`` accepts."""
+
+    BTS = "bts"
+    STATIC = "static"
+    NONE = "none"
+
+
 TAG_POLICIES: dict[str, Callable[[int], TagPolicy | None]] = {
-    "bts": lambda k: BTS(),
-    "static": StaticTAG,
-    "none": lambda k: None,
+    TagPolicyName.BTS: lambda k: BTS(),
+    TagPolicyName.STATIC: StaticTAG,
+    TagPolicyName.NONE: lambda k: None,
 }
-"""``runtime.tag`` names -> a factory taking ``runtime.tag_k`` (None: trainers only train)."""
-TAG_POLICY_NAMES: tuple[str, ...] = tuple(TAG_POLICIES)
-"""The values ``runtime.tag`` accepts."""
+"""``runtime.schedule.tag`` names -> a factory taking ``runtime.schedule.tag_k`` (None:
+trainers only train)."""
 
 
 def make_tag_policy(name: str, k: int) -> TagPolicy | None:
-    """The TAG policy ``runtime.tag = name`` selects (``k``: ``runtime.tag_k``)."""
+    """The TAG policy ``runtime.schedule.tag = name`` selects (``k``:
+    ``runtime.schedule.tag_k``)."""
     return TAG_POLICIES[name](k)

@@ -298,9 +298,13 @@ def test_evaluation_samples_with_the_published_moving_average(tmp_path: Path) ->
 def test_a_stale_micro_batch_trains_against_the_old_policy_that_sampled_it() -> None:
     """TCSS: a micro-batch sampled at version v - 1 reaches a trainer at version v. Its loss
     reads the old policy of version v - 1, which sampled it (as on-policy NFT reads the one
-    that sampled), kept by the trainer for ``runtime.max_staleness`` versions."""
+    that sampled), kept by the trainer for ``runtime.schedule.max_staleness`` versions."""
     over = ["rollout.num_inference_steps=4", "algo.params.decay_rate=0.3", "eval.ema=0"]
-    over += ["runtime.max_staleness=1", "runtime.staleness_ratio=0.5", "runtime.generators=2"]
+    over += [
+        "runtime.schedule.max_staleness=1",
+        "runtime.schedule.staleness_ratio=0.5",
+        "runtime.generators=2",
+    ]
     cfg = tiny_config("sd3", "nft", over, mode="disaggregated")
     policy = Policy(cfg, trainable=True)
     _perturb_old(policy)

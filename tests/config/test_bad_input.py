@@ -165,6 +165,40 @@ def test_an_out_dir_that_refuses_the_run_is_said_before_torch_loads(tmp_path: Pa
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_resume_reads_an_older_runs_flat_runtime_before_torch_loads(tmp_path: Path) -> None:
+    """An older run's config.yaml (every runtime key directly under ``runtime``) is the
+    run's config to --resume: its mode and steps are compared with what the command says."""
+    import torch
+    import yaml
+    from helpers import flat_runtime
+
+    from digen import load_config
+    from digen.checkpoint import CheckpointWriter, checkpoint_identity, write_trainer_state
+    from digen.config import config_to_dict
+    from digen.presets import preset
+
+    out = tmp_path / "run"
+    over = ["steps=4", "runtime.generators=2", "runtime.schedule.tag=static"]
+    cfg = load_config(base=preset("sd3", "flowgrpo", mode="disaggregated"), overrides=over)
+    out.mkdir()
+    (out / "config.yaml").write_text(yaml.safe_dump(flat_runtime(config_to_dict(cfg))))
+    assert "tag" in yaml.safe_load((out / "config.yaml").read_text())["runtime"]
+    writer = CheckpointWriter(out, keep=2)
+    tmp = writer.begin(2)
+    write_trainer_state(tmp, {"w": torch.ones(4)}, {"state": {}, "param_groups": []})
+    writer.finish(tmp, 2, 2, checkpoint_identity(cfg), "steps: 4\n")
+    for args, message in [
+        (
+            ["--mode", "colocated"],
+            "differs from it: --mode colocated (the run's is disaggregated).",
+        ),
+        (["--mode", "disaggregated", "--steps", "2"], "has already trained 2 steps"),
+    ]:
+        res = _cli_without_torch("--resume", str(out), *args)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
+        assert message in res.stderr
+
+
 @pytest.mark.parametrize(("installed", "refused"), [("2.5.1", True), ("2.13.0+cpu", False)])
 def test_a_torch_older_than_the_floor_is_one_sentence(
     monkeypatch: pytest.MonkeyPatch, installed: str, refused: bool
@@ -222,7 +256,7 @@ def test_flavour_is_model_flavour_and_checked_before_torch_loads(tmp_path: Path)
 
 
 def test_a_join_secret_file_that_cannot_serve_is_said_before_torch_loads(tmp_path: Path) -> None:
-    """``runtime.join_secret_file`` unreadable, or holding a secret too short to keep."""
+    """``runtime.elastic.join_secret_file`` unreadable, or holding a secret too short to keep."""
     short = tmp_path / "short"
     short.write_text("abc\n")
     cases = [
@@ -238,11 +272,11 @@ def test_a_join_secret_file_that_cannot_serve_is_said_before_torch_loads(tmp_pat
             "disaggregated",
             "--out",
             str(tmp_path / "run"),
-            "runtime.accept_generators=true",
-            f"runtime.join_secret_file={path}",
+            "runtime.elastic.accept_generators=true",
+            f"runtime.elastic.join_secret_file={path}",
         )
         assert res.returncode == 2, res.stderr[-2000:]
-        said = f"error: runtime.join_secret_file {message}"
+        said = f"error: runtime.elastic.join_secret_file {message}"
         assert res.stderr.startswith(said) and res.stderr.count("\n") == 1, res.stderr
 
 

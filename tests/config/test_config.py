@@ -161,6 +161,158 @@ def test_round_trip(tmp_path: Path) -> None:
     assert load_config(path) == cfg
 
 
+def test_a_choice_is_read_as_its_member_and_saved_as_its_plain_string(tmp_path: Path) -> None:
+    import json
+    from enum import StrEnum
+
+    from digen.config import Dtype, Mode
+    from digen.sched.tag import TagPolicyName
+
+    cfg = load_config(overrides=["runtime.mode=disaggregated", "model.dtype=bfloat16"])
+    assert cfg.runtime.mode is Mode.DISAGGREGATED and cfg.runtime.mode == "disaggregated"
+    assert cfg.model.dtype is Dtype.BFLOAT16 and f"{cfg.model.dtype}" == "bfloat16"
+    assert cfg.runtime.schedule.tag is TagPolicyName.BTS  # a default is its member too
+    assert DigenConfig(model={"dtype": "float16"}).model.dtype is Dtype.FLOAT16
+    allowed = "is not allowed: choose one of auto, fixed, arrival."
+    with pytest.raises(ConfigError, match=rf"^train\.grad_order = 'first' {allowed}$"):
+        load_config(overrides=["train.grad_order=first"])
+
+    def members(value):
+        if isinstance(value, dict):
+            return [m for v in value.values() for m in members(v)]
+        if isinstance(value, list):
+            return [m for v in value for m in members(v)]
+        return [value] if isinstance(value, StrEnum) else []
+
+    plain = config_to_dict(cfg)
+    assert members(plain) == []  # plain strings only: yaml.safe_dump refuses str subclasses
+    assert json.loads(json.dumps(plain)) == plain
+    path = dump_config(cfg, tmp_path / "config.yaml")
+    assert "mode: disaggregated" in path.read_text()
+    assert load_config(path) == cfg
+
+
+# Settings in every runtime section, none of them the default.
+SECTIONED = [
+    "runtime.mode=disaggregated",
+    "runtime.generators=2",
+    "runtime.placement.threads_per_worker=2",
+    "runtime.placement.trainer_dtype=bfloat16",
+    "runtime.schedule.max_staleness=1",
+    "runtime.schedule.tag=static",
+    "runtime.schedule.tag_k=2",
+    "runtime.transport.rpc_timeout_s=30",
+    "runtime.transport.port=29400",
+    "runtime.elastic.min_generators=2",
+    "runtime.elastic.respawn_generators=true",
+]
+
+
+def test_the_saved_config_is_sectioned_and_an_older_flat_one_loads_the_same(
+    tmp_path: Path,
+) -> None:
+    """config.yaml is written with ``runtime`` in sections and reads back equal; the flat
+    layout every older run's config.yaml has (each key directly under ``runtime``) loads to
+    the same config, as ``digen run --resume`` reads it too."""
+    from helpers import flat_runtime
+
+    from digen.config import FORMER_RUNTIME_KEYS
+
+    cfg = load_config(overrides=SECTIONED)
+    saved = dump_config(cfg, tmp_path / "new" / "config.yaml")
+    plain = yaml.safe_load(saved.read_text())
+    assert list(plain["runtime"]) == [
+        "mode",
+        "generators",
+        "trainers",
+        "placement",
+        "schedule",
+        "transport",
+        "elastic",
+    ]
+    assert plain["runtime"]["schedule"]["max_staleness"] == 1
+    assert load_config(saved) == cfg
+    flat = flat_runtime(plain)
+    assert set(flat["runtime"]) == {"mode", "generators", "trainers", *FORMER_RUNTIME_KEYS}
+    old = tmp_path / "old" / "config.yaml"
+    old.parent.mkdir()
+    old.write_text(yaml.safe_dump(flat, sort_keys=False))
+    assert load_config(old) == cfg
+    # as --resume reads the run's own file: the command line's flags and overrides on top,
+    # where an override by the new key wins over the file's former one
+    again = {"overrides": ["runtime.schedule.max_staleness=2"], "base": {"steps": 20}}
+    resumed = load_config(old, **again, preset=False)
+    assert resumed == load_config(saved, **again, preset=False)
+    assert (resumed.runtime.schedule.max_staleness, resumed.steps) == (2, 20)
+
+
+def test_the_former_flat_runtime_keys_still_name_their_settings(tmp_path: Path) -> None:
+    """A key of the flat layout (``runtime.max_staleness``) means its section's
+    (``runtime.schedule.max_staleness``), in an override, a YAML file and a Python mapping."""
+    from digen.config import FORMER_RUNTIME_KEYS, RuntimeConfig
+
+    runtime = RuntimeConfig()
+    top = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    for key, section in FORMER_RUNTIME_KEYS.items():
+        assert key not in top
+        assert key in {f.name for f in dataclasses.fields(getattr(runtime, section))}
+    new = load_config(overrides=["runtime.schedule.max_staleness=1"])
+    assert load_config(overrides=["runtime.max_staleness=1"]) == new
+    assert DigenConfig(runtime={"max_staleness": 1}) == new
+    old = tmp_path / "old.yaml"
+    old.write_text("runtime:\n  mode: colocated\n  max_staleness: 1\n")
+    assert load_config(old) == new
+    # one setting said twice, the same
+    assert DigenConfig(runtime={"max_staleness": 1, "schedule": {"max_staleness": 1}}) == new
+    twice = ["runtime.max_staleness=1", "runtime.schedule.max_staleness=1"]
+    assert load_config(overrides=twice) == new
+    # a later layer wins, by either key
+    newer = tmp_path / "new.yaml"
+    newer.write_text("runtime:\n  schedule:\n    max_staleness: 1\n")
+    for later, want in [
+        (load_config(old, ["runtime.schedule.max_staleness=2"]), 2),
+        (load_config(old, base={"runtime": {"schedule": {"max_staleness": 3}}}), 3),
+        (load_config(newer, ["runtime.max_staleness=2"]), 2),
+    ]:
+        assert later.runtime.schedule.max_staleness == want
+    # every former key, as an override
+    for key, section in FORMER_RUNTIME_KEYS.items():
+        value = getattr(getattr(runtime, section), key)
+        said = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        assert load_config(overrides=[f"runtime.{key}={said}"]) == DigenConfig()
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "mapping",
+        "yaml",
+        ["runtime.max_staleness=1", "runtime.schedule.max_staleness=2"],
+        ["runtime.schedule.max_staleness=2", "runtime.max_staleness=1"],
+    ],
+    ids=["mapping", "yaml", "overrides", "overrides, new first"],
+)
+def test_a_setting_given_by_its_former_and_its_new_key_differently_is_refused(
+    tmp_path: Path, given: str | list[str]
+) -> None:
+    both = {"max_staleness": 1, "schedule": {"max_staleness": 2}}
+    with pytest.raises(ConfigError) as info:
+        if given == "mapping":
+            DigenConfig(runtime=both)
+        elif given == "yaml":
+            path = tmp_path / "c.yaml"
+            path.write_text(yaml.safe_dump({"runtime": both}))
+            load_config(path)
+        else:
+            load_config(overrides=given)
+    assert str(info.value) == (
+        "runtime.max_staleness = 1 is not allowed: it is the former name of "
+        "runtime.schedule.max_staleness, which is given as 2; give only "
+        "runtime.schedule.max_staleness."
+    )
+    assert_one_sentence(str(info.value))
+
+
 def test_sections_from_mappings_and_direct_checks() -> None:
     assert DigenConfig(rollout={"n": 8}).rollout == RolloutConfig(n=8, sde_type="sde")
     with pytest.raises(ConfigError, match=r"^rollout\.n = 1 is not allowed"):
@@ -170,6 +322,16 @@ def test_sections_from_mappings_and_direct_checks() -> None:
     cfg = DigenConfig()
     cfg.rollout.n = 0  # changed in place: validate() finds it
     with pytest.raises(ConfigError, match=r"^rollout\.n = 0"):
+        validate(cfg)
+    from digen.config import ScheduleConfig
+
+    with pytest.raises(ConfigError, match=r"^runtime\.schedule\.max_staleness = -1 is not"):
+        ScheduleConfig(max_staleness=-1)
+    with pytest.raises(ConfigError, match=r"^runtime\.schedule\.tag = 'always' is not"):
+        DigenConfig(runtime={"schedule": {"tag": "always"}})
+    cfg = DigenConfig()
+    cfg.runtime.elastic.min_generators = 2  # more than runtime.generators, in place
+    with pytest.raises(ConfigError, match=r"^runtime\.elastic\.min_generators = 2 is not"):
         validate(cfg)
 
 
@@ -191,6 +353,8 @@ BAD = [
     (["algo.name=ppo"], "algo.name", "'ppo'"),
     (["algo.adv_norm=batch"], "algo.adv_norm", "'batch'"),
     (["train.lora_dtype=int8"], "train.lora_dtype", "'int8'"),
+    (["train.grad_order=[fixed]"], "train.grad_order", "['fixed']"),
+    (["rewards.0.on_error=skip"], "rewards.0.on_error", "'skip'"),
     # ranges
     (["rollout.n=1"], "rollout.n", "1"),
     (["rollout.num_inference_steps=0"], "rollout.num_inference_steps", "0"),
@@ -280,39 +444,50 @@ BAD = [
     (["runtime.mode=async"], "runtime.mode", "'async'"),
     (["runtime.generators=0"], "runtime.generators", "0"),
     (["runtime.trainers=0"], "runtime.trainers", "0"),
-    (["runtime.threads_per_worker=0"], "runtime.threads_per_worker", "0"),
-    (["runtime.trainer_dtype=fp8"], "runtime.trainer_dtype", "'fp8'"),
-    (["runtime.microbatch_axis=sample"], "runtime.microbatch_axis", "'sample'"),
-    (["runtime.samples_per_microbatch=0"], "runtime.samples_per_microbatch", "0"),
-    (["runtime.tsp_degree=0"], "runtime.tsp_degree", "0"),
-    (["runtime.pipeline=maybe"], "runtime.pipeline", "'maybe'"),
-    (["runtime.weight_sync=nccl"], "runtime.weight_sync", "'nccl'"),
-    (["runtime.tag=always"], "runtime.tag", "'always'"),
-    (["runtime.tag_k=-1"], "runtime.tag_k", "-1"),
-    (["runtime.max_staleness=-1"], "runtime.max_staleness", "-1"),
-    (["runtime.staleness_ratio=1.5"], "runtime.staleness_ratio", "1.5"),
-    (["runtime.rpc_timeout_s=0"], "runtime.rpc_timeout_s", "0.0"),
-    (["runtime.port=70000"], "runtime.port", "70000"),
-    (["runtime.accept_generators=true"], "runtime.accept_generators", "True"),  # colocated
+    (["runtime.placement.threads_per_worker=0"], "runtime.placement.threads_per_worker", "0"),
+    (["runtime.placement.trainer_dtype=fp8"], "runtime.placement.trainer_dtype", "'fp8'"),
+    (["runtime.schedule.microbatch_axis=sample"], "runtime.schedule.microbatch_axis", "'sample'"),
+    (["runtime.schedule.samples_per_microbatch=0"], "runtime.schedule.samples_per_microbatch", "0"),
+    (["runtime.schedule.tsp_degree=0"], "runtime.schedule.tsp_degree", "0"),
+    (["runtime.schedule.pipeline=maybe"], "runtime.schedule.pipeline", "'maybe'"),
+    (["runtime.transport.weight_sync=nccl"], "runtime.transport.weight_sync", "'nccl'"),
+    (["runtime.schedule.tag=always"], "runtime.schedule.tag", "'always'"),
+    (["runtime.schedule.tag_k=-1"], "runtime.schedule.tag_k", "-1"),
+    (["runtime.schedule.max_staleness=-1"], "runtime.schedule.max_staleness", "-1"),
+    (["runtime.schedule.staleness_ratio=1.5"], "runtime.schedule.staleness_ratio", "1.5"),
+    (["runtime.transport.rpc_timeout_s=0"], "runtime.transport.rpc_timeout_s", "0.0"),
+    (["runtime.transport.port=70000"], "runtime.transport.port", "70000"),
     (
-        ["runtime.mode=disaggregated", "runtime.weight_sync=broadcast"]
-        + ["runtime.accept_generators=true"],
-        "runtime.accept_generators",
+        ["runtime.elastic.accept_generators=true"],
+        "runtime.elastic.accept_generators",
+        "True",
+    ),  # colocated
+    (
+        ["runtime.mode=disaggregated", "runtime.transport.weight_sync=broadcast"]
+        + ["runtime.elastic.accept_generators=true"],
+        "runtime.elastic.accept_generators",
         "True",
     ),
     # a join secret only for a run that takes joiners, and a file named
-    (["runtime.join_secret_file=/s"], "runtime.join_secret_file", "'/s'"),
+    (["runtime.elastic.join_secret_file=/s"], "runtime.elastic.join_secret_file", "'/s'"),
+    # the rules that span sections, and the elastic section's own
+    (["runtime.elastic.min_generators=2"], "runtime.elastic.min_generators", "2"),
     (
-        ["runtime.mode=disaggregated", "runtime.accept_generators=true"]
-        + ["runtime.join_secret_file=' '"],
-        "runtime.join_secret_file",
+        ["runtime.elastic.on_generator_loss=fail", "runtime.elastic.respawn_generators=true"],
+        "runtime.elastic.respawn_generators",
+        "True",
+    ),
+    (
+        ["runtime.mode=disaggregated", "runtime.elastic.accept_generators=true"]
+        + ["runtime.elastic.join_secret_file=' '"],
+        "runtime.elastic.join_secret_file",
         "' '",
     ),
     # C_gen below what must be generated before anything trains would deadlock the driver:
     # a GAP group (2 of 2 samples each), or the whole step with a batch-wide std
     (
-        ["runtime.mode=disaggregated", "runtime.generators=2", "runtime.max_inflight=1"],
-        "runtime.max_inflight",
+        ["runtime.mode=disaggregated", "runtime.generators=2", "runtime.schedule.max_inflight=1"],
+        "runtime.schedule.max_inflight",
         "1",
     ),
     (
@@ -321,9 +496,9 @@ BAD = [
             "data.train_batch_size=2",
             "runtime.generators=2",
             "algo.adv_std=global",
-            "runtime.max_inflight=3",
+            "runtime.schedule.max_inflight=3",
         ],
-        "runtime.max_inflight",
+        "runtime.schedule.max_inflight",
         "3",
     ),
 ]
@@ -371,6 +546,27 @@ def test_best_of_n_counts_kept_samples() -> None:
         (["rollout=5"], "rollout = 5 is not allowed: it must be a mapping of rollout settings."),
         (["rewards=[{weight: 2}]"], "rewards.0 = {'weight': 2} is not allowed"),
         (["rewards=jpeg"], "rewards = 'jpeg' is not allowed"),
+        # runtime: its own keys, then its sections
+        (
+            ["runtime.max_stalenes=1"],
+            "unknown config key 'runtime.max_stalenes'; runtime has: mode, generators, "
+            "trainers, placement, schedule, transport, elastic.",
+        ),
+        (
+            ["runtime.schedule.max_stalenes=1"],
+            "unknown config key 'runtime.schedule.max_stalenes'; runtime.schedule has: "
+            "microbatch_axis, samples_per_microbatch,",
+        ),
+        (
+            ["runtime.schedule=5"],
+            "runtime.schedule = 5 is not allowed: it must be a mapping of runtime.schedule "
+            "settings.",
+        ),
+        (
+            ["runtime.schedule.tag.k=1"],
+            "config key 'runtime.schedule.tag.k' does not exist: runtime.schedule holds plain "
+            "settings.",
+        ),
     ],
 )
 def test_bad_keys_and_overrides(overrides: list[str], expected: str) -> None:
@@ -386,6 +582,15 @@ def test_unknown_key_in_yaml_section(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"^unknown config key 'algo\.clip_ratoi'; algo has: name,"
     ):
+        load_config(path)
+    path.write_text("runtime:\n  elastic:\n    max_respawn: 2\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^unknown config key 'runtime\.elastic\.max_respawn'; runtime\.elastic has: ",
+    ):
+        load_config(path)
+    path.write_text("runtime:\n  respawn: true\n")
+    with pytest.raises(ConfigError, match=r"'runtime\.respawn'; runtime has: mode, generators,"):
         load_config(path)
     path.write_text("rewards:\n  - {name: jpeg_compressibility, weigth: 2}\n")
     with pytest.raises(
@@ -418,7 +623,10 @@ def test_each_pool_gets_its_own_device_and_dtype() -> None:
     from digen.runtime.worker.base import pool_config
 
     cfg = load_config(
-        overrides=["runtime.generator_dtype=bfloat16", "runtime.trainer_devices=meta"]
+        overrides=[
+            "runtime.placement.generator_dtype=bfloat16",
+            "runtime.placement.trainer_devices=meta",
+        ]
     )
     gen, trainer = pool_config(cfg, "generator"), pool_config(cfg, "trainer")
     assert (gen.model.dtype, gen.model.device) == ("bfloat16", "cpu")
@@ -443,8 +651,9 @@ def test_the_shapes_flavour_presets_the_shapes_task_at_its_own_size() -> None:
 
 
 def test_the_knobs_table_in_the_docs_is_the_configs_own() -> None:
-    """RUNTIME.md's table of ``runtime.*`` keys is generated from the config's fields and
-    docstrings; after changing a key, paste ``knobs_table("runtime")`` between its markers."""
+    """RUNTIME.md's tables of ``runtime.*`` keys (the top ones, then one per section) are
+    generated from the config's fields and docstrings; after changing a key, paste
+    ``knobs_table("runtime")`` between its markers."""
     from pathlib import Path
 
     from digen.config import RuntimeConfig, field_docs, knobs_table
@@ -452,9 +661,25 @@ def test_the_knobs_table_in_the_docs_is_the_configs_own() -> None:
     docs = (Path(__file__).resolve().parents[2] / "docs" / "RUNTIME.md").read_text()
     shown = docs.split("<!-- knobs: runtime -->\n", 1)[1].split("\n<!-- /knobs -->", 1)[0]
     assert shown == knobs_table("runtime")
-    # every key has its sentence, and the table has a row per key
-    names = [f.name for f in dataclasses.fields(RuntimeConfig)]
-    assert set(field_docs(RuntimeConfig)) == set(names)
-    assert [line.split("`")[1] for line in shown.splitlines()[2:]] == [
-        f"runtime.{n}" for n in names
+    # every key has its sentence, and the tables have a row per key: the top ones, then
+    # each section's
+    top, sections = [], {}
+    assert set(field_docs(RuntimeConfig)) == {f.name for f in dataclasses.fields(RuntimeConfig)}
+    for f in dataclasses.fields(RuntimeConfig):
+        inner = getattr(RuntimeConfig(), f.name)
+        if not dataclasses.is_dataclass(inner):
+            top.append(f"runtime.{f.name}")
+            continue
+        names = [g.name for g in dataclasses.fields(inner)]
+        assert set(field_docs(type(inner))) == set(names)
+        sections[f"runtime.{f.name}"] = [f"runtime.{f.name}.{n}" for n in names]
+    assert list(sections) == [
+        "runtime.placement",
+        "runtime.schedule",
+        "runtime.transport",
+        "runtime.elastic",
     ]
+    rows = [line.split("`")[1] for line in shown.splitlines() if line.startswith("| `")]
+    assert rows == top + [key for keys in sections.values() for key in keys]
+    leads = [line.split("`")[1] for line in shown.splitlines() if line.startswith("`")]
+    assert leads == list(sections)

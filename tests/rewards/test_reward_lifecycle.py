@@ -275,7 +275,7 @@ def test_setup_runs_once_per_scoring_process_and_close_at_the_end(
     over = ["steps=2", "rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=3"]
     over += [f"rewards=[{{name: '{hook}:Logged'}}]", "save_every=0"]
     if mode == "disaggregated":
-        over += ["runtime.generators=2", "runtime.tag=none"]
+        over += ["runtime.generators=2", "runtime.schedule.tag=none"]
     cfg = load_config(base=preset("flux", "flowgrpo", mode=mode), overrides=over)
     result = run_config(cfg, tmp_path / "out")
     events = read_jsonl(log)
@@ -318,9 +318,16 @@ def test_a_slow_async_hook_does_not_stall_generation(tmp_path: Path, overlap: bo
     hook = tmp_path / "slow.py"
     hook.write_text(_SLOW_HOOK)
     over = ["steps=1", "data.train_batch_size=1", "rollout.n=4", "rollout.num_inference_steps=3"]
-    over += ["train.micro_batch_size=1", "runtime.samples_per_microbatch=1", "runtime.tag=none"]
+    over += [
+        "train.micro_batch_size=1",
+        "runtime.schedule.samples_per_microbatch=1",
+        "runtime.schedule.tag=none",
+    ]
     over += ["save_every=0"]
-    over += [f"rewards=[{{name: '{hook}:slow'}}]", f"runtime.score_overlap={str(overlap).lower()}"]
+    over += [
+        f"rewards=[{{name: '{hook}:slow'}}]",
+        f"runtime.schedule.score_overlap={str(overlap).lower()}",
+    ]
     cfg = load_config(base=preset("flux", "flowgrpo", mode="disaggregated"), overrides=over)
     assert schedule_plan(cfg).microbatches == 4
     result = run_config(cfg, tmp_path / "out")

@@ -21,17 +21,17 @@ SMALL += ["model.flavour=tiny", "model.height=32", "model.width=32"]
 
 
 def test_the_probe_is_one_generator_and_one_trainer_with_one_tag_a_step() -> None:
-    cfg = tiny_config("flux", "flowgrpo", [*SMALL, "steps=50", "runtime.max_staleness=1"])
+    cfg = tiny_config("flux", "flowgrpo", [*SMALL, "steps=50", "runtime.schedule.max_staleness=1"])
     probe = probe_config(cfg)
     rt = probe.runtime
-    assert (rt.mode, rt.generators, rt.trainers, rt.tag, rt.tag_k) == (
+    assert (rt.mode, rt.generators, rt.trainers, rt.schedule.tag, rt.schedule.tag_k) == (
         "disaggregated",
         1,
         1,
         "static",
         1,
     )
-    assert rt.max_staleness == 0 and probe.steps == PROBE_STEPS and probe.eval.every == 0
+    assert rt.schedule.max_staleness == 0 and probe.steps == PROBE_STEPS and probe.eval.every == 0
     assert probe.rollout == cfg.rollout and probe.algo == cfg.algo  # the same work
 
 
@@ -68,19 +68,19 @@ def test_a_candidate_becomes_the_run_settings() -> None:
         cfg, Candidate(layout="split", generators=3, trainers=1, policy="static-2"), size=4
     )
     rt = split.runtime
-    assert (rt.mode, rt.generators, rt.trainers, rt.tag, rt.tag_k) == (
+    assert (rt.mode, rt.generators, rt.trainers, rt.schedule.tag, rt.schedule.tag_k) == (
         "disaggregated",
         3,
         1,
         "static",
         2,
     )
-    assert rt.samples_per_microbatch == 4 and rt.max_staleness == 0
-    stale = tiny_config("flux", "flowgrpo", [*SMALL, "runtime.max_staleness=1"])
+    assert rt.schedule.samples_per_microbatch == 4 and rt.schedule.max_staleness == 0
+    stale = tiny_config("flux", "flowgrpo", [*SMALL, "runtime.schedule.max_staleness=1"])
     kept = apply_layout(
         stale, Candidate(layout="split", generators=1, trainers=1, policy="bts", tcss=True), 4
     )
-    assert kept.runtime.max_staleness == 1 and kept.runtime.tag == "bts"
+    assert kept.runtime.schedule.max_staleness == 1 and kept.runtime.schedule.tag == "bts"
 
 
 @pytest.mark.slow
@@ -109,7 +109,7 @@ def test_mode_auto_times_plans_and_runs_its_choice(tmp_path: Path) -> None:
     else:
         assert rt["mode"] == "disaggregated"
         assert (rt["generators"], rt["trainers"]) == (choice["generators"], choice["trainers"])
-        assert rt["tag"] == choice["policy"].split("-")[0]
+        assert rt["schedule"]["tag"] == choice["policy"].split("-")[0]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
     log = [json.loads(x) for x in (out / "trainer.log").read_text().splitlines()]
@@ -176,14 +176,14 @@ def test_auto_probes_and_plans_only_layouts_that_fit_the_devices_memory(lora_ran
         assert trainers > 1 and fits(train_state_bytes(memory.model, trainers))
         assert not fits(train_state_bytes(memory.model, trainers - 1))
         assert probe.runtime.trainers == trainers
-        assert probe.runtime.trainer_parallel == "fsdp"
+        assert probe.runtime.placement.trainer_parallel == "fsdp"
         assert all(c.strategy and c.strategy != "replicated" for c in ranked)
-        assert {rt.trainer_parallel for rt in layouts} == {"fsdp"}
+        assert {rt.placement.trainer_parallel for rt in layouts} == {"fsdp"}
         assert any("cannot hold" in why for why in skipped)
     else:
-        assert trainers == 1 and probe.runtime.trainer_parallel == "replicate"
+        assert trainers == 1 and probe.runtime.placement.trainer_parallel == "replicate"
         assert any(c.strategy == "replicated" for c in ranked)
-        assert "replicate" in {rt.trainer_parallel for rt in layouts}
+        assert "replicate" in {rt.placement.trainer_parallel for rt in layouts}
 
 
 def test_auto_refuses_a_model_no_split_of_the_devices_can_hold() -> None:

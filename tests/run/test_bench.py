@@ -86,7 +86,7 @@ def test_bench_quick_json_is_complete_and_consistent(tmp_path: Path) -> None:
         (["--workers", "1"], "--workers 1"),
         (["--plot", "timeline.jpg"], ".png"),
         (["--json", "no/such/dir/out.json"], "does not exist"),
-        (["runtime.tsp_degree=0"], "runtime.tsp_degree"),
+        (["runtime.schedule.tsp_degree=0"], "runtime.schedule.tsp_degree"),
     ],
 )
 def test_bad_options_are_one_sentence_and_exit_2(args: list[str], message: str) -> None:

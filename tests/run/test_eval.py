@@ -36,7 +36,7 @@ def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "extra"),
-    [("colocated", []), ("disaggregated", ["runtime.generators=2", "runtime.tag=static"])],
+    [("colocated", []), ("disaggregated", ["runtime.generators=2", "runtime.schedule.tag=static"])],
 )
 def test_evaluation_runs_when_due_and_leaves_training_unchanged(
     tmp_path: Path, mode: str, extra: list[str]
@@ -93,14 +93,20 @@ def test_nfts_moving_average_evaluates_the_same_in_both_modes(tmp_path: Path, dt
         (
             "disaggregated",
             "disaggregated",
-            ["runtime.generators=2", "runtime.tag=static", "runtime.sync_bucket_mb=0.05"],
+            [
+                "runtime.generators=2",
+                "runtime.schedule.tag=static",
+                "runtime.transport.sync_bucket_mb=0.05",
+            ],
         ),
         ("sampling", "colocated", ["eval.ema=0"]),
     ):
         cfg = tiny_config("flux", "nft", [*over, *extra], mode=mode)
         assert cfg.eval.ema == (0.0 if name == "sampling" else 0.9)
         threads = torch.get_num_threads()
-        if mode == "colocated":  # as each worker (runtime.threads_per_worker): the same kernels
+        if (
+            mode == "colocated"
+        ):  # as each worker (runtime.placement.threads_per_worker): the same kernels
             torch.set_num_threads(1)
         try:
             run = run_config(cfg, tmp_path / name)

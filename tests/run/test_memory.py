@@ -20,10 +20,13 @@ import vgpu
 from helpers import wider_sd3
 
 ARGS = ["--model", "sd3", "--mode", "disaggregated", "--steps", "1", "--quiet"]
-ARGS += ["train.lora_rank=0", "runtime.trainers=2", "runtime.trainer_parallel=fsdp"]
+ARGS += ["train.lora_rank=0", "runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp"]
 ARGS += ["rollout.n=2", "train.micro_batch_size=2", "rollout.num_inference_steps=3"]
 ARGS += ["data.train_batch_size=1", "train.mini_batch_size=null", "save_every=0"]
-ARGS += ["runtime.sync_bucket_mb=16", "model.dtype=float32"]  # buckets: a small part of it
+ARGS += [
+    "runtime.transport.sync_bucket_mb=16",
+    "model.dtype=float32",
+]  # buckets: a small part of it
 ARGS += ["model.device=cuda"]  # a generator and two trainers, one virtual GPU each
 
 

@@ -93,7 +93,8 @@ def test_every_arm_is_a_valid_config_on_the_same_task_and_seed() -> None:
         assert (cfg.seed, cfg.steps, cfg.eval.every, cfg.data.prompts) == (3, 4, 2, "shapes")
         assert [r.name for r in cfg.rewards] == ["shapes"]
     assert (
-        got["tcss"].runtime.max_staleness == 1 and got["disaggregated"].runtime.max_staleness == 0
+        got["tcss"].runtime.schedule.max_staleness == 1
+        and got["disaggregated"].runtime.schedule.max_staleness == 0
     )
     assert got["colocated"].train.mini_batch_size == got["disaggregated"].train.mini_batch_size
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_trained_alike, read_jsonl, run_config, tiny_config
+import yaml
+from helpers import assert_trained_alike, flat_runtime, read_jsonl, run_config, tiny_config
 
 from digen.checkpoint import CheckpointWriter, latest_checkpoint, write_trainer_state
 from digen.errors import DigenError
@@ -41,7 +42,7 @@ _SAME = ("step", "reward_mean", "reward_std", "loss", "clip_fraction", "approx_k
 def test_stopped_and_resumed_equals_uninterrupted_bit_for_bit(
     tmp_path: Path, mode: str, algo: str
 ) -> None:
-    extra = ["runtime.tag=none"] if mode == "disaggregated" else []
+    extra = ["runtime.schedule.tag=none"] if mode == "disaggregated" else []
     if algo == "nft":
         extra.append("algo.params.decay_rate=0.2")  # an old policy well behind the trained one
     whole = run_config(_cfg(mode, 3, extra, algo), tmp_path / "whole")
@@ -107,6 +108,38 @@ def test_a_run_is_never_silently_overwritten_and_resume_checks_the_model(tmp_pat
     assert len(_rows(out)) == 1 and again.metrics[0]["step"] == 0
 
 
+@pytest.mark.slow
+def test_an_older_run_with_a_flat_runtime_in_its_config_yaml_resumes(tmp_path: Path) -> None:
+    """A run written before the runtime sections (its config.yaml has every runtime key
+    directly under ``runtime``) is continued by ``digen run --resume`` as configured, to the
+    step an uninterrupted run ends on; the resumed run writes its config.yaml in sections."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from cli.main import main
+    from digen.config import load_config
+
+    extra = ["runtime.schedule.tag=none"]  # a setting of a section, kept by the old file
+    run_config(_cfg("colocated", 2, extra), tmp_path / "whole")
+    run_config(_cfg("colocated", 1, extra), tmp_path / "old")
+    saved = tmp_path / "old" / "config.yaml"
+    sectioned = load_config(saved)
+    saved.write_text(yaml.safe_dump(flat_runtime(yaml.safe_load(saved.read_text()))))
+    assert "max_staleness" in yaml.safe_load(saved.read_text())["runtime"]  # the old layout
+    assert load_config(saved) == sectioned
+    args = ["run", "--resume", str(tmp_path / "old"), "--steps", "2", "--quiet"]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    want, got = _rows(tmp_path / "whole"), _rows(tmp_path / "old")
+    assert [{k: r[k] for k in _SAME} for r in got] == [{k: r[k] for k in _SAME} for r in want]
+    last = Path("checkpoints") / "step-000002" / "weights.safetensors"
+    a, b = load_file(tmp_path / "whole" / last), load_file(tmp_path / "old" / last)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    plain = yaml.safe_load(saved.read_text())
+    assert "max_staleness" not in plain["runtime"] and "schedule" in plain["runtime"]
+    assert load_config(saved, ["steps=1"]) == sectioned  # the same run, now at 2 steps
+
+
 def test_the_learning_rate_schedule() -> None:
     t = _cfg("colocated", 11, ["train.warmup_steps=2", "train.lr_min_ratio=0.1"]).train
     lrs = [t.lr_at(s, 11) for s in range(11)]
@@ -150,7 +183,7 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
     hook = tmp_path / "stop_hook.py"
     hook.write_text(_STOP_HOOK)
     extra = [f"rewards=[{{name: '{hook}:StopAt'}}]"]
-    extra += ["runtime.tag=none"] if mode == "disaggregated" else []
+    extra += ["runtime.schedule.tag=none"] if mode == "disaggregated" else []
     # two data-parallel workers: the lead (this process) is signalled, both stop together
     extra += ["train.num_devices=2", "train.micro_batch_size=4"] if mode == "colocated-dp" else []
     cfg = _cfg(mode.removesuffix("-dp"), 3, extra)
@@ -180,7 +213,11 @@ def test_a_signal_inside_a_step_stops_at_the_next_micro_batch(
 def test_a_resumed_tcss_run_makes_its_first_step_on_policy(tmp_path: Path) -> None:
     """Under fixed TCSS a step's early micro-batches come from the previous version, which a
     resumed run does not have: its first step is on-policy, the next ones stale again."""
-    extra = ["runtime.max_staleness=1", "runtime.staleness_ratio=0.5", "runtime.tag=none"]
+    extra = [
+        "runtime.schedule.max_staleness=1",
+        "runtime.schedule.staleness_ratio=0.5",
+        "runtime.schedule.tag=none",
+    ]
     run_config(_cfg("disaggregated", 2, extra), tmp_path)
     resumed = run_config(_cfg("disaggregated", 4, extra), tmp_path, resume=True)
     rows = _rows(tmp_path)
@@ -217,7 +254,12 @@ def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
     from safetensors import safe_open
 
     lag = ["algo.params.decay_rate=0.2"] if algo == "nft" else []  # old well behind theta
-    fsdp = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none", *lag]
+    fsdp = [
+        "runtime.trainers=2",
+        "runtime.placement.trainer_parallel=fsdp",
+        "runtime.schedule.tag=none",
+        *lag,
+    ]
     whole = run_config(_cfg("disaggregated", 3, fsdp, algo), tmp_path / "whole")
     split = run_config(_cfg("disaggregated", 2, fsdp, algo), tmp_path / "split")
     files = sorted((split.checkpoint / "sharded").iterdir())
@@ -235,7 +277,7 @@ def test_sharded_trainers_resume_exactly_and_a_checkpoint_moves_between_layouts(
         assert len(held) == len(split.final_state) and 0.3 * total < numel < 0.7 * total
     shutil.copytree(tmp_path / "split", tmp_path / "moved")
     resumed = run_config(_cfg("disaggregated", 3, fsdp, algo), tmp_path / "split", resume=True)
-    one = ["runtime.tag=none", *lag]
+    one = ["runtime.schedule.tag=none", *lag]
     moved = run_config(_cfg("disaggregated", 3, one, algo), tmp_path / "moved", resume=True)
     for name, value in whole.final_state.items():
         assert torch.equal(resumed.final_state[name], value), name

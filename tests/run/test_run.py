@@ -167,7 +167,7 @@ def test_disaggregated_workers_note_into_the_run_log(
         "another long prompt about a red bicycle parked by a lamp post in the rain\n"
     )
     over = [*SMALL, "steps=1", f"data.prompts={prompts}", "runtime.generators=2"]
-    over += ["runtime.tag=none", "save_every=0"]
+    over += ["runtime.schedule.tag=none", "save_every=0"]
     cfg = tiny_config("flux", "flowgrpo", over, mode="disaggregated")
     capfd.readouterr()
     run_config(cfg, tmp_path / "out")

@@ -537,7 +537,8 @@ async def test_a_running_world_that_takes_no_joiners_refuses_one() -> None:
         _, err = await asyncio.to_thread(proc.communicate, timeout=300)
     assert proc.returncode == 1
     assert (
-        "takes no joining workers (it must be started with runtime.accept_generators=true)" in err
+        "takes no joining workers (it must be started with runtime.elastic.accept_generators=true)"
+        in err
     )
 
 

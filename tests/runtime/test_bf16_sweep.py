@@ -41,8 +41,8 @@ ALGOS = {
     "nft": ["algo.params.decay_rate=0.25"],
 }
 LAYOUTS = {
-    "replicated": ["runtime.trainers=2", "runtime.trainer_parallel=replicate"],
-    "fsdp": ["runtime.trainers=2", "runtime.trainer_parallel=fsdp"],
+    "replicated": ["runtime.trainers=2", "runtime.placement.trainer_parallel=replicate"],
+    "fsdp": ["runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp"],
 }
 
 
@@ -92,8 +92,8 @@ def test_bf16_full_finetuning_trains_as_the_colocated_trainer(
     assert 0 < floor < 0.3  # rounding, well below a step's move
     # a TAG micro-batch made by the trainers; generation batches of the colocated trainer's
     # size, so most samples are the colocated ones bit for bit
-    extra = [*LAYOUTS[layout], "runtime.tag=static", "runtime.tag_k=1"]
-    extra += ["runtime.samples_per_microbatch=2"]
+    extra = [*LAYOUTS[layout], "runtime.schedule.tag=static", "runtime.schedule.tag_k=1"]
+    extra += ["runtime.schedule.samples_per_microbatch=2"]
     cfg = tiny_config(
         "flux", algo, [*overrides, "train.micro_batch_size=2", *extra], mode="disaggregated"
     )

@@ -58,7 +58,7 @@ async def test_offloaded_text_encoders_visit_a_generator_once_a_step() -> None:
     from digen.sched.trace import Trace
 
     over = ["steps=2", "data.train_batch_size=3", "rollout.n=2", "train.micro_batch_size=2"]
-    over += ["runtime.tag=none", "train.mini_batch_size=null"]
+    over += ["runtime.schedule.tag=none", "train.mini_batch_size=null"]
     over += ["model.offload_text_encoders=true"]
     cfg = tiny_config("sd3", "flowgrpo", over, mode="disaggregated")
     prompts = PromptSet.builtin()

@@ -53,7 +53,7 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
             "flux",
             "flowgrpo",
             ["algo.ratio_norm=true", SMOOTH_REWARD],
-            ["runtime.generators=2", "runtime.tsp_degree=2"],
+            ["runtime.generators=2", "runtime.schedule.tsp_degree=2"],
             False,
         ),
         # GAP over 3 generators (6 samples: 3 micro-batches per group), two TAG micro-batches.
@@ -68,7 +68,7 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
                 "algo.reward_weighting=advantage",
                 "rewards=[jpeg_incompressibility, {name: jpeg_compressibility, weight: 0.25}]",
             ],
-            ["runtime.generators=3", "runtime.tag=static", "runtime.tag_k=2"],
+            ["runtime.generators=3", "runtime.schedule.tag=static", "runtime.schedule.tag_k=2"],
             True,
         ),
         # a published recipe's mini-batches: two optimizer steps in the train step (the
@@ -78,12 +78,12 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
         (
             "flux",
             "flowgrpo",
-            ["train.mini_batch_size=1", "runtime.tsp_degree=2"],
+            ["train.mini_batch_size=1", "runtime.schedule.tsp_degree=2"],
             [
                 "runtime.generators=2",
                 "runtime.trainers=2",
-                "runtime.tag=static",
-                "runtime.tag_k=2",
+                "runtime.schedule.tag=static",
+                "runtime.schedule.tag_k=2",
             ],
             True,
         ),
@@ -94,8 +94,8 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
         (
             "sd3",
             "nft",
-            ["steps=2", "runtime.tsp_degree=2", "algo.params.decay_rate=0.25"],
-            ["runtime.generators=2", "runtime.tag=static", "runtime.tag_k=2"],
+            ["steps=2", "runtime.schedule.tsp_degree=2", "algo.params.decay_rate=0.25"],
+            ["runtime.generators=2", "runtime.schedule.tag=static", "runtime.schedule.tag_k=2"],
             True,
         ),
         # two data-parallel trainers, weights by broadcast, whole groups, no pipelining;
@@ -106,9 +106,9 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
             ["train.micro_batch_size=4", SMOOTH_REWARD],
             [
                 "runtime.trainers=2",
-                "runtime.weight_sync=broadcast",
-                "runtime.microbatch_axis=prompt",
-                "runtime.pipeline=false",
+                "runtime.transport.weight_sync=broadcast",
+                "runtime.schedule.microbatch_axis=prompt",
+                "runtime.schedule.pipeline=false",
             ],
             False,
         ),
@@ -118,7 +118,9 @@ def test_disaggregated_step_equals_colocated(
     tmp_path: Path, model, algo, both, extra, exact
 ) -> None:
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each worker (runtime.threads_per_worker): the same kernels
+    torch.set_num_threads(
+        1
+    )  # as each worker (runtime.placement.threads_per_worker): the same kernels
     try:
         colocated = run_config(_cfg(model, algo, "colocated", both), tmp_path / "colocated")
     finally:
@@ -200,7 +202,7 @@ async def test_trace_accounts_for_every_microbatch_and_version() -> None:
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process() -> None:
-    """With ``runtime.on_generator_loss = fail`` a lost generator ends the run as a lost
+    """With ``runtime.elastic.on_generator_loss = fail`` a lost generator ends the run as a lost
     trainer does (the default goes on: test_elastic.py)."""
     import os
     import signal
@@ -208,7 +210,7 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
 
     from digen.runtime.transport.actors import WorkerDied
 
-    over = ["runtime.generators=2", "steps=3", "runtime.on_generator_loss=fail"]
+    over = ["runtime.generators=2", "steps=3", "runtime.elastic.on_generator_loss=fail"]
     cfg = _cfg("sd3", "flowgrpo", "disaggregated", over)
     driver = Driver(cfg, None, PromptSet.builtin(), Trace())
     killed_at: list[float] = []
@@ -219,7 +221,9 @@ async def test_a_dead_worker_stops_the_run_with_its_name_and_leaves_no_process()
 
     async with driver:
         pids = driver.cluster.system.pids()
-        with pytest.raises(WorkerDied, match="generator-1.*runtime.on_generator_loss is fail"):
+        with pytest.raises(
+            WorkerDied, match="generator-1.*runtime.elastic.on_generator_loss is fail"
+        ):
             await asyncio.wait_for(driver.run(3, kill_after_first_step), timeout=60)
         assert time.monotonic() - killed_at[0] < 15
     time.sleep(0.5)
@@ -277,8 +281,16 @@ def test_digen_run_disaggregated_every_model_and_algo(
 async def test_heterogeneous_pools_sync_in_buckets(sync: str) -> None:
     """bf16 generators, fp32 trainers: weights travel in fp32 (the pools differ), in many small buckets, and
     what a trainer receives (bf16 prompt embeddings) is cast to its own dtype before use."""
-    over = ["runtime.generator_dtype=bfloat16", "runtime.trainer_dtype=float32", "steps=2"]
-    over += [f"runtime.weight_sync={sync}", "runtime.sync_bucket_mb=0.01", "runtime.tag=none"]
+    over = [
+        "runtime.placement.generator_dtype=bfloat16",
+        "runtime.placement.trainer_dtype=float32",
+        "steps=2",
+    ]
+    over += [
+        f"runtime.transport.weight_sync={sync}",
+        "runtime.transport.sync_bucket_mb=0.01",
+        "runtime.schedule.tag=none",
+    ]
     cfg = _cfg("sd3", "flowgrpo", "disaggregated", over)
     async with Driver(cfg, None, PromptSet.builtin(), Trace()) as driver:
         results = await driver.run(2)

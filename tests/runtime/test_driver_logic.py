@@ -36,10 +36,10 @@ def _driver(overrides: list[str], seed: int = 0, fail_on=None):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["runtime.generators=2", "runtime.tag=static", "runtime.tag_k=2"],
+        ["runtime.generators=2", "runtime.schedule.tag=static", "runtime.schedule.tag_k=2"],
         ["runtime.generators=3", "runtime.trainers=2", "rollout.n=6"],
-        ["runtime.generators=4", "runtime.trainers=2", "runtime.microbatch_axis=prompt"],
-        ["runtime.generators=2", "runtime.pipeline=false", "runtime.tag=none"],
+        ["runtime.generators=4", "runtime.trainers=2", "runtime.schedule.microbatch_axis=prompt"],
+        ["runtime.generators=2", "runtime.schedule.pipeline=false", "runtime.schedule.tag=none"],
         ["runtime.generators=2", "algo.adv_std=global"],  # a batch-wide std waits for all
     ],
 )
@@ -59,21 +59,25 @@ async def test_every_microbatch_once_and_in_dependency_order(overrides, seed) ->
         for m in range(mbs):
             group = range(m // per_group * per_group, (m // per_group + 1) * per_group)
             assert all(order[("score", s, g)] < order[("update", s, m)] for g in group)
-        if not cfg.runtime.pipeline or cfg.algo.adv_std == "global":  # every score first
+        if not cfg.runtime.schedule.pipeline or cfg.algo.adv_std == "global":  # every score first
             last_score = max(order[("score", s, m)] for m in range(mbs))
             assert last_score < min(order[("update", s, m)] for m in range(mbs))
     assert [r.metrics["policy_version"] for r in results] == [1, 2, 3]
     # rewards are the fake scores: mb index + row, so the metrics read the right rows
     assert results[0].metrics["reward_max"] == float(mbs - 1 + cfg.rollout.n // per_group - 1)
-    if cfg.runtime.tag == "static":
+    if cfg.runtime.schedule.tag == "static":
         assert any(a[0].startswith("trainer") and a[1] == "generate" for a in world.log)
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.asyncio
 async def test_fixed_tcss_makes_exactly_the_first_share_stale(seed) -> None:
-    over = ["steps=4", "runtime.generators=2", "runtime.max_staleness=1"]
-    over += ["runtime.staleness_ratio=0.5", "runtime.tag=static", "runtime.tag_k=1"]
+    over = ["steps=4", "runtime.generators=2", "runtime.schedule.max_staleness=1"]
+    over += [
+        "runtime.schedule.staleness_ratio=0.5",
+        "runtime.schedule.tag=static",
+        "runtime.schedule.tag_k=1",
+    ]
     cfg, driver, world = _driver(over, seed)
     results = await driver.run(4)
     mbs = schedule_plan(cfg).microbatches
@@ -86,8 +90,8 @@ async def test_fixed_tcss_makes_exactly_the_first_share_stale(seed) -> None:
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.asyncio
 async def test_eager_tcss_stays_within_its_bounds(seed) -> None:
-    over = ["steps=4", "runtime.generators=3", "runtime.max_staleness=1", "rollout.n=6"]
-    over += ["runtime.staleness_ratio=0.5", "runtime.staleness_schedule=eager"]
+    over = ["steps=4", "runtime.generators=3", "runtime.schedule.max_staleness=1", "rollout.n=6"]
+    over += ["runtime.schedule.staleness_ratio=0.5", "runtime.schedule.staleness_schedule=eager"]
     cfg, driver, world = _driver(over, seed)
     results = await driver.run(4)
     cap = schedule_plan(cfg).microbatches // 2
@@ -101,11 +105,11 @@ async def test_eager_tcss_stays_within_its_bounds(seed) -> None:
 
 @pytest.mark.asyncio
 async def test_back_pressure_bounds_generated_but_untrained() -> None:
-    over = ["steps=2", "runtime.generators=4", "rollout.n=8", "runtime.max_inflight=4"]
-    _, driver, world = _driver([*over, "runtime.tag=none"], seed=1)
+    over = ["steps=2", "runtime.generators=4", "rollout.n=8", "runtime.schedule.max_inflight=4"]
+    _, driver, world = _driver([*over, "runtime.schedule.tag=none"], seed=1)
     await driver.run(2)
     assert world.untrained_max <= 4
-    _, driver, world = _driver([*over[:-1], "runtime.tag=none"], seed=1)
+    _, driver, world = _driver([*over[:-1], "runtime.schedule.tag=none"], seed=1)
     await driver.run(2)
     assert world.untrained_max > 4  # without the bound the generators run further ahead
 
@@ -113,7 +117,7 @@ async def test_back_pressure_bounds_generated_but_untrained() -> None:
 @pytest.mark.asyncio
 async def test_best_of_n_drops_and_releases_untrained_microbatches() -> None:
     over = ["steps=1", "algo.name=dancegrpo", "rollout.n=4", "algo.best_of_n=2"]
-    over += ["runtime.generators=4", "runtime.tag=none"]
+    over += ["runtime.generators=4", "runtime.schedule.tag=none"]
     _, driver, world = _driver(over)
     results = await driver.run(1)
     updates = [a for a in world.log if a[1] == "update"]
@@ -155,13 +159,15 @@ MINI = [
     "train.mini_batch_size=2",
     "runtime.generators=2",
     "runtime.trainers=2",
-    "runtime.tag=static",
-    "runtime.tag_k=2",
+    "runtime.schedule.tag=static",
+    "runtime.schedule.tag_k=2",
 ]
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("stale", [[], ["runtime.max_staleness=1", "runtime.staleness_ratio=0.5"]])
+@pytest.mark.parametrize(
+    "stale", [[], ["runtime.schedule.max_staleness=1", "runtime.schedule.staleness_ratio=0.5"]]
+)
 @pytest.mark.asyncio
 async def test_mini_batches_train_in_turn_with_an_optimizer_step_after_each(seed, stale) -> None:
     """Two mini-batches a step: every trainer updates mini-batch 0's micro-batches, steps on

@@ -71,7 +71,7 @@ COMPARED = ("reward_mean", "reward_std", "reward_min", "reward_max", "loss", "gr
 
 def _args(hook: Path, *extra: str) -> list[str]:
     args = ["--model", "sd3", "--mode", "disaggregated", "--steps", str(STEPS), "--quiet"]
-    args += ["rollout.num_inference_steps=4", "runtime.generators=2", "runtime.tag=bts"]
+    args += ["rollout.num_inference_steps=4", "runtime.generators=2", "runtime.schedule.tag=bts"]
     return [*args, "train.lr=1e-3", f"rewards=[{{name: '{hook}:HoldIn'}}]", *extra]
 
 
@@ -171,7 +171,7 @@ def test_losing_the_last_generator_ends_the_run_with_a_checkpoint(
     from digen.config import schedule_plan
 
     out = tmp_path / "run"
-    extra = ("runtime.generators=1", "runtime.tag=none", "save_every=1")
+    extra = ("runtime.generators=1", "runtime.schedule.tag=none", "save_every=1")
     overrides = [a for a in _args(hook, *extra) if "=" in a]
     cfg = load_config(None, overrides, {"steps": STEPS}, model="sd3", mode="disaggregated")
     hold_at = 2 * schedule_plan(cfg).microbatches
@@ -184,7 +184,7 @@ def test_losing_the_last_generator_ends_the_run_with_a_checkpoint(
     assert len(lines) == 1, err[-3000:]
     pid = workers["generator-0"]["pid"]
     assert f"worker 'generator-0' (pid {pid}) was killed by signal SIGKILL" in lines[0]
-    assert "0 generator(s) left, fewer than runtime.min_generators (1)" in lines[0]
+    assert "0 generator(s) left, fewer than runtime.elastic.min_generators (1)" in lines[0]
     assert "The last checkpoint is step-000002 (2 steps)" in lines[0]
     assert lines[0].endswith(f"continue with: digen run --resume {out}")
 
@@ -203,20 +203,24 @@ def _wait_for(what: str, ready, proc: subprocess.Popen) -> None:
         (signal.SIGKILL, ()),
         # a hung generator, lost to its heartbeat: its process is ended before the new one.
         # The heartbeat is generous: on a loaded machine a live worker can miss a short one.
-        (signal.SIGSTOP, ("runtime.heartbeat_s=30",)),
+        (signal.SIGSTOP, ("runtime.transport.heartbeat_s=30",)),
     ],
 )
 def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_happened(
     tmp_path: Path, hook: Path, uninterrupted: tuple[dict, list], sig, extra
 ) -> None:
-    """``runtime.respawn_generators``: generator 1, killed (or hung) holding work in its
+    """``runtime.elastic.respawn_generators``: generator 1, killed (or hung) holding work in its
     first scoring call, is started again and joins at a step boundary. Generator 0's
     scoring pauses from the loss (it must score what generator 1 held) until the new
     generator 1 is up, so the step cannot end, nor the run, before it joins, however loaded
     the machine is."""
     out, pause, paused = tmp_path / "run", tmp_path / "pause", tmp_path / "paused"
     env = {"PAUSE_IN": "generator-0", "PAUSE": str(pause), "PAUSED": str(paused)}
-    extra = ("runtime.respawn_generators=true", "runtime.respawn_after_s=0.1", *extra)
+    extra = (
+        "runtime.elastic.respawn_generators=true",
+        "runtime.elastic.respawn_after_s=0.1",
+        *extra,
+    )
     proc, workers = _start_held(hook, out, *extra, hold_in="generator-1", hold_at=0, env=env)
     pause.write_text("")
     old = workers["generator-1"]["pid"]
@@ -253,7 +257,7 @@ def test_a_lost_generator_started_again_joins_and_the_run_ends_as_if_nothing_hap
 def test_a_generator_that_joins_a_running_run_ends_it_as_if_it_had_been_there_all_along(
     tmp_path: Path, hook: Path, uninterrupted: tuple[dict, list]
 ) -> None:
-    """``runtime.accept_generators``: a run started with one generator (micro-batches of the
+    """``runtime.elastic.accept_generators``: a run started with one generator (micro-batches of the
     two-generator run's size) pauses in generator 0's first scoring call; a second process
     joins it by hand (``digen join`` with the rendezvous from workers.json) and joins the
     pool at the next step boundary. The run ends with the parameters and metrics of the run
@@ -267,8 +271,8 @@ def test_a_generator_that_joins_a_running_run_ends_it_as_if_it_had_been_there_al
     env = {"PAUSE_IN": "generator-0", "PAUSE": str(pause), "PAUSED": str(paused)}
     extra = (
         "runtime.generators=1",
-        "runtime.samples_per_microbatch=4",  # the two-generator plan's micro-batches
-        "runtime.accept_generators=true",
+        "runtime.schedule.samples_per_microbatch=4",  # the two-generator plan's micro-batches
+        "runtime.elastic.accept_generators=true",
     )
     proc, workers = _start(hook, out, *extra, env=env, until=paused)
     rendezvous = workers["driver"]["rendezvous"]
@@ -445,7 +449,10 @@ def test_an_elastic_world_stages_tensors_through_the_cpu() -> None:
     with pytest.raises(ValueError, match=r"stages tensors through the CPU.*\['generator-0'\]"):
         ActorSystem([mapped, WorkerSpec("generator-1")], elastic=True)
     ActorSystem([mapped, WorkerSpec("generator-1")])  # a static world may map devices
-    for flag in ("runtime.respawn_generators=true", "runtime.accept_generators=true"):
+    for flag in (
+        "runtime.elastic.respawn_generators=true",
+        "runtime.elastic.accept_generators=true",
+    ):
         overrides = ["runtime.generators=2", flag]
         cfg = load_config(None, overrides, {}, model="sd3", mode="disaggregated")
         cluster = Cluster(cfg, join_secret="0123456789abcdef")

@@ -52,7 +52,7 @@ class HoldAt:
 
 def _args(hook: Path) -> list[str]:
     args = ["--model", "sd3", "--mode", "disaggregated", "--steps", str(STEPS), "--quiet"]
-    args += ["rollout.num_inference_steps=4", "save_every=1", "runtime.tag=none"]
+    args += ["rollout.num_inference_steps=4", "save_every=1", "runtime.schedule.tag=none"]
     return [*args, "train.lr=1e-3", f"rewards=[{{name: '{hook}:HoldAt'}}]"]
 
 
@@ -121,7 +121,7 @@ def _hold_at_step_2(
         ("trainer-0", signal.SIGKILL, (), "was killed by signal SIGKILL"),
         ("generator-0", signal.SIGKILL, (), "was killed by signal SIGKILL"),
         # a hung worker (stopped, not dead) is found by the heartbeat
-        ("generator-0", signal.SIGSTOP, ("runtime.heartbeat_s=4",), "stopped answering"),
+        ("generator-0", signal.SIGSTOP, ("runtime.transport.heartbeat_s=4",), "stopped answering"),
     ],
 )
 def test_a_lost_worker_stops_the_run_naming_it_and_resume_finishes_it_exactly(
@@ -254,7 +254,7 @@ def test_an_exception_on_a_worker_is_one_line_with_its_traceback_in_the_log(
     hook, out = tmp_path / "fault_hook.py", tmp_path / "run"
     hook.write_text(_FAULT_HOOK)
     args = ["--model", "sd3", "--mode", "disaggregated", "--steps", "3", "--quiet"]
-    args += ["rollout.num_inference_steps=4", "save_every=1", "runtime.tag=none"]
+    args += ["rollout.num_inference_steps=4", "save_every=1", "runtime.schedule.tag=none"]
     args += [f"rewards=[{{name: '{hook}:reward'}}]", "--out", str(out)]
     at = 2 * _per_step() * (1 if where == "reward" else 4)  # step 2's first scoring or forward
     env = {**os.environ, "FAIL_IN": where, "FAIL_AT": str(at)}

@@ -130,12 +130,20 @@ def test_sharded_lora_trainers_equal_one_trainer_and_colocated(tmp_path: Path) -
         colocated = _run("colocated", [], tmp_path / "colocated")
     finally:
         torch.set_num_threads(threads)
-    one = _run("disaggregated", ["runtime.tag=none"], tmp_path / "one")
-    fsdp_extra = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp"]
-    fsdp_extra += ["runtime.tag=static", "runtime.tag_k=1", "runtime.weight_sync=broadcast"]
+    one = _run("disaggregated", ["runtime.schedule.tag=none"], tmp_path / "one")
+    fsdp_extra = ["runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp"]
+    fsdp_extra += [
+        "runtime.schedule.tag=static",
+        "runtime.schedule.tag_k=1",
+        "runtime.transport.weight_sync=broadcast",
+    ]
     sharded = _run("disaggregated", fsdp_extra, tmp_path / "fsdp")
     # HSDP with one trainer per sharding group: replicas whose gradients FSDP all-reduces
-    hsdp = ["train.num_devices=2", "runtime.trainer_parallel=hsdp", "runtime.shard_size=1"]
+    hsdp = [
+        "train.num_devices=2",
+        "runtime.placement.trainer_parallel=hsdp",
+        "runtime.placement.shard_size=1",
+    ]
     coloc_fsdp = _run("colocated", hsdp, tmp_path / "c2")
     assert colocated.final_state.keys() == sharded.final_state.keys()
     assert _moved(colocated.final_state) > 1e-4  # equality below says something
@@ -166,7 +174,12 @@ def test_sharded_full_finetune_equals_colocated_and_saves_full_weights(tmp_path:
         colocated = _run("colocated", full, tmp_path / "colocated")
     finally:
         torch.set_num_threads(threads)
-    extra = [*full, "runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
+    extra = [
+        *full,
+        "runtime.trainers=2",
+        "runtime.placement.trainer_parallel=fsdp",
+        "runtime.schedule.tag=none",
+    ]
     sharded = _run("disaggregated", extra, tmp_path / "fsdp")
     assert _moved(colocated.final_state) > 1e-4
     # FSDP reduce-scatters the gradients, summing in another order than one process does
@@ -208,11 +221,15 @@ def test_sharded_nft_trainers_keep_the_old_policy_and_its_average(
         cfg, colocated = run("colocated", [], "colocated")
     finally:
         torch.set_num_threads(threads)
-    extra = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=static"]
-    extra += ["runtime.tag_k=1", "runtime.weight_sync=broadcast"]
+    extra = [
+        "runtime.trainers=2",
+        "runtime.placement.trainer_parallel=fsdp",
+        "runtime.schedule.tag=static",
+    ]
+    extra += ["runtime.schedule.tag_k=1", "runtime.transport.weight_sync=broadcast"]
     # generation batches of the colocated trainer's size (train.micro_batch_size), so most
     # samples are the colocated ones bit for bit (a batch's size can change their last bits)
-    extra += ["runtime.samples_per_microbatch=2"]
+    extra += ["runtime.schedule.samples_per_microbatch=2"]
     _, sharded = run("disaggregated", extra, "fsdp")
     start = dict(load_adapter("flux").transformer.named_parameters()) if full else None
     assert_trained_alike(sharded.final_state, colocated.final_state, start)
@@ -318,8 +335,12 @@ def test_sharded_tag_deals_its_rows_over_the_members(tmp_path: Path) -> None:
     from digen.runtime.driver.loop import Driver
     from digen.sched.trace import Trace
 
-    tag = ["runtime.tag=static", "runtime.tag_k=1", "runtime.samples_per_microbatch=4"]
-    sharded = ["runtime.trainers=2", "runtime.trainer_parallel=fsdp"]
+    tag = [
+        "runtime.schedule.tag=static",
+        "runtime.schedule.tag_k=1",
+        "runtime.schedule.samples_per_microbatch=4",
+    ]
+    sharded = ["runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp"]
     cfg = tiny_config("flux", "flowgrpo", [*COMMON, *tag, *sharded], mode="disaggregated")
 
     async def run() -> tuple[list[dict], dict[str, torch.Tensor], Trace]:
@@ -357,7 +378,11 @@ def test_sharded_nft_trainer_0_keeps_one_full_copy(tmp_path: Path, dtype: str) -
     from digen.sched.trace import Trace
 
     over = [*COMMON, "train.lora_rank=0", "steps=2", "algo.params.decay_rate=0.25"]
-    over += ["runtime.trainers=2", "runtime.trainer_parallel=fsdp", "runtime.tag=none"]
+    over += [
+        "runtime.trainers=2",
+        "runtime.placement.trainer_parallel=fsdp",
+        "runtime.schedule.tag=none",
+    ]
     cfg = tiny_config("flux", "nft", [*over, f"model.dtype={dtype}"], mode="disaggregated")
 
     async def run() -> tuple[list[dict], dict, list]:

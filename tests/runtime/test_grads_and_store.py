@@ -138,7 +138,7 @@ def test_store_hands_out_each_part_once_and_is_bounded() -> None:
     pixels = torch.zeros(2, 1, 8, 8, 3, dtype=torch.uint8)
     store.put((0, 0), _rollout().for_training(), pixels)  # what a generator keeps
     store.put((0, 1), _rollout(), pixels)
-    with pytest.raises(RuntimeError, match="runtime.max_inflight"):
+    with pytest.raises(RuntimeError, match="runtime.schedule.max_inflight"):
         store.put((0, 2), _rollout(), pixels)
     assert store.statistics()["held"] == 2
     assert torch.equal(store.take_pixels((0, 0)), pixels)
@@ -265,7 +265,9 @@ def test_a_pull_never_reads_an_old_policy_half_moved() -> None:
     from digen.runtime.worker.store import fetch_weights
     from digen.runtime.worker.trainer import TrainerActor
 
-    cfg = tiny_config("flux", "nft", ["runtime.sync_bucket_mb=1000"], mode="disaggregated")
+    cfg = tiny_config(
+        "flux", "nft", ["runtime.transport.sync_bucket_mb=1000"], mode="disaggregated"
+    )
     trainer = TrainerActor(config_to_dict(cfg), 0, 1, 0)
     halfway, go_on = threading.Event(), threading.Event()
     names = [n for n, _ in trainer._synced()][:2]
@@ -328,8 +330,8 @@ def test_weights_travel_in_the_dtype_of_the_parameters_they_land_in(algo: str) -
         finally:
             trainer.store.clear()
 
-    full = ["train.lora_rank=0", "runtime.sync_bucket_mb=1000"]
-    assert served(*full, "runtime.trainer_dtype=bfloat16") == {torch.bfloat16}
+    full = ["train.lora_rank=0", "runtime.transport.sync_bucket_mb=1000"]
+    assert served(*full, "runtime.placement.trainer_dtype=bfloat16") == {torch.bfloat16}
     assert served(*full) == {torch.bfloat16}
     assert served("train.lora_dtype=float32") == {torch.float32}
-    assert served(*full, "runtime.generator_dtype=float32") == {torch.float32}
+    assert served(*full, "runtime.placement.generator_dtype=float32") == {torch.float32}

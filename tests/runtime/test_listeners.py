@@ -96,12 +96,12 @@ COMMON += ["data.train_batch_size=2", "train.mini_batch_size=null"]
             "disaggregated",
             [
                 "runtime.trainers=2",
-                "runtime.trainer_parallel=fsdp",
-                "runtime.weight_sync=broadcast",
+                "runtime.placement.trainer_parallel=fsdp",
+                "runtime.transport.weight_sync=broadcast",
             ],
         ),
         # the replicated trainers' data-parallel group
-        ("disaggregated", ["runtime.trainers=2", "runtime.tag=none"]),
+        ("disaggregated", ["runtime.trainers=2", "runtime.schedule.tag=none"]),
         # the colocated workers' default group
         ("colocated", ["train.num_devices=2"]),
     ],

@@ -28,8 +28,8 @@ def test_explicit_pool_devices_and_round_robin() -> None:
     cfg = _cfg(
         "runtime.generators=3",
         "runtime.trainers=2",
-        "runtime.generator_devices=cuda:0,cuda:1",
-        "runtime.trainer_devices=[cuda:2]",
+        "runtime.placement.generator_devices=cuda:0,cuda:1",
+        "runtime.placement.trainer_devices=[cuda:2]",
     )
     assert pool_devices(cfg, "generator") == ["cuda:0", "cuda:1"]
     assert [worker_device(cfg, "generator", i, env={}) for i in range(3)] == [
@@ -90,14 +90,21 @@ def test_device_maps_join_gpu_workers_only_and_staging_elsewhere() -> None:
 def test_bad_device_is_one_sentence() -> None:
     from digen.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="runtime.trainer_devices = .* is not allowed: name"):
-        _cfg("runtime.trainer_devices=gpu0")
+    with pytest.raises(
+        ConfigError, match="runtime.placement.trainer_devices = .* is not allowed: name"
+    ):
+        _cfg("runtime.placement.trainer_devices=gpu0")
 
 
 def test_a_bare_cuda_in_a_device_list_is_the_first_gpu() -> None:
-    cfg = _cfg("runtime.generator_devices=cuda", "runtime.trainer_devices=[cuda, cuda:1]")
-    assert cfg.runtime.generator_devices == ["cuda:0"]  # torch.cuda.set_device needs an index
-    assert cfg.runtime.trainer_devices == ["cuda:0", "cuda:1"]
+    cfg = _cfg(
+        "runtime.placement.generator_devices=cuda",
+        "runtime.placement.trainer_devices=[cuda, cuda:1]",
+    )
+    assert cfg.runtime.placement.generator_devices == [
+        "cuda:0"
+    ]  # torch.cuda.set_device needs an index
+    assert cfg.runtime.placement.trainer_devices == ["cuda:0", "cuda:1"]
     assert all_devices(cfg) == {"generator-0": "cuda:0", "trainer-0": "cuda:0"}
 
 
@@ -116,8 +123,8 @@ def test_default_groups_on_gpus_carry_cpu_tensors_too() -> None:
         # 8 GPUs, 6 + 4: the trainers get 3 GPUs, so trainer-3 shares cuda:5 with trainer-0
         (8, ["runtime.generators=6", "runtime.trainers=4"], ["trainers' replicate group"]),
         # one GPU: trainer 0 and the generator share it in the weight-broadcast group
-        (1, ["runtime.weight_sync=broadcast"], ["weight-broadcast group"]),
-        (2, ["runtime.weight_sync=broadcast", "runtime.trainers=1"], []),  # one GPU each
+        (1, ["runtime.transport.weight_sync=broadcast"], ["weight-broadcast group"]),
+        (2, ["runtime.transport.weight_sync=broadcast", "runtime.trainers=1"], []),  # one GPU each
     ],
 )
 def test_groups_with_members_sharing_a_gpu_fall_back_to_gloo_and_say_so(gpus, over, notes) -> None:
@@ -134,14 +141,14 @@ def test_groups_with_members_sharing_a_gpu_fall_back_to_gloo_and_say_so(gpus, ov
 
 
 def test_sharded_trainers_sharing_a_gpu_are_refused_in_one_sentence() -> None:
-    cfg = _cfg("model.device=cuda", "runtime.trainers=2", "runtime.trainer_parallel=fsdp")
+    cfg = _cfg("model.device=cuda", "runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp")
     groups = run_groups(cfg, all_devices(cfg, visible_gpus=1))
     with pytest.raises(
         DigenError,
         match=r"cannot shard over members that share a GPU \(trainer-0 on cuda:0, trainer-1 on cuda:0\)",
     ):
         check_groups(cfg, groups)
-    cfg = load_config(overrides=["runtime.trainer_parallel=fsdp"])
+    cfg = load_config(overrides=["runtime.placement.trainer_parallel=fsdp"])
     with pytest.raises(DigenError, match="rank 0 on cuda:0, rank 1 on cuda:0"):
         check_groups(cfg, colocated_groups(cfg, ["cuda:0", "cuda:0"]))
     assert check_groups(cfg, colocated_groups(cfg, ["cuda:0", "cuda:1"])) == []
@@ -168,8 +175,8 @@ def test_a_two_node_torchrun_launch_is_placed_by_each_rank_on_its_own_node(monke
     from digen.runtime.transport.torchrun import role_for_rank
 
     over = ["model.device=cuda", "runtime.generators=1", "runtime.trainers=8"]
-    over += ["runtime.trainer_parallel=hsdp", "runtime.shard_size=4"]
-    cfg = _cfg(*over, "runtime.weight_sync=broadcast")
+    over += ["runtime.placement.trainer_parallel=hsdp", "runtime.placement.shard_size=4"]
+    cfg = _cfg(*over, "runtime.transport.weight_sync=broadcast")
     per_node = 5
     devices, hosts = {}, {}
     for rank in range(1, 2 * per_node):  # rank 0 is the driver
@@ -200,7 +207,7 @@ def test_a_joiner_computes_on_the_device_it_was_given(monkeypatch) -> None:
     from digen.runtime.placement import DEVICE_ENV, placed_here
     from digen.runtime.worker.base import pool_config
 
-    cfg = _cfg("model.device=cuda", "runtime.generator_devices=[cuda:0,cuda:1]")
+    cfg = _cfg("model.device=cuda", "runtime.placement.generator_devices=[cuda:0,cuda:1]")
     assert pool_config(cfg, "generator", 3).model.device == "cuda:1"  # join number 3
     monkeypatch.setenv(DEVICE_ENV, "cuda:0")
     assert pool_config(cfg, "generator", 3).model.device == "cuda:0"
@@ -215,10 +222,13 @@ def test_gpu_workers_of_a_dynamic_world_stage_their_tensors_through_the_cpu(elas
     maps keyed by digen's names failed at the first reply from a GPU."""
     from digen.runtime.driver.cluster import Cluster
 
-    over = ["model.device=cuda", "runtime.generator_devices=[cuda:0]"]
-    over += ["runtime.trainer_devices=[cuda:1]", "runtime.trainers=1"]
+    over = ["model.device=cuda", "runtime.placement.generator_devices=[cuda:0]"]
+    over += ["runtime.placement.trainer_devices=[cuda:1]", "runtime.trainers=1"]
     if elastic:
-        over += ["runtime.respawn_generators=true", "runtime.on_generator_loss=continue"]
+        over += [
+            "runtime.elastic.respawn_generators=true",
+            "runtime.elastic.on_generator_loss=continue",
+        ]
     cluster = Cluster(_cfg(*over))
     maps = {w.name: w.device_maps for w in cluster.system.workers}
     assert cluster.direct is not elastic

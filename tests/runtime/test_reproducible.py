@@ -47,7 +47,7 @@ pytestmark = pytest.mark.xdist_group("test_reproducible")
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory):
     """One trainer, no TAG, no injected delays."""
-    return _run(tmp_path_factory.mktemp("ref"), ["runtime.tag=none"])
+    return _run(tmp_path_factory.mktemp("ref"), ["runtime.schedule.tag=none"])
 
 
 @pytest.mark.slow
@@ -58,11 +58,13 @@ def test_seeded_runs_repeat_bit_for_bit_whatever_the_timing_and_placement(
     assert moved > 1e-3  # three steps moved the weights: equality says something
 
     monkeypatch.setenv("DIGEN_TEST_JITTER_S", "0.05")
-    tag = ["runtime.tag=static", "runtime.tag_k=2"]
+    tag = ["runtime.schedule.tag=static", "runtime.schedule.tag_k=2"]
     # 2 generators + 1 trainer with TAG, with random delays
     one = _run(tmp_path / "one", tag)
     # 2 generators + 2 trainers with TAG and broadcast weights, with random delays
-    two = _run(tmp_path / "two", ["runtime.trainers=2", "runtime.weight_sync=broadcast", *tag])
+    two = _run(
+        tmp_path / "two", ["runtime.trainers=2", "runtime.transport.weight_sync=broadcast", *tag]
+    )
     for run in (one, two):
         _assert_identical(reference, run)
         assert any(e["kind"] == "tag" for e in run[2])  # TAG did run (on the trainers)
@@ -73,7 +75,9 @@ def test_seeded_runs_repeat_bit_for_bit_whatever_the_timing_and_placement(
 @pytest.mark.slow
 def test_the_driver_moves_keys_not_tensors(reference, tmp_path: Path) -> None:
     rows64 = reference[1]
-    _, rows128, _ = _run(tmp_path, ["model.height=128", "model.width=128", "runtime.tag=none"])
+    _, rows128, _ = _run(
+        tmp_path, ["model.height=128", "model.width=128", "runtime.schedule.tag=none"]
+    )
     for r64, r128 in zip(rows64, rows128, strict=True):
         assert 0 < r64["driver_mb"] < 1.0
         # thumbnails for the sample grid are capped in size, the rest is keys and rewards:

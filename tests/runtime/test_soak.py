@@ -48,22 +48,22 @@ def _settings(rng: random.Random, extra: tuple[str, ...] = ()) -> DigenConfig:
             f"rollout.n={rng.choice([2, 4, 6, 8])}",
             f"runtime.generators={rng.randint(1, 4)}",
             f"runtime.trainers={rng.randint(1, 3)}",
-            f"runtime.microbatch_axis={rng.choice(['generation', 'prompt'])}",
-            f"runtime.pipeline={rng.choice(['true', 'true', 'false'])}",
-            f"runtime.tag={rng.choice(['none', 'static', 'bts'])}",
-            f"runtime.tag_k={rng.randint(1, 3)}",
-            f"runtime.max_staleness={rng.choice([0, 0, 1, 2])}",
-            f"runtime.staleness_ratio={rng.choice([0.25, 0.5, 1.0])}",
-            f"runtime.staleness_schedule={rng.choice(['fixed', 'eager'])}",
+            f"runtime.schedule.microbatch_axis={rng.choice(['generation', 'prompt'])}",
+            f"runtime.schedule.pipeline={rng.choice(['true', 'true', 'false'])}",
+            f"runtime.schedule.tag={rng.choice(['none', 'static', 'bts'])}",
+            f"runtime.schedule.tag_k={rng.randint(1, 3)}",
+            f"runtime.schedule.max_staleness={rng.choice([0, 0, 1, 2])}",
+            f"runtime.schedule.staleness_ratio={rng.choice([0.25, 0.5, 1.0])}",
+            f"runtime.schedule.staleness_schedule={rng.choice(['fixed', 'eager'])}",
             f"algo.adv_std={rng.choice(['group', 'group', 'global'])}",
         ]
         if rng.random() < 0.3:
-            over.append(f"runtime.max_inflight={rng.randint(1, 6)}")
+            over.append(f"runtime.schedule.max_inflight={rng.randint(1, 6)}")
         if rng.random() < 0.3:
-            over.append(f"runtime.samples_per_microbatch={rng.choice([1, 2])}")
+            over.append(f"runtime.schedule.samples_per_microbatch={rng.choice([1, 2])}")
         if rng.random() < 0.25:
             over += ["algo.name=dancegrpo", "algo.best_of_n=2"]
-        over.append(f"runtime.score_overlap={rng.choice(['true', 'false'])}")
+        over.append(f"runtime.schedule.score_overlap={rng.choice(['true', 'false'])}")
         over += extra
         try:
             cfg = load_config(overrides=over)
@@ -142,19 +142,19 @@ def _check_schedule(cfg, results, world: World, cluster: FakeCluster) -> int:
             if ("update", s, mb.mb) not in at:
                 continue
             group = [m.mb for m in mbs[s] if m.prompt == mb.prompt]
-            if cfg.algo.adv_std == "global" or not rt.pipeline:
+            if cfg.algo.adv_std == "global" or not rt.schedule.pipeline:
                 group = [m.mb for m in mbs[s]]
             assert all(at[("score", s, g)] < at[("update", s, mb.mb)] for g in group)
     # staleness: within max_staleness versions, at most the cap per step, as reported
     per_step = schedule_plan(cfg).microbatches
-    cap = stale_cap(per_step, rt.staleness_ratio) if rt.max_staleness else 0
+    cap = stale_cap(per_step, rt.schedule.staleness_ratio) if rt.schedule.max_staleness else 0
     stale = Counter(s for (s, m), v in world.made.items() if v < s)
     for (s, m), v in world.made.items():
-        assert s - rt.max_staleness <= v <= s, (s, m, v)
-        if v < s and rt.staleness_schedule == "fixed":
+        assert s - rt.schedule.max_staleness <= v <= s, (s, m, v)
+        if v < s and rt.schedule.staleness_schedule == "fixed":
             assert v == s - 1 and m < cap, (s, m, v)
     assert all(stale[s] <= cap for s in steps)
-    if rt.staleness_schedule == "fixed":
+    if rt.schedule.staleness_schedule == "fixed":
         assert [stale[s] for s in steps] == [0] + [cap] * (cfg.steps - 1)
     assert [r.metrics["stale_microbatches"] for r in results] == [stale[s] for s in steps]
     # C_gen: generated but not yet trained (or dropped) never above max_inflight
@@ -248,7 +248,7 @@ async def test_soak_generators_lost_and_joining_at_random_calls_nothing_lost_not
     remade = losses = joins = newcomer_work = for_update = 0
     for seed in range(RUNS):
         over = random.Random(4000 + seed)
-        joining = ("runtime.accept_generators=true", "runtime.weight_sync=rpc")
+        joining = ("runtime.elastic.accept_generators=true", "runtime.transport.weight_sync=rpc")
         cfg = _settings(over, joining)
         while cfg.runtime.generators < 2:
             cfg = _settings(over, joining)
@@ -271,7 +271,7 @@ async def test_soak_generators_lost_and_joining_at_random_calls_nothing_lost_not
             per_step = [r.metrics["lost_microbatches"] for r in results]
             assert per_step == [sum(s == k[0] for k in lost) for s in steps]
             if lost:  # only stale work of a lost generator, whose version is gone
-                assert cfg.runtime.max_staleness > 0
+                assert cfg.runtime.schedule.max_staleness > 0
                 assert all(world.holders[k] in world.dead and world.made[k] < k[0] for k in lost)
             assert world.trained == set(updated)
             assert world.untrained == len(lost)  # the fakes count a drop at its release

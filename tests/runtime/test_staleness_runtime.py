@@ -43,7 +43,7 @@ def _check_trace(events: list[dict], steps: int, n_mb: int) -> Counter:
 @pytest.mark.slow
 def test_tcss_invariants_and_learning(tmp_path: Path) -> None:
     steps, n_mb = 30, 4  # 2 prompts x 16 samples in micro-batches of 8 (2 generators)
-    tcss = ["runtime.max_staleness=1", "runtime.staleness_ratio=0.5"]
+    tcss = ["runtime.schedule.max_staleness=1", "runtime.schedule.staleness_ratio=0.5"]
     # 16 samples a group: group-relative advantages of 8 would leave the 30-step curve to
     # chance at this learning rate (seeds 0, 1, 2 moved it by -0.03, +0.06, +0.02 kB)
     sync, sync_events = _run(tmp_path / "sync", ["rollout.n=16"])

@@ -113,7 +113,7 @@ def test_a_worker_killed_on_another_node_stops_both_nodes_leaving_no_process(
     out = tmp_path / "out"
     run = ["-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "200"]
     run += ["--out", str(out), "--quiet", *SMALL, "runtime.generators=2", "runtime.trainers=1"]
-    run += ["save_every=1", "runtime.tag=none"]
+    run += ["save_every=1", "runtime.schedule.tag=none"]
     env = _env(DIGEN_RPC_PORT=str(free_port()))
     nodes = torchrun_nodes(run, nodes=2, per_node=2, env=env, cwd=ROOT)
     try:

@@ -185,8 +185,12 @@ def test_eight_local_gpus_sharded_trainers_broadcast_sync(tmp_path: Path) -> Non
     from digen.runtime.placement import all_devices
 
     log, out = tmp_path / "virtual.jsonl", tmp_path / "out"
-    extra = ["runtime.generators=4", "runtime.trainers=4", "runtime.trainer_parallel=fsdp"]
-    extra += ["runtime.weight_sync=broadcast"]
+    extra = [
+        "runtime.generators=4",
+        "runtime.trainers=4",
+        "runtime.placement.trainer_parallel=fsdp",
+    ]
+    extra += ["runtime.transport.weight_sync=broadcast"]
     args = [sys.executable, "-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "2"]
     args += ["--out", str(out), *SMALL, *extra]
     done = subprocess.run(
@@ -220,8 +224,12 @@ def test_torchrun_two_hosts_of_four_gpus_hsdp(tmp_path: Path) -> None:
     the generator and trainers 0-1 on host 0, trainers 2-5 on host 1 (the same device
     numbers on two hosts are two GPUs); the trainers' group is NCCL."""
     log, out = tmp_path / "virtual.jsonl", tmp_path / "out"
-    extra = ["runtime.generators=1", "runtime.trainers=6", "runtime.trainer_parallel=hsdp"]
-    extra += ["runtime.shard_size=2"]
+    extra = [
+        "runtime.generators=1",
+        "runtime.trainers=6",
+        "runtime.placement.trainer_parallel=hsdp",
+    ]
+    extra += ["runtime.placement.shard_size=2"]
     run = ["-m", "cli.main", "run", "--mode", "disaggregated", "--steps", "1"]
     run += ["--out", str(out), *SMALL, *extra]
     env = vgpu.env(4, log, DIGEN_RPC_PORT=str(free_port()))
@@ -254,7 +262,7 @@ def test_torchrun_two_hosts_of_four_gpus_hsdp(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_an_elastic_run_loses_a_generator_and_takes_it_back(tmp_path: Path) -> None:
-    """``runtime.respawn_generators`` on virtual GPUs (2 generators and a trainer over 4
+    """``runtime.elastic.respawn_generators`` on virtual GPUs (2 generators and a trainer over 4
     devices): generator 1, killed holding work, starts again on the device placement gives
     it, joins, and the run ends; a dynamic world has no device maps, so every tensor crosses
     through the CPU (a GPU tensor sent would be refused)."""
@@ -270,7 +278,11 @@ def test_an_elastic_run_loses_a_generator_and_takes_it_back(tmp_path: Path) -> N
     pause, paused = tmp_path / "pause", tmp_path / "paused"
     env = {k: v for k, v in vgpu.env(4, log).items() if os.environ.get(k) != v}
     env |= {"PAUSE_IN": "generator-0", "PAUSE": str(pause), "PAUSED": str(paused)}
-    extra = ("model.device=cuda", "runtime.respawn_generators=true", "runtime.respawn_after_s=0.1")
+    extra = (
+        "model.device=cuda",
+        "runtime.elastic.respawn_generators=true",
+        "runtime.elastic.respawn_after_s=0.1",
+    )
     proc, workers = _start_held(hook, out, *extra, hold_in="generator-1", hold_at=0, env=env)
     pause.write_text("")
     old = workers["generator-1"]["pid"]

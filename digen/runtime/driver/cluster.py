@@ -68,7 +68,7 @@ class Cluster:
         ``cfg.rewards`` by name in each generator. resume: a checkpoint every trainer loads
         before the generators get its weights. notes: the run's log, where the workers'
         notes go (a prompt the text encoder truncates, ...), as the driver's do.
-        join_secret: with ``runtime.accept_generators``, what a generator joining the run
+        join_secret: with ``runtime.elastic.accept_generators``, what a generator joining the run
         must prove it knows (``digen join``)."""
         self.cfg = cfg
         self.resume = resume
@@ -76,7 +76,7 @@ class Cluster:
         rt = cfg.runtime
         self.gen_names = list(worker_names(Pool.GENERATOR, rt.generators))
         self.trainer_names = list(worker_names(Pool.TRAINER, rt.trainers))
-        elastic = rt.respawn_generators or rt.accept_generators
+        elastic = rt.elastic.respawn_generators or rt.elastic.accept_generators
         self.launched = active_launch() is not None
         self.hosts: dict[str, str] = {}
         """Every worker's machine, under an external launcher (several machines)."""
@@ -95,20 +95,23 @@ class Cluster:
         self.system = ActorSystem(
             [
                 WorkerSpec(
-                    name, threads=rt.threads_per_worker, env=env, device_maps=maps.get(name, {})
+                    name,
+                    threads=rt.placement.threads_per_worker,
+                    env=env,
+                    device_maps=maps.get(name, {}),
                 )
                 for name in self.gen_names + self.trainer_names
             ],
-            address=rt.address,
-            port=rt.port,
-            rpc_timeout_s=rt.rpc_timeout_s,
-            heartbeat_s=rt.heartbeat_s,
+            address=rt.transport.address,
+            port=rt.transport.port,
+            rpc_timeout_s=rt.transport.rpc_timeout_s,
+            heartbeat_s=rt.transport.heartbeat_s,
             preload=PRELOAD,  # torch, diffusers, the backbones: imported once
             # a dynamic world: a lost generator can come back, a new one join
             elastic=elastic,
             joiners=(
-                WorkerSpec(Pool.GENERATOR.value, threads=rt.threads_per_worker, env=env)
-                if rt.accept_generators
+                WorkerSpec(Pool.GENERATOR.value, threads=rt.placement.threads_per_worker, env=env)
+                if rt.elastic.accept_generators
                 else None
             ),
             join_secret=join_secret,
@@ -118,7 +121,7 @@ class Cluster:
         joined by themselves (``digen join``)."""
         self.gens: list[GeneratorHandle] = []
         self.scorers: list[ScorerHandle] = []
-        """With ``runtime.score_overlap``: one per generator, in its process, holding the
+        """With ``runtime.schedule.score_overlap``: one per generator, in its process, holding the
         rewards (else the generators score)."""
         self.trainers: list[TrainerHandle] = []
 
@@ -140,7 +143,7 @@ class Cluster:
         # Trainer 0 hosts the store of each process group, so the address is one of its
         # machine's (the RPC address itself on loopback) and the ports are free there.
         host, dp_port, sync_port = self.system.address, 0, 0
-        if rt.trainers > 1 or rt.weight_sync == "broadcast":
+        if rt.trainers > 1 or rt.transport.weight_sync == "broadcast":
             lead = self.trainer_names[0]
             host = await self.system.run(lead, local_address_toward, self.system.address)
             # bound (on that address only) and held there until its store takes it over
@@ -154,7 +157,7 @@ class Cluster:
             )
             for name in self.gen_names
         ]
-        if rt.score_overlap:  # the rewards beside each generator, on a thread of their own
+        if rt.schedule.score_overlap:  # the rewards beside each generator, on a thread of their own
             self.scorers = [
                 ScorerHandle(self.system.actor(name, SCORER, cfg_dict, self.rewards, name, **where))
                 for name in self.gen_names
@@ -169,9 +172,9 @@ class Cluster:
         if self.resume is not None:
             path, version = str(self.resume.path), self.resume.version
             await asyncio.gather(*(t.restore(path, version) for t in self.trainers))
-        if rt.trainers > 1 and rt.sharded:
+        if rt.trainers > 1 and rt.placement.sharded:
             self.trainers = [TrainerHandle(ShardedTrainers(trainers))]
-        if rt.weight_sync == "broadcast":
+        if rt.transport.weight_sync == "broadcast":
             size = 1 + len(self.gens)
             await asyncio.gather(
                 self.trainers[0].join_sync_group(sync_port, 0, size, host),
@@ -187,7 +190,7 @@ class Cluster:
         await self.system.stop()
 
     async def respawn_generator(self, i: int) -> None:
-        """Start lost generator ``i`` again (``runtime.respawn_generators``): a new process
+        """Start lost generator ``i`` again (``runtime.elastic.respawn_generators``): a new process
         under its name, with its actors built; it holds no weights until it pulls some."""
         name = self.gen_names[i]
         await self.system.respawn(name)
@@ -196,7 +199,7 @@ class Cluster:
             self.system.actor(name, GENERATOR, cfg_dict, self.rewards, name, **where)
         )
         scorer = None
-        if self.cfg.runtime.score_overlap:
+        if self.cfg.runtime.schedule.score_overlap:
             scorer = ScorerHandle(
                 self.system.actor(name, SCORER, cfg_dict, self.rewards, name, **where)
             )
@@ -206,8 +209,8 @@ class Cluster:
             self.scorers[i] = scorer
 
     async def next_arrival(self) -> Arrival:
-        """The next generator that joined the world by itself (``runtime.accept_generators``),
-        once there is one."""
+        """The next generator that joined the world by itself
+        (``runtime.elastic.accept_generators``), once there is one."""
         return await self.system.next_arrival()
 
     async def add_generator(self, name: str) -> int:
@@ -220,7 +223,7 @@ class Cluster:
             self.system.actor(name, GENERATOR, cfg_dict, self.rewards, name, **where)
         )
         scorers = []
-        if self.cfg.runtime.score_overlap:
+        if self.cfg.runtime.schedule.score_overlap:
             scorers.append(
                 ScorerHandle(self.system.actor(name, SCORER, cfg_dict, self.rewards, name, **where))
             )
@@ -273,14 +276,14 @@ class Cluster:
     def serve_weights(self, version: int) -> Coroutine[Any, Any, TimedResult] | None:
         """Trainer 0's side of a weight sync: the call that enters the broadcast; None when
         the generators pull (trainer 0 serves its live weights, bucket by bucket)."""
-        if self.cfg.runtime.weight_sync != "broadcast":
+        if self.cfg.runtime.transport.weight_sync != "broadcast":
             return None
         return self.trainers[0].broadcast_weights(version)
 
     async def send_weights(self, i: int, version: int) -> TimedResult:
         """Generator ``i``'s side: it pulls ``version`` from trainer 0, or receives the
         broadcast. Queued behind whatever that generator is running."""
-        if self.cfg.runtime.weight_sync == "broadcast":
+        if self.cfg.runtime.transport.weight_sync == "broadcast":
             return await self.gens[i].broadcast_weights(version)
         return await self.gens[i].pull_weights(self.trainer_names[0], version)
 

@@ -8,10 +8,10 @@ naming the worker:
 
 - :meth:`Driver._generator_loop`, one per generator (Algorithm 1, lines 5-17): score what
   trainers made (SQ) first; else take the next micro-batch the admission rule allows
-  (staleness, and ``C_gen``: at most ``runtime.max_inflight`` generated and not yet
+  (staleness, and ``C_gen``: at most ``runtime.schedule.max_inflight`` generated and not yet
   trained), generate it and score it where its pixels are. A scored group gets its
   advantages at once and its micro-batches go on the step's UQ. With
-  ``runtime.score_overlap`` (the default) the scoring half of that loop is its own
+  ``runtime.schedule.score_overlap`` (the default) the scoring half of that loop is its own
   coroutine, :meth:`Driver._scorer_loop`, calling the scoring actor beside the generator:
   SQ first, then what its generator made, while the generator goes on generating;
 - :meth:`Driver._trainer_loop`, one per trainer (lines 18-26): update what UQ holds; when UQ
@@ -26,7 +26,7 @@ Who runs what next, and what was handed out, made, scored and trained, is the
 loops below ask it, hand the work to :class:`~digen.runtime.driver.work.Work` (which awaits
 the actors and tells the scheduler what came back) and wait on
 :class:`~digen.runtime.driver.progress.Progress`. Beside them, observing: a lost generator
-is the exception to "a failure ends the run" (``runtime.on_generator_loss``), gone on
+is the exception to "a failure ends the run" (``runtime.elastic.on_generator_loss``), gone on
 without by :class:`~digen.runtime.driver.recovery.Recovery` (what it held is made again by
 the others, from the same keys); membership (restarts, generators that join) is the
 :class:`~digen.runtime.driver.pool.GeneratorPool`'s; the weight sync is
@@ -91,7 +91,7 @@ class Driver(ClusterBackend):
         pass fakes with its methods); ``clock``: the clock task spans are read on;
         ``resume``: a checkpoint the trainers start from (the run continues at its step);
         ``notes``: the run's log, where the workers write their notes; ``join_secret``:
-        with ``runtime.accept_generators``, what a joining generator must prove it knows."""
+        with ``runtime.elastic.accept_generators``, what a joining generator must prove it knows."""
         self.cfg, self.clock = cfg, clock
         if cluster is None:
             cluster = Cluster(cfg, rewards, resume=resume, notes=notes, join_secret=join_secret)
@@ -224,7 +224,7 @@ class Driver(ClusterBackend):
         for j, t in enumerate(self.trainers):
             self._start(f"loop-{t.worker}", partial(self._trainer_loop, j, steps))
         self._start("loop-watch", partial(self.pool.watch_losses, self.recovery.lose))
-        if self.cfg.runtime.accept_generators:
+        if self.cfg.runtime.elastic.accept_generators:
             self._start("loop-arrivals", partial(self.pool.watch_arrivals, self.accounts.workers))
 
     async def _train_step(self, s: int) -> StepResult | None:

@@ -4,14 +4,15 @@ that joins by itself.
 The driver (:mod:`digen.runtime.driver.loop`) schedules work on the generators that are in
 the pool; this module decides what a change of members means and says it:
 
-- a **loss** either ends the run (``runtime.on_generator_loss = fail``, fewer than
-  ``runtime.min_generators`` left, a weight broadcast group) or is gone on without: the
-  driver has what the lost generator held made again by the others, and the pool logs it,
-  tells the runner (``on_change``) and, with ``runtime.respawn_generators``, starts a new
-  process in its place after a back-off;
+- a **loss** either ends the run (``runtime.elastic.on_generator_loss = fail``, fewer
+  than ``runtime.elastic.min_generators`` left, a weight broadcast group) or is gone on
+  without: the driver has what the lost generator held made again by the others, and the
+  pool logs it, tells the runner (``on_change``) and, with
+  ``runtime.elastic.respawn_generators``, starts a new process in its place after a
+  back-off;
 - a generator **started again** or one that **joined the world** (``digen join``, with
-  ``runtime.accept_generators``) waits in :attr:`GeneratorPool.joining` until the next weight
-  sync, where it takes that step's weights before any work
+  ``runtime.elastic.accept_generators``) waits in :attr:`GeneratorPool.joining` until the
+  next weight sync, where it takes that step's weights before any work
   (:mod:`~digen.runtime.driver.sync`), and the pool says it is back.
 
 What each member holds and which ones are alive is the scheduler's
@@ -62,7 +63,7 @@ class GeneratorPool:
         self.rt, self.cluster, self.sched = cfg.runtime, cluster, sched
         self.trace, self.clock, self.stopping = trace, clock, stopping
         self.respawns: dict[int, int] = defaultdict(int)
-        """Restarts of each generator so far (``runtime.respawn_generators``)."""
+        """Restarts of each generator so far (``runtime.elastic.respawn_generators``)."""
         self.joining: set[int] = set()
         """Generators started again or arrived, joining at the next weight sync."""
         self.on_change: Callable[[dict[str, Any]], Any] | None = None
@@ -89,12 +90,16 @@ class GeneratorPool:
     def refuse_loss(self, died: WorkerDied) -> None:
         """Raise ``died`` again, with the reason, when the run cannot go on without it."""
         left, why = len(self.sched.alive) - 1, None
-        if self.rt.on_generator_loss == "fail":
-            why = "runtime.on_generator_loss is fail"
-        elif left < self.rt.min_generators:
-            why = f"{left} generator(s) left, fewer than runtime.min_generators ({self.rt.min_generators})"
-        elif self.rt.weight_sync == "broadcast":
-            why = "the weight broadcast group cannot lose a member (runtime.weight_sync=rpc can)"
+        if self.rt.elastic.on_generator_loss == "fail":
+            why = "runtime.elastic.on_generator_loss is fail"
+        elif left < self.rt.elastic.min_generators:
+            least = self.rt.elastic.min_generators
+            why = f"{left} generator(s) left, fewer than runtime.elastic.min_generators ({least})"
+        elif self.rt.transport.weight_sync == "broadcast":
+            why = (
+                "the weight broadcast group cannot lose a member "
+                "(runtime.transport.weight_sync=rpc can)"
+            )
         if why is not None:
             raise died.again(why)
 
@@ -140,7 +145,7 @@ class GeneratorPool:
         alive = len(self.sched.alive)
         how = "joined the run"
         if self.respawns[i]:
-            how = f"is back (restart {self.respawns[i]} of {self.rt.max_respawns})"
+            how = f"is back (restart {self.respawns[i]} of {self.rt.elastic.max_respawns})"
         _log().warning(
             f"{name} (pid {self.cluster.pid_of(name)}) {how} with version {version}; "
             f"the run goes on with {alive} generator(s)."
@@ -170,9 +175,9 @@ class GeneratorPool:
                 raise died.again()
 
     async def watch_arrivals(self, workers: list[str]) -> None:
-        """Generators that join the world by themselves (``runtime.accept_generators``): each
-        gets its actors and its name in ``workers`` (the cost ledger's), and joins the pool
-        at the next weight sync."""
+        """Generators that join the world by themselves
+        (``runtime.elastic.accept_generators``): each gets its actors and its name in
+        ``workers`` (the cost ledger's), and joins the pool at the next weight sync."""
         while True:
             arrival = await self.cluster.next_arrival()
             if self.stopping():
@@ -192,18 +197,18 @@ class GeneratorPool:
             )
 
     def _maybe_restart(self, i: int, died: WorkerDied) -> None:
-        again = self.rt.respawn_generators and self.cluster.can_respawn(i)
-        if again and self.respawns[i] < self.rt.max_respawns:
+        again = self.rt.elastic.respawn_generators and self.cluster.can_respawn(i)
+        if again and self.respawns[i] < self.rt.elastic.max_respawns:
             self.start(f"respawn-{died.worker}", lambda: self._respawn(i))
 
     async def _respawn(self, i: int) -> None:
         """Start lost generator ``i`` again after the back-off; it joins the pool at the next
         weight sync, with that step's weights. A restart that fails is said in the log and
-        tried again, up to ``runtime.max_respawns``."""
+        tried again, up to ``runtime.elastic.max_respawns``."""
         rt, name = self.rt, self.actors[i].worker
-        while self.respawns[i] < rt.max_respawns and not self.stopping():
+        while self.respawns[i] < rt.elastic.max_respawns and not self.stopping():
             self.respawns[i] += 1
-            await asyncio.sleep(rt.respawn_after_s * 2 ** (self.respawns[i] - 1))
+            await asyncio.sleep(rt.elastic.respawn_after_s * 2 ** (self.respawns[i] - 1))
             if self.stopping():
                 return
             try:
@@ -211,13 +216,14 @@ class GeneratorPool:
             except Exception as exc:  # noqa: BLE001 (said, and tried again)
                 _log().warning(
                     f"{name} could not be started again ({type(exc).__name__}: {exc}); "
-                    f"restart {self.respawns[i]} of {rt.max_respawns}."
+                    f"restart {self.respawns[i]} of {rt.elastic.max_respawns}."
                 )
                 continue
             self.joining.add(i)
             _log().warning(
                 f"{name} (pid {self.cluster.pid_of(name)}) started again (restart "
-                f"{self.respawns[i]} of {rt.max_respawns}); it joins at the next step boundary."
+                f"{self.respawns[i]} of {rt.elastic.max_respawns}); it joins at the next step "
+                "boundary."
             )
             return
 

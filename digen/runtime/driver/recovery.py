@@ -1,4 +1,4 @@
-"""A generator lost mid-run (``runtime.on_generator_loss = continue``): what it held is
+"""A generator lost mid-run (``runtime.elastic.on_generator_loss = continue``): what it held is
 made again by the others, from the same keys, before any new micro-batch.
 
 :meth:`Recovery.lose` tells the scheduler, which puts what the lost generator held (made,

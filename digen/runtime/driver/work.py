@@ -55,14 +55,15 @@ class Work:
         self.cfg, self.cluster, self.sched, self.updates = cfg, cluster, sched, updates
         self.call, self.accounts, self.progress = call, accounts, progress
         self.recovery, self.prompts, self.mini_size = recovery, prompts, mini_size
-        self.overlap = cfg.runtime.score_overlap
+        self.overlap = cfg.runtime.schedule.score_overlap
         """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
         self.samples_at: Callable[[int], bool] = lambda step: False
         """``samples_at(step)``: whether that step brings back thumbnails for a sample grid."""
 
     @property
     def scorers(self) -> list[ScorerHandle] | list[GeneratorHandle]:
-        """Each generator's scoring actor (``runtime.score_overlap``); else the generators."""
+        """Each generator's scoring actor (``runtime.schedule.score_overlap``); else the
+        generators."""
         return self.cluster.scorers if self.overlap else self.cluster.gens
 
     async def generate(

@@ -62,7 +62,7 @@ def torchrun_world(env: Mapping[str, str], cfg: DigenConfig) -> tuple[int, int, 
     rt = cfg.runtime
     if rt.mode != "disaggregated":
         raise DigenError(
-            f"a torchrun launch runs the disaggregated runtime; runtime.mode is {rt.mode!r}, "
+            f"a torchrun launch runs the disaggregated runtime; runtime.mode is '{rt.mode}', "
             "so add --mode disaggregated."
         )
     need = 1 + rt.generators + rt.trainers

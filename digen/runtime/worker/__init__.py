@@ -22,7 +22,7 @@ GPU to GPU (device maps); otherwise the sender stages them on the CPU. Every met
 what it receives onto its own device before using it. The driver passes keys, rewards and
 advantages, never tensors.
 
-Weights reach the generators in buckets of at most ``runtime.sync_bucket_mb``: each
+Weights reach the generators in buckets of at most ``runtime.transport.sync_bucket_mb``: each
 generator pulls them from trainer 0 (``weight_sync: rpc``; trainer 0 serves them from its
 live parameters, no full copy), or trainer 0 and the generators enter one broadcast per
 bucket (``weight_sync: broadcast``; NCCL when every member is on a GPU, else gloo through

@@ -61,16 +61,18 @@ def weight_buckets(params: Sequence[torch.Tensor], max_numel: int) -> list[list[
 
 def pool_config(cfg: DigenConfig | dict[str, Any], pool: str, index: int = 0) -> DigenConfig:
     """The run's config with ``model.device`` / ``model.dtype`` set to this worker's own, and
-    both pools' dtypes spelt out (``runtime.generator_dtype``, ``runtime.trainer_dtype``)."""
+    both pools' dtypes spelt out (``runtime.placement.generator_dtype``,
+    ``runtime.placement.trainer_dtype``)."""
     cfg = cfg if isinstance(cfg, DigenConfig) else load_config(base=cfg)
     device = os.environ.get(DEVICE_ENV) or worker_device(cfg, pool, index)
-    rt = cfg.runtime
-    runtime = dataclasses.replace(
-        rt,
-        generator_dtype=rt.generator_dtype or cfg.model.dtype,
-        trainer_dtype=rt.trainer_dtype or cfg.model.dtype,
+    own = cfg.runtime.placement
+    placement = dataclasses.replace(
+        own,
+        generator_dtype=own.generator_dtype or cfg.model.dtype,
+        trainer_dtype=own.trainer_dtype or cfg.model.dtype,
     )
-    model = dataclasses.replace(cfg.model, device=device, dtype=getattr(runtime, f"{pool}_dtype"))
+    model = dataclasses.replace(cfg.model, device=device, dtype=getattr(placement, f"{pool}_dtype"))
+    runtime = dataclasses.replace(cfg.runtime, placement=placement)
     return dataclasses.replace(cfg, model=model, runtime=runtime)
 
 
@@ -152,13 +154,13 @@ class PolicyActor(WorkerActor):
         mesh: Any = None,
         hosts: dict[str, str] | None = None,
     ) -> None:
-        set_threads(cfg.runtime.threads_per_worker)
+        set_threads(cfg.runtime.placement.threads_per_worker)
         super().__init__(cfg, name, devices, direct, hosts)
         self.cfg = cfg
         self.policy = Policy(cfg, trainable=trainable, mesh=mesh)
         self.sync_group = None
         rt = cfg.runtime
-        same = rt.generator_dtype == rt.trainer_dtype
+        same = rt.placement.generator_dtype == rt.placement.trainer_dtype
         live = [p.dtype for _, p in self.policy.synced_parameters()]
         self._wire_dtypes = [d if same or not d.is_floating_point else torch.float32 for d in live]
         """The dtype each synced weight travels in: that of the parameter it lands in where
@@ -173,8 +175,8 @@ class PolicyActor(WorkerActor):
         names.append(worker_name(Pool.TRAINER, 0))
         members = [self.devices.get(w, self.device) for w in names]
         machines = [self.hosts.get(w, "") for w in names] if self.hosts else None
-        host = host or self.cfg.runtime.address
-        timeout_s = self.cfg.runtime.rpc_timeout_s
+        host = host or self.cfg.runtime.transport.address
+        timeout_s = self.cfg.runtime.transport.rpc_timeout_s
         store = tcp_store(host, port, size, lead=rank == 0, timeout=timedelta(seconds=timeout_s))
         with pinned_to_loopback(host):
             self.sync_group = make_group(store, rank, size, members, timeout_s, machines)
@@ -243,8 +245,11 @@ class PolicyActor(WorkerActor):
         return self._buckets_of([p for _, p in self._synced()])
 
     def _buckets_of(self, tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-        """Indices of ``tensors`` in buckets of at most ``runtime.sync_bucket_mb`` (fp32)."""
-        return weight_buckets(tensors, max(1, int(self.cfg.runtime.sync_bucket_mb * 1e6 / 4)))
+        """Indices of ``tensors`` in buckets of at most ``runtime.transport.sync_bucket_mb``
+        (fp32)."""
+        return weight_buckets(
+            tensors, max(1, int(self.cfg.runtime.transport.sync_bucket_mb * 1e6 / 4))
+        )
 
     def broadcast_weights(self, version: int) -> TimedResult:
         """Enter the weight broadcast (every member at once, bucket by bucket): trainer 0

@@ -1,12 +1,12 @@
 """Sharded trainers: FSDP2 (``fully_shard``) over a ``DeviceMesh``.
 
-With ``runtime.trainer_parallel: fsdp`` every transformer block (the classes diffusers lists
-in the model's ``_no_split_modules``), then the whole transformer, is sharded over all the
-trainers: each holds ``1 / T`` of the weights, of the gradients and of the optimizer state, and
-a block's full weights exist only while it runs (one all-gather in the forward pass, one in
-the backward pass, then a reduce-scatter of its gradients). ``hsdp`` shards inside groups of
-``runtime.shard_size`` trainers (the GPUs of a node) and replicates across them, all-reducing
-gradients between groups.
+With ``runtime.placement.trainer_parallel: fsdp`` every transformer block (the classes
+diffusers lists in the model's ``_no_split_modules``), then the whole transformer, is sharded
+over all the trainers: each holds ``1 / T`` of the weights, of the gradients and of the
+optimizer state, and a block's full weights exist only while it runs (one all-gather in the
+forward pass, one in the backward pass, then a reduce-scatter of its gradients). ``hsdp``
+shards inside groups of ``runtime.placement.shard_size`` trainers (the GPUs of a node) and
+replicates across them, all-reducing gradients between groups.
 
 Every collective needs every member, so sharded trainers move in lockstep: they act as one
 trainer that is ``T`` devices wide. Each update call is split by rows over the members, and
@@ -67,7 +67,9 @@ def make_mesh(kind: str, world: int, device_type: str, shard_size: int | None = 
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     size = shard_size or hsdp_shard_size(world, device_type)
     if world % size:
-        raise ValueError(f"runtime.shard_size={size} does not divide the {world} trainers")
+        raise ValueError(
+            f"runtime.placement.shard_size={size} does not divide the {world} trainers"
+        )
     return init_device_mesh(
         device_type, (world // size, size), mesh_dim_names=("replicate", "shard")
     )
@@ -76,7 +78,8 @@ def make_mesh(kind: str, world: int, device_type: str, shard_size: int | None = 
 def hsdp_shard_size(world: int, device_type: str) -> int:
     """HSDP's default sharding group: the trainers of one node (torchrun's
     ``LOCAL_WORLD_SIZE``, else the GPUs this node shows), capped at ``world``. When that is
-    every trainer, HSDP is plain FSDP: the run's log says so (``runtime.shard_size`` sets it)."""
+    every trainer, HSDP is plain FSDP: the run's log says so (``runtime.placement.shard_size``
+    sets it)."""
     import logging
     import os
 
@@ -90,9 +93,9 @@ def hsdp_shard_size(world: int, device_type: str) -> int:
     size = max(1, min(world, size))
     if size == world:
         logging.getLogger("digen").info(
-            f"runtime.trainer_parallel=hsdp over {world} trainers of one node shards over all "
-            "of them, as fsdp does (no replicas); set runtime.shard_size to shard in smaller "
-            "groups and replicate across them"
+            f"runtime.placement.trainer_parallel=hsdp over {world} trainers of one node shards "
+            "over all of them, as fsdp does (no replicas); set runtime.placement.shard_size to "
+            "shard in smaller groups and replicate across them"
         )
     return size
 

@@ -25,7 +25,7 @@ __all__ = ["GeneratorActor"]
 class GeneratorActor(PolicyActor):
     """Samples trajectories; scores them too, unless its
     :class:`~digen.runtime.worker.scorer.ScorerActor` does
-    (``runtime.score_overlap``, the default)."""
+    (``runtime.schedule.score_overlap``, the default)."""
 
     def __init__(
         self,
@@ -41,7 +41,7 @@ class GeneratorActor(PolicyActor):
         self.scoring = None
         self._eval_pulled: dict[str, torch.Tensor] = {}  # the lent average's buckets so far
         self._eval_next = 0  # the bucket it pulls next
-        if not cfg.runtime.score_overlap:
+        if not cfg.runtime.schedule.score_overlap:
             self.scoring = Scoring(self, reward_loop(cfg, rewards))
 
     def score(self, request: ScoreRequest) -> TimedResult:
@@ -86,7 +86,9 @@ class GeneratorActor(PolicyActor):
 
     def _scoring(self) -> Scoring:
         if self.scoring is None:
-            raise RuntimeError(f"{self.name}: its scoring actor scores (runtime.score_overlap)")
+            raise RuntimeError(
+                f"{self.name}: its scoring actor scores (runtime.schedule.score_overlap)"
+            )
         return self.scoring
 
     def close(self) -> None:

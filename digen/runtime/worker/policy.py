@@ -140,7 +140,7 @@ class Policy:
             self.old = [_kept_copy(p) for _, p in self.synced_parameters()]
         self._old_before: dict[int, list[torch.Tensor]] = {}
         """Version -> the old policy that sampled at it, for the last
-        ``runtime.max_staleness`` versions (stale micro-batches read it)."""
+        ``runtime.schedule.max_staleness`` versions (stale micro-batches read it)."""
         self.ema: list[torch.Tensor] | None = None
         """A moving average of the trained weights that evaluation samples with
         (``eval.ema``), in :meth:`synced_parameters` order, on a trainer."""
@@ -407,7 +407,7 @@ class Policy:
             raise RuntimeError(
                 f"a micro-batch sampled at version {version} reached a trainer at version "
                 f"{self.version}, which keeps the old policy of versions "
-                f"{sorted(self._old_before)} only (runtime.max_staleness)"
+                f"{sorted(self._old_before)} only (runtime.schedule.max_staleness)"
             )
         return self._old_before[version]
 
@@ -743,7 +743,7 @@ class Policy:
         kept; returns the version."""
         self.version += 1
         if self.old is not None:
-            behind = self.cfg.runtime.max_staleness
+            behind = self.cfg.runtime.schedule.max_staleness
             if behind > 0:  # stale micro-batches were sampled by it: their loss reads it
                 self._old_before[self.version - 1] = [o.detach().clone() for o in self.old]
                 for v in [v for v in self._old_before if v < self.version - behind]:

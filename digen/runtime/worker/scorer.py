@@ -55,7 +55,7 @@ class Scoring:
     """The run's rewards in a generator's process, and scoring a micro-batch with them.
 
     Held by the actor that scores there: the generator's :class:`ScorerActor`
-    (``runtime.score_overlap``, the default) or else the generator itself.
+    (``runtime.schedule.score_overlap``, the default) or else the generator itself.
     """
 
     def __init__(self, actor: WorkerActor, rewards: RewardLoop) -> None:

@@ -71,7 +71,7 @@ class Store:
             if len(self._items) >= self.capacity:
                 raise RuntimeError(
                     f"this worker already holds {len(self._items)} micro-batches, its limit "
-                    "(runtime.max_inflight bounds what is generated and not yet trained)"
+                    "(runtime.schedule.max_inflight bounds what is generated and not yet trained)"
                 )
             self._items[key] = _Held(rollout, pixels, conditioning)
 

@@ -58,24 +58,25 @@ class TrainerActor(PolicyActor):
         hosts: dict[str, str] | None = None,
     ) -> None:
         """``dp_host``: where trainer 0 serves the data-parallel group's store
-        (``runtime.address`` when None).
+        (``runtime.transport.address`` when None).
 
-        With ``runtime.trainer_parallel`` fsdp or hsdp (and ``world > 1``) the trainers shard
-        the transformer over a device mesh and act as one (:mod:`digen.runtime.worker.fsdp`): each
-        takes its share of every update's rows, and trainer 0 keeps a full copy of the
-        trained weights, gathered after each step, to serve, save and return.
+        With ``runtime.placement.trainer_parallel`` fsdp or hsdp (and ``world > 1``) the
+        trainers shard the transformer over a device mesh and act as one
+        (:mod:`digen.runtime.worker.fsdp`): each takes its share of every update's rows, and
+        trainer 0 keeps a full copy of the trained weights, gathered after each step, to
+        serve, save and return.
         """
         cfg = pool_config(cfg, Pool.TRAINER, rank)
         rt = cfg.runtime
         self.rank, self.world = rank, world
-        self.sharded = world > 1 and rt.sharded
+        self.sharded = world > 1 and rt.placement.sharded
         names = [w for w in devices or {} if w.startswith(Pool.TRAINER.value)]
         trainers = [(devices or {})[w] for w in names] or [cfg.model.device]
         machines = [(hosts or {}).get(w, "") for w in names] if hosts and names else None
-        host = dp_host or rt.address
+        host = dp_host or rt.transport.address
         mesh = store = None
         if world > 1:
-            timeout = timedelta(seconds=rt.rpc_timeout_s)
+            timeout = timedelta(seconds=rt.transport.rpc_timeout_s)
             store = tcp_store(host, dp_port, world, lead=rank == 0, timeout=timeout)
         if self.sharded:
             if is_cuda(cfg.model.device):
@@ -93,7 +94,9 @@ class TrainerActor(PolicyActor):
         self.dp_group = None
         if world > 1 and not self.sharded:
             with pinned_to_loopback(host):
-                self.dp_group = make_group(store, rank, world, trainers, rt.rpc_timeout_s, machines)
+                self.dp_group = make_group(
+                    store, rank, world, trainers, rt.transport.rpc_timeout_s, machines
+                )
         self.grads = GradAccumulator(self.policy.params, ordered=cfg.train.ordered_grads)
         self._full: dict[str, torch.Tensor] = {}
         """Sharded: trainer 0's full copy of the trained weights (the others hold none)."""
@@ -232,7 +235,7 @@ class TrainerActor(PolicyActor):
     def update(self, request: UpdateRequest) -> TimedResult:
         """Forward/backward the samples of a micro-batch
         (:class:`~digen.runtime.messages.UpdateRequest`), in TSP chunks of
-        ``runtime.tsp_degree`` timesteps; returns their ``LossStats``."""
+        ``runtime.schedule.tsp_degree`` timesteps; returns their ``LossStats``."""
         self.jitter()
         t0 = time.time()
         mb, holder, prompt = request.mb, request.holder, request.prompt
@@ -267,7 +270,7 @@ class TrainerActor(PolicyActor):
                     advantages=adv[idx],
                     version=version,
                 )
-                got = self.policy.accumulate(part, scale, self.cfg.runtime.tsp_degree)
+                got = self.policy.accumulate(part, scale, self.cfg.runtime.schedule.tsp_degree)
                 if chunk is not None:
                     stats.add(got)
         return self.timed(stats, t0)
@@ -328,9 +331,13 @@ def _trainer_mesh(
     kinds = {"cuda" if is_cuda(d) else "cpu" for d in devices}
     if len(kinds) > 1:
         raise ValueError(
-            f"runtime.trainer_parallel={cfg.runtime.trainer_parallel} needs every trainer on "
-            f"the same kind of device, not {sorted(kinds)}"
+            f"runtime.placement.trainer_parallel={cfg.runtime.placement.trainer_parallel} needs "
+            f"every trainer on the same kind of device, not {sorted(kinds)}"
         )
     with pinned_to_loopback(host):
-        init_default_group(store, rank, world, devices, cfg.runtime.rpc_timeout_s, machines)
-    return make_mesh(cfg.runtime.trainer_parallel, world, kinds.pop(), cfg.runtime.shard_size)
+        init_default_group(
+            store, rank, world, devices, cfg.runtime.transport.rpc_timeout_s, machines
+        )
+    return make_mesh(
+        cfg.runtime.placement.trainer_parallel, world, kinds.pop(), cfg.runtime.placement.shard_size
+    )

@@ -128,7 +128,7 @@ def join_world(
         if time.monotonic() > deadline:
             raise JoinRefused(
                 f"the run at {where} takes no joining workers (it must be started "
-                f"with runtime.accept_generators=true), or it is still starting: waited "
+                f"with runtime.elastic.accept_generators=true), or it is still starting: waited "
                 f"{wait_s:g} s."
             )
         time.sleep(0.2)
