@@ -52,12 +52,11 @@ class WeightSync:
         caller sends its generate call before it next yields: a weight load queued in
         between would make it with other weights than the ones admitted)."""
         waiting = self._quota_waiter
-        released = waiting is not None and not self.sched.quota_pending(waiting[0])
-        if released and not waiting[1].done():
-            waiting[1].set_result(None)
+        if waiting is not None and not self.sched.quota_pending(waiting[0]):
+            self.release()
 
     def release(self) -> None:
-        """The run stops: a sync waiting for the quota goes now."""
+        """A sync waiting for the quota goes now (the quota is met, or the run stops)."""
         waiting = self._quota_waiter
         if waiting is not None and not waiting[1].done():
             waiting[1].set_result(None)
