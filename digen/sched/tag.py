@@ -41,10 +41,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from digen.sched._engine import GEN, TAG, UPDATE, Engine
-from digen.sched.costs import Costs
+from digen.sched.costs import Costs, OnlineProfiler
+from digen.sched.names import Pool
 from digen.sched.state import SchedState, WorkerClock
+
+if TYPE_CHECKING:
+    from digen.sched.scheduler import Scheduler
 
 __all__ = [
     "BTS",
@@ -58,6 +63,7 @@ __all__ = [
     "TagPolicy",
     "WorkerClock",
     "brute_force",
+    "decide_at_bubble",
     "search",
 ]
 
@@ -483,3 +489,24 @@ def make_tag_policy(name: str, k: int) -> TagPolicy | None:
     """The TAG policy ``runtime.schedule.tag = name`` selects (``k``:
     ``runtime.schedule.tag_k``)."""
     return TAG_POLICIES[name](k)
+
+
+def decide_at_bubble(
+    policy: TagPolicy | None,
+    profiler: OnlineProfiler,
+    sched: Scheduler,
+    trainer: int,
+    clock: Callable[[], float],
+) -> bool:
+    """A running driver's TAG decision at trainer ``trainer``'s bubble, on the costs the run
+    has measured so far. The run's first bubble is a probe: one TAG times the trainer's
+    generation, as the paper does. While remakes are pending the trainer waits (the state the
+    search plans on cannot show them)."""
+    if policy is None:
+        return False
+    if not profiler.seen("gen_tag"):
+        return True
+    if not profiler.ready() or not sched.plannable:
+        return False
+    costs = profiler.costs(generator_pool=Pool.GENERATOR, trainer_pool=Pool.TRAINER)
+    return policy.decide(sched.sched_state(trainer, clock(), costs), costs)

@@ -13,10 +13,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from digen.checkpoint import PROFILER
 from digen.config import DigenConfig
 from digen.runtime.messages import LossStats, StepResult
 from digen.runtime.metrics import OVERHEAD_KINDS, Overhead, step_metrics
@@ -41,11 +43,16 @@ class _Step:
 class CostLedger:
     """The trace, the profiler and per-step costs of one disaggregated run."""
 
-    def __init__(self, cfg: DigenConfig, trace: Trace, workers: Sequence[str]) -> None:
+    def __init__(
+        self, cfg: DigenConfig, trace: Trace, workers: Sequence[str], resume: Path | None = None
+    ) -> None:
+        """``resume``: a checkpoint's folder; its cost estimates, where it kept them, are
+        where the profiler starts (BTS then plans from the run's costs, not from nothing)."""
         self.cfg = cfg
         self.trace = trace
         self.workers = list(workers)
-        self.profiler = OnlineProfiler()
+        kept = resume / PROFILER if resume is not None else None
+        self.profiler = OnlineProfiler.load(kept) if kept and kept.is_file() else OnlineProfiler()
         self._steps: dict[int, _Step] = defaultdict(_Step)
 
     def record(

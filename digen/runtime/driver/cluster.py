@@ -15,7 +15,7 @@ import logging
 import socket
 from collections.abc import Collection, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 import torch
 
@@ -387,6 +387,25 @@ class ClusterBackend:
     async def whereabouts(self) -> dict[str, dict[str, Any]]:
         """Host and pid of every worker, by name."""
         return await self.cluster.whereabouts()
+
+    async def _raise_failure(self, group: BaseExceptionGroup, went_on: Collection[int]) -> NoReturn:
+        """Raise the error a failed run reports: a dead worker first, else the first failure;
+        a call between two workers that met a loss first reports the loss. ``went_on``: the
+        generators whose loss the run survived."""
+        died = group.subgroup(WorkerDied)
+        leaves, stack = [], [died if died is not None else group]
+        while stack:
+            exc = stack.pop(0)
+            if isinstance(exc, BaseExceptionGroup):
+                stack[:0] = exc.exceptions
+            else:
+                leaves.append(exc)
+        error = leaves[0]
+        if not isinstance(error, WorkerDied):
+            survived = [self.gens[i].worker for i in went_on]
+            if loss := await self.cluster.lost_behind(error, survived):
+                raise loss from error  # a call between two workers met the loss first
+        raise error from None
 
 
 class ShardedTrainers:

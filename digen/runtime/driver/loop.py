@@ -1,37 +1,23 @@
 """The disaggregated driver: the paper's Algorithm 1 as asyncio coroutines.
 
-The driver holds no model and moves no tensors: generators keep what they make, trainers
-fetch rollouts from whoever holds them (:mod:`digen.runtime.worker.store`), and the driver passes
-keys, rewards, advantages and versions. Its coroutines are all owned by one
-:class:`asyncio.TaskGroup`, so a failure anywhere cancels the rest and surfaces as one error
-naming the worker:
+The driver holds no model and moves no tensors: it passes keys, rewards, advantages and
+versions, and trainers fetch rollouts from the generators that keep them
+(:mod:`digen.runtime.worker.store`). Its coroutines share one :class:`asyncio.TaskGroup`, so
+a failure anywhere cancels the rest and surfaces as one error naming the worker:
 
-- :meth:`Driver._generator_loop`, one per generator (Algorithm 1, lines 5-17): score what
-  trainers made (SQ) first; else take the next micro-batch the admission rule allows
-  (staleness, and ``C_gen``: at most ``runtime.schedule.max_inflight`` generated and not yet
-  trained), generate it and score it where its pixels are. A scored group gets its
-  advantages at once and its micro-batches go on the step's UQ. With
-  ``runtime.schedule.score_overlap`` (the default) the scoring half of that loop is its own
-  coroutine, :meth:`Driver._scorer_loop`, calling the scoring actor beside the generator:
-  SQ first, then what its generator made, while the generator goes on generating;
-- :meth:`Driver._trainer_loop`, one per trainer (lines 18-26): update what UQ holds; when UQ
-  is empty a *bubble* has emerged, and the TAG policy decides whether this trainer
-  generates the next micro-batch itself;
-- :meth:`Driver.run` (lines 27-31): once every micro-batch of step ``s`` is trained, all
-  trainers ``step()``, then the generators load version ``s + 1``, each behind the
-  generation it is running (trajectory consistency).
+- :meth:`Driver._generator_loop`, one per generator (lines 5-17): what trainers made (SQ)
+  first, else the next micro-batch admission allows (TCSS staleness, ``C_gen``), generated
+  and scored where its pixels are, or, with ``runtime.schedule.score_overlap``, scored by
+  :meth:`Driver._scorer_loop` on the actor beside it. A scored group's micro-batches go on UQ;
+- :meth:`Driver._trainer_loop`, one per trainer (lines 18-26): update what UQ holds; at a
+  *bubble* (UQ empty) the TAG policy decides whether the trainer generates instead;
+- :meth:`Driver._train_step` (lines 27-31): as each mini-batch is trained every trainer
+  steps; after the last, the generators load the new version behind what they are making.
 
-Who runs what next, and what was handed out, made, scored and trained, is the
-:class:`~digen.sched.scheduler.Scheduler`'s (the one the simulator runs with a clock). The
-loops below ask it, hand the work to :class:`~digen.runtime.driver.work.Work` (which awaits
-the actors and tells the scheduler what came back) and wait on
-:class:`~digen.runtime.driver.progress.Progress`. Beside them, observing: a lost generator
-is the exception to "a failure ends the run" (``runtime.elastic.on_generator_loss``), gone on
-without by :class:`~digen.runtime.driver.recovery.Recovery` (what it held is made again by
-the others, from the same keys); membership (restarts, generators that join) is the
-:class:`~digen.runtime.driver.pool.GeneratorPool`'s; the weight sync is
-:class:`~digen.runtime.driver.sync.WeightSync`'s; what calls cost is the
-:class:`~digen.runtime.driver.accounting.CostLedger`'s.
+Who runs what next is the :class:`~digen.sched.scheduler.Scheduler`'s (the simulator runs the
+same one with a clock). The loops ask it and hand the work to
+:class:`~digen.runtime.driver.work.Work`; the other rooms are mapped in
+:mod:`digen.runtime.driver`.
 """
 
 from __future__ import annotations
@@ -45,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from digen.algos.train_step import mini_batches
-from digen.checkpoint import PROFILER, Checkpoint
+from digen.checkpoint import Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
 from digen.runtime.driver.accounting import CostLedger
@@ -60,11 +46,10 @@ from digen.runtime.driver.updates import RolloutRef, Updates
 from digen.runtime.driver.work import Work
 from digen.runtime.messages import EvalScores, StepRequest, StepResult
 from digen.runtime.transport.actors import WorkerDied
-from digen.sched.costs import OnlineProfiler
 from digen.sched.microbatch import MicroBatch
 from digen.sched.names import Pool, TaskKind, worker_names
 from digen.sched.scheduler import Scheduler
-from digen.sched.tag import make_tag_policy
+from digen.sched.tag import decide_at_bubble, make_tag_policy
 from digen.sched.trace import Trace
 
 __all__ = ["Driver"]
@@ -106,10 +91,7 @@ class Driver(ClusterBackend):
         self.sched = Scheduler(self.plan)
         workers = worker_names(Pool.GENERATOR, cfg.runtime.generators)
         workers += worker_names(Pool.TRAINER, self.plan.trainers)
-        self.accounts = CostLedger(cfg, trace, workers)
-        if resume is not None and (resume.path / PROFILER).is_file():
-            # BTS starts from the cost estimates the run had, not from nothing
-            self.accounts.profiler = OnlineProfiler.load(resume.path / PROFILER)
+        self.accounts = CostLedger(cfg, trace, workers, resume.path if resume else None)
         self.tag_policy = make_tag_policy(self.plan.tag, self.plan.tag_k)
         minis = mini_batches(cfg)  # one optimizer step each (train.mini_batch_size)
         self.mini_ids = [self.plan.ids_of(prompts) for prompts in minis]
@@ -131,13 +113,13 @@ class Driver(ClusterBackend):
         weights = {r.name: r.weight for r in rewards or cfg.rewards}
         self.updates = Updates(cfg, self.sched, weights, self.pool.holder_lost)
         self.recovery = Recovery(cluster, self.sched, self.updates, self.pool, self.progress)
-        self.work = Work(
-            cfg, cluster, self.sched, self.updates, self._call, self.accounts, self.progress,
-            self.recovery, self.prompts, len(minis[0]),
-        )  # fmt: skip
         self.sync = WeightSync(
             cluster, self.sched, self._call, self.pool, self.recovery, self.progress, trace,
             clock, self._start_generator,
+        )  # fmt: skip
+        self.work = Work(
+            cfg, cluster, self.sched, self.updates, self._call, self.accounts, self.progress,
+            self.recovery, self.prompts, len(minis[0]), self.sync.handed_out,
         )  # fmt: skip
 
     @property
@@ -205,14 +187,8 @@ class Driver(ClusterBackend):
                 for task in self._loops:
                     task.cancel()
         except BaseExceptionGroup as group:
-            error = _main_error(group)
-        else:
-            return results
-        if not isinstance(error, WorkerDied):
-            went_on = [self.gens[i].worker for i in self.sched.lost]  # losses the run survived
-            if died := await self.cluster.lost_behind(error, went_on):
-                raise died from error  # a call between two workers met the loss first
-        raise error from None
+            await self._raise_failure(group, went_on=self.sched.lost)
+        return results
 
     def _start_loops(self, steps: range) -> None:
         """Algorithm 1's coroutines: one per generator, scoring lane and trainer, and the
@@ -274,7 +250,6 @@ class Driver(ClusterBackend):
                 elif work.remake is not None:
                     await self.work.make_again(i, work.remake)
                 else:
-                    self.sync.handed_out()
                     made = await self.work.generate(self.gens[i], work.mb, TaskKind.GENERATE)
                     if self.work.overlap:
                         await self.progress.notify()  # on its scoring lane's queue
@@ -365,6 +340,16 @@ class Driver(ClusterBackend):
             generators_alive=len(self.sched.alive),
         )
 
+    def _bubble(self, j: int, s: int) -> MicroBatch | None:
+        """Trainer ``j`` found UQ empty in step ``s``: the micro-batch it makes now (TAG),
+        or None (it waits)."""
+        if not self.sched.at_bubble(j, s):
+            return None
+        profiler = self.accounts.profiler
+        return self.sched.answer(
+            j, decide_at_bubble(self.tag_policy, profiler, self.sched, j, self.clock)
+        )
+
     async def evaluate(
         self, prompts: Sequence[str], metadata: Sequence[dict], samples: int
     ) -> tuple[int, list[EvalScores]]:
@@ -374,40 +359,3 @@ class Driver(ClusterBackend):
         scorers, lose = self.work.scorers, self.recovery.lose
         members = Members(self.gens, scorers, self.trainers[0], self.sched, lose)
         return await evaluate(members, self.cfg.eval.ema > 0, size, prompts, metadata, samples)
-
-    # --- decisions -----------------------------------------------------------------------------
-
-    def _bubble(self, j: int, s: int) -> MicroBatch | None:
-        """Trainer ``j`` found UQ empty in step ``s``: the micro-batch it makes now (TAG),
-        or None (it waits)."""
-        if not self.sched.at_bubble(j, s):
-            return None
-        mb = self.sched.answer(j, self._decide_tag(j))
-        if mb is not None:
-            self.sync.handed_out()
-        return mb
-
-    def _decide_tag(self, j: int) -> bool:
-        """Ask the TAG policy (the first bubble of a run is a probe of TAG's speed)."""
-        profiler = self.accounts.profiler
-        if self.tag_policy is None:
-            return False
-        if not profiler.seen("gen_tag"):
-            return True  # one TAG measures the trainer's generation speed, as the paper does
-        if not profiler.ready() or not self.sched.plannable:
-            return False  # remakes pending: the state the search plans on cannot show them
-        costs = profiler.costs(generator_pool=Pool.GENERATOR, trainer_pool=Pool.TRAINER)
-        return self.tag_policy.decide(self.sched.sched_state(j, self.clock(), costs), costs)
-
-
-def _main_error(group: BaseExceptionGroup) -> BaseException:
-    """The error to report for a failed run: a dead worker first, else the first failure."""
-    died = group.subgroup(WorkerDied)
-    leaves, stack = [], [died if died is not None else group]
-    while stack:
-        exc = stack.pop(0)
-        if isinstance(exc, BaseExceptionGroup):
-            stack[:0] = exc.exceptions
-        else:
-            leaves.append(exc)
-    return leaves[0]

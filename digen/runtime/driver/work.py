@@ -50,11 +50,14 @@ class Work:
         recovery: Recovery,
         prompts: Prompts,
         mini_size: int,
+        handed_out: Callable[[], None],
     ) -> None:
-        """``mini_size``: prompts per mini-batch (one optimizer step each)."""
+        """``mini_size``: prompts per mini-batch (one optimizer step each); ``handed_out()``:
+        told as a new micro-batch's generate call goes out (the weight sync's quota)."""
         self.cfg, self.cluster, self.sched, self.updates = cfg, cluster, sched, updates
         self.call, self.accounts, self.progress = call, accounts, progress
         self.recovery, self.prompts, self.mini_size = recovery, prompts, mini_size
+        self.handed_out = handed_out
         self.overlap = cfg.runtime.schedule.score_overlap
         """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
         self.samples_at: Callable[[int], bool] = lambda step: False
@@ -69,8 +72,9 @@ class Work:
     async def generate(
         self, actor: GeneratorHandle | TrainerHandle, mb: MicroBatch, kind: TaskKind
     ) -> RolloutRef:
-        """``actor`` generates ``mb`` (``kind``: a generator's, or a trainer's TAG) and keeps
-        it; returns where it is and the version that made it."""
+        """``actor`` generates ``mb``, just handed out (``kind``: a generator's, or a
+        trainer's TAG), and keeps it; returns where it is and the version that made it."""
+        self.handed_out()  # the call goes out before this coroutine first yields
         keys = tuple(SampleKey(mb.step, mb.prompt, s) for s in mb.samples)
         texts = self.prompts(mb.step)[0]
         request = GenerateRequest(mb.step, mb.mb, keys, texts[mb.prompt], True, self._ahead(texts))
