@@ -3,9 +3,12 @@
 A run's local workers (a disaggregated run's generators and trainers, a colocated run's
 data-parallel ranks) are forked from a fork server: a clean process (never the driver,
 whose RPC and OpenMP threads would not survive a fork) that has imported torch, diffusers
-and the backbones once (:data:`PRELOAD`). The first process started here starts the
-server; :func:`start_fork_server` starts it sooner, while the driver is still importing the
-same modules, so the two imports run side by side on a machine with a core to spare.
+and the backbones once, and made the caches every worker would make (:data:`PRELOAD`). A
+child leaves what it inherits out of the garbage collector's passes (``gc.freeze``): a pass
+over it would cost time and copy the pages it shares with the server. The first process
+started here starts the server; :func:`start_fork_server` starts it sooner, while the driver
+is still importing the same modules, so the two imports run side by side on a machine with a
+core to spare.
 
 :func:`process` gives each child what a spawned one would inherit at its start: the
 environment, working directory, ``sys.path``, stdout and stderr. Where there is no fork
@@ -16,6 +19,7 @@ server (not Linux or macOS), children are spawned. Torch-free: the command line 
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import multiprocessing.context
 import os
@@ -37,8 +41,13 @@ __all__ = [
     "stop_fork_server",
 ]
 
-PRELOAD = ("digen.runtime.worker.generator", "digen.runtime.worker.trainer")
-"""What the fork server imports before it forks the first worker."""
+PRELOAD = (
+    "digen.runtime.worker.generator",
+    "digen.runtime.worker.trainer",
+    "digen.runtime.worker.preload",
+)
+"""What the fork server imports before it forks the first worker (the last one readies what
+every worker would otherwise make for itself)."""
 
 WORKER_ENV = dict(QUIET_ENV)
 """Environment of every worker; read by those libraries as they import, so the fork server
@@ -160,6 +169,7 @@ def _context(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
 
 def _run(target: Callable[..., Any], args: tuple, env: dict[str, str], stdio: tuple) -> Any:
     """In the child: take the environment and stdout / stderr, then run the target."""
+    gc.freeze()  # what the server imported lives as long as the child: never collected
     os.environ.clear()
     os.environ.update(env)
     for fd, into in zip(stdio, (1, 2), strict=True):
