@@ -86,3 +86,12 @@ class RunMark:
 @pytest.fixture
 def run_mark() -> RunMark:
     return RunMark()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported lives as long as the process: kept out of the collector's
+    passes (each full pass would walk every object torch and diffusers made at import)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

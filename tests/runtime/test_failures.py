@@ -118,8 +118,9 @@ def _hold_at_step_2(
 @pytest.mark.parametrize(
     ("victim", "sig", "extra", "cause"),
     [
+        # a killed worker (the trainer; a killed generator is found the same way, by its
+        # process's exit: test_elastic kills the last generator of a run, which ends so)
         ("trainer-0", signal.SIGKILL, (), "was killed by signal SIGKILL"),
-        ("generator-0", signal.SIGKILL, (), "was killed by signal SIGKILL"),
         # a hung worker (stopped, not dead) is found by the heartbeat
         ("generator-0", signal.SIGSTOP, ("runtime.transport.heartbeat_s=4",), "stopped answering"),
     ],
@@ -158,7 +159,7 @@ def test_a_lost_worker_stops_the_run_naming_it_and_resume_finishes_it_exactly(
     log = (out / "trainer.log").read_text()
     assert '"event": "run_failed"' in log and victim in log
     if sig == signal.SIGSTOP:
-        return  # the kill cases resume below; one resume of each kind is enough
+        return  # the kill resumes below: a resume starts from the checkpoint, whoever was lost
     resumed = _cli("--resume", str(out))
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
