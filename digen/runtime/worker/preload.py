@@ -14,9 +14,12 @@ __all__: list[str] = []
 
 
 def _warm() -> None:
+    """Only time is at stake: whatever fails here fails again, with its own message, in the
+    worker that needs it (a fork server whose preload raised would start no worker)."""
     for name in MODEL_NAMES:
-        get_adapter_class(name)
-    with contextlib.suppress(Exception):  # a cache of one transformers release: only time
+        with contextlib.suppress(Exception):
+            get_adapter_class(name)
+    with contextlib.suppress(Exception):  # a cache of one transformers release
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
         get_checkpoint_conversion_mapping("clip_text_model")
