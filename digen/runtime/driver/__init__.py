@@ -4,19 +4,20 @@
   the scheduler (:class:`~digen.sched.scheduler.Scheduler`) what its worker runs next,
   hands it out and waits for the next.
 - :mod:`~digen.runtime.driver.work`: the work handed out (generate, make again, score,
-  update): each call's request, and what its answer tells the scheduler;
+  update): each call's request, and what its answer tells the scheduler; every actor call
+  awaited there, told to the scheduler and the accounts;
   :mod:`~digen.runtime.driver.progress`: what the loops wait on.
 - :mod:`~digen.runtime.driver.updates`: each scored micro-batch's update (advantages, kept
   rows, holder) until it is trained.
-- :mod:`~digen.runtime.driver.sync`: the weight sync at a step's end (and the fixed TCSS
-  quota it waits for).
+- :mod:`~digen.runtime.driver.step`: the end of each mini-batch and step: the trainers'
+  optimizer steps, the weight sync (and the fixed TCSS quota it waits for), a stop asked
+  for mid-step.
 - :mod:`~digen.runtime.driver.recovery`: a lost generator gone on without: what it held made
   again, what cannot be left out; :mod:`~digen.runtime.driver.pool`: the generator pool's
   membership: losses, restarts, generators that join.
 - :mod:`~digen.runtime.driver.evaluation`: evaluation on the generators, outside the
   schedule.
-- :mod:`~digen.runtime.driver.calls`: every actor call awaited, told to the scheduler and
-  the accounts; :mod:`~digen.runtime.driver.handles`: the typed calls each actor takes.
+- :mod:`~digen.runtime.driver.handles`: the typed calls each actor takes.
 - :mod:`~digen.runtime.driver.cluster`: starts the worker processes and calls their actors.
 - :mod:`~digen.runtime.driver.accounting`: a step's book of work done, its costs and trace,
   which becomes the step's metrics row (:mod:`digen.runtime.metrics`, shared with the

@@ -12,7 +12,8 @@ a failure anywhere cancels the rest and surfaces as one error naming the worker:
 - :meth:`Driver._trainer_loop`, one per trainer (lines 18-26): update what UQ holds; at a
   *bubble* (UQ empty) the TAG policy decides whether the trainer generates instead;
 - :meth:`Driver._train_step` (lines 27-31): as each mini-batch is trained every trainer
-  steps; after the last, the generators load the new version behind what they are making.
+  steps; after the last, the generators load the new version behind what they are making
+  (:class:`~digen.runtime.driver.step.StepEnd`).
 
 Who runs what next is the :class:`~digen.sched.scheduler.Scheduler`'s (the simulator runs the
 same one with a clock). The loops ask it and hand the work to
@@ -35,16 +36,15 @@ from digen.checkpoint import Checkpoint
 from digen.config import DigenConfig, schedule_plan
 from digen.prompts import PromptSet
 from digen.runtime.driver.accounting import CostLedger
-from digen.runtime.driver.calls import Calls
 from digen.runtime.driver.cluster import Cluster, ClusterBackend
 from digen.runtime.driver.evaluation import Members, evaluate
 from digen.runtime.driver.pool import GeneratorPool
 from digen.runtime.driver.progress import Progress
 from digen.runtime.driver.recovery import Recovery
-from digen.runtime.driver.sync import WeightSync
+from digen.runtime.driver.step import StepEnd
 from digen.runtime.driver.updates import RolloutRef, Updates
-from digen.runtime.driver.work import Work
-from digen.runtime.messages import EvalScores, StepRequest, StepResult
+from digen.runtime.driver.work import Calls, Work
+from digen.runtime.messages import EvalScores, StepResult
 from digen.runtime.transport.actors import WorkerDied
 from digen.sched.microbatch import MicroBatch
 from digen.sched.names import Pool, TaskKind, worker_names
@@ -98,8 +98,6 @@ class Driver(ClusterBackend):
         """Per mini-batch, the ids of its micro-batches (the same in every step)."""
         self.progress = Progress(self.sched, self.mini_ids)
         """What the loops wait on: a change, each mini-batch trained, its optimizer step."""
-        self._stop_after_step = False
-        """A stop asked for after the step's first optimizer step: it waits for the step's end."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._call = Calls(self.sched, self.accounts, clock)
         """Awaits every actor call, telling the scheduler and the accounts."""
@@ -113,13 +111,13 @@ class Driver(ClusterBackend):
         weights = {r.name: r.weight for r in rewards or cfg.rewards}
         self.updates = Updates(cfg, self.sched, weights, self.pool.holder_lost)
         self.recovery = Recovery(cluster, self.sched, self.updates, self.pool, self.progress)
-        self.sync = WeightSync(
-            cluster, self.sched, self._call, self.pool, self.recovery, self.progress, trace,
-            clock, self._start_generator,
+        self.step_end = StepEnd(
+            cluster, self.sched, self._call, self.accounts, self.pool, self.recovery,
+            self.progress, self.updates, self.mini_ids, self.prompts, self._start_generator,
         )  # fmt: skip
         self.work = Work(
             cfg, cluster, self.sched, self.updates, self._call, self.accounts, self.progress,
-            self.recovery, self.prompts, len(minis[0]), self.sync.handed_out,
+            self.recovery, self.prompts, len(minis[0]), self.step_end.handed_out,
         )  # fmt: skip
 
     @property
@@ -135,15 +133,7 @@ class Driver(ClusterBackend):
         are dropped with the run, its weights were not changed), so a checkpoint written
         next holds the last completed step, and a resume makes the rest again."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._begin_stop)
-
-    def _begin_stop(self) -> None:
-        if self.sched.mid_step and not self.sched.stopping:
-            self._stop_after_step = True  # mid-step weights must not be what a checkpoint holds
-            return
-        self.sched.stopping = True  # no new generation, score or update starts
-        self._call.stopping()
-        self.sync.release()
+            self._loop.call_soon_threadsafe(self.step_end.begin_stop)
 
     # --- Algorithm 1 -----------------------------------------------------------------------
 
@@ -176,8 +166,6 @@ class Driver(ClusterBackend):
                     if result is None:
                         break  # stopped at a micro-batch boundary inside step s
                     results.append(result)
-                    if self._stop_after_step:
-                        self._begin_stop()
                     if on_step is not None:
                         go = on_step(result)
                         if inspect.isawaitable(go):
@@ -211,8 +199,8 @@ class Driver(ClusterBackend):
         for m in range(len(self.mini_ids)):
             if not await self.progress.trained_or_stopped(s, m, self._call.quiet):
                 return None
-            stepped.append(await self._optimizer_step(s, m))
-        return await self._finish_step(s, since, stepped)
+            stepped.append(await self.step_end.optimizer_step(s, m))
+        return await self.step_end.finish(s, since, stepped)
 
     def _start(self, name: str, make: Callable[[], Coroutine[Any, Any, None]]) -> bool:
         """Run ``make()`` as one of the running driver's tasks (False: it is not running)."""
@@ -299,46 +287,6 @@ class Driver(ClusterBackend):
                             )
                         )
                 await self.progress.wait_stepped(s, m)
-
-    async def _optimizer_step(self, s: int, m: int) -> tuple[int, float, float]:
-        """Mini-batch ``m`` of step ``s`` is trained: every trainer steps on its gradients.
-        Returns ``(version, grad norm, seconds)``; the version moves at the step's last."""
-        t0, last = self.clock(), m == len(self.mini_ids) - 1
-        ids = self.mini_ids[m]
-        if not last:
-            self.sched.mid_step = True  # from its start: a stop now must wait for the step's end
-        request = StepRequest(ids, last)
-        stepped = await asyncio.gather(
-            *(self._call(t, TaskKind.STEP, s, -1, s, t.step(request)) for t in self.trainers)
-        )
-        if not last:
-            self.progress.stepped(s, m)  # the trainers go on to the next mini-batch
-        version, grad_norm = stepped[0]
-        return version, grad_norm, self.clock() - t0
-
-    async def _finish_step(
-        self, s: int, since: tuple[float, Any], stepped: list[tuple[int, float, float]]
-    ) -> StepResult:
-        """Once step ``s`` has taken its optimizer steps (``stepped``): the new weights out.
-        ``since``: the clock and the driver's payload count when the previous step ended."""
-        t_start, mark = since
-        version = stepped[-1][0]
-        rec = self.sched.advance(version)
-        self.progress.step_over(s)
-        self.updates.step_done(s)
-        t1 = self.clock()
-        await self.sync(version)
-        return self.accounts.step_result(
-            rec,
-            self.prompts(s)[0],
-            version=version,
-            grad_norms=[norm for _, norm, _ in stepped],
-            step_time_s=self.clock() - t_start,  # since the previous step ended
-            optimizer_s=sum(seconds for _, _, seconds in stepped),
-            sync_s=self.clock() - t1,
-            driver_mb=(self.cluster.payload - mark).megabytes,
-            generators_alive=len(self.sched.alive),
-        )
 
     def _bubble(self, j: int, s: int) -> MicroBatch | None:
         """Trainer ``j`` found UQ empty in step ``s``: the micro-batch it makes now (TAG),

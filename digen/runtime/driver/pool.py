@@ -13,7 +13,7 @@ the pool; this module decides what a change of members means and says it:
 - a generator **started again** or one that **joined the world** (``digen join``, with
   ``runtime.elastic.accept_generators``) waits in :attr:`GeneratorPool.joining` until the
   next weight sync, where it takes that step's weights before any work
-  (:mod:`~digen.runtime.driver.sync`), and the pool says it is back.
+  (:mod:`~digen.runtime.driver.step`), and the pool says it is back.
 
 What each member holds and which ones are alive is the scheduler's
 (:class:`~digen.sched.scheduler.Scheduler`): the pool reads it and keeps only what membership
