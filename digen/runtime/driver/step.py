@@ -96,7 +96,7 @@ class StepEnd:
         self.progress.step_over(s)
         self.updates.step_done(s)
         t1 = self.clock()
-        await self(version)
+        await self.sync(version)
         result = self.accounts.step_result(
             rec,
             self.prompts(s)[0],
@@ -126,7 +126,7 @@ class StepEnd:
         if waiting is not None and not waiting[1].done():
             waiting[1].set_result(None)
 
-    async def __call__(self, version: int) -> None:
+    async def sync(self, version: int) -> None:
         """Version ``version`` to every generator, queued behind what each is generating."""
         if self.sched.quota_pending(version) and not self.sched.stopping:
             # fixed TCSS: the step's early micro-batches go out first
