@@ -43,7 +43,7 @@ from digen.runtime.driver.progress import Progress
 from digen.runtime.driver.recovery import Recovery
 from digen.runtime.driver.step import StepEnd
 from digen.runtime.driver.updates import RolloutRef, Updates
-from digen.runtime.driver.work import Calls, Work
+from digen.runtime.driver.work import Calls, Parts, Work
 from digen.runtime.messages import EvalScores, StepResult
 from digen.runtime.transport.actors import WorkerDied
 from digen.sched.microbatch import MicroBatch
@@ -111,14 +111,12 @@ class Driver(ClusterBackend):
         weights = {r.name: r.weight for r in rewards or cfg.rewards}
         self.updates = Updates(cfg, self.sched, weights, self.pool.holder_lost)
         self.recovery = Recovery(cluster, self.sched, self.updates, self.pool, self.progress)
-        self.step_end = StepEnd(
-            cluster, self.sched, self._call, self.accounts, self.pool, self.recovery,
-            self.progress, self.updates, self.mini_ids, self.prompts, self._start_generator,
+        parts = Parts(
+            cluster, self.sched, self._call, self.accounts, self.progress, self.recovery,
+            self.updates, self.prompts,
         )  # fmt: skip
-        self.work = Work(
-            cfg, cluster, self.sched, self.updates, self._call, self.accounts, self.progress,
-            self.recovery, self.prompts, len(minis[0]), self.step_end.handed_out,
-        )  # fmt: skip
+        self.step_end = StepEnd(parts, self.pool, self.mini_ids, self._start_generator)
+        self.work = Work(cfg, parts, len(minis[0]), self.step_end.handed_out)
 
     @property
     def version(self) -> int:

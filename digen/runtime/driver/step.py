@@ -17,16 +17,11 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from digen.runtime.driver.accounting import CostLedger
 from digen.runtime.driver.pool import GeneratorPool
-from digen.runtime.driver.progress import Progress
-from digen.runtime.driver.recovery import Recovery
-from digen.runtime.driver.updates import Updates
-from digen.runtime.driver.work import Calls, Prompts
+from digen.runtime.driver.work import Parts
 from digen.runtime.messages import StepRequest, StepResult
 from digen.runtime.transport.actors import WorkerDied
 from digen.sched.names import DRIVER, TaskKind
-from digen.sched.scheduler import Scheduler
 
 __all__ = ["StepEnd"]
 
@@ -39,24 +34,18 @@ class StepEnd:
 
     def __init__(
         self,
-        cluster: Any,
-        sched: Scheduler,
-        call: Calls,
-        accounts: CostLedger,
+        parts: Parts,
         pool: GeneratorPool,
-        recovery: Recovery,
-        progress: Progress,
-        updates: Updates,
         mini_ids: Sequence[range],
-        prompts: Prompts,
         start_loops: Callable[[int], None],
     ) -> None:
         """``mini_ids``: per mini-batch, the ids of its micro-batches; ``start_loops(i)``:
         start the driver's loops of generator ``i``, which joined."""
-        self.cluster, self.sched, self.call, self.accounts = cluster, sched, call, accounts
-        self.pool, self.recovery, self.progress, self.updates = pool, recovery, progress, updates
-        self.mini_ids, self.prompts, self.start_loops = mini_ids, prompts, start_loops
-        self.clock, self.trace = call.clock, accounts.trace
+        self.cluster, self.sched, self.call = parts.cluster, parts.sched, parts.call
+        self.accounts, self.recovery, self.progress = parts.accounts, parts.recovery, parts.progress
+        self.updates, self.prompts, self.pool = parts.updates, parts.prompts, pool
+        self.mini_ids, self.start_loops = mini_ids, start_loops
+        self.clock, self.trace = parts.call.clock, parts.accounts.trace
         self._quota_waiter: tuple[int, asyncio.Future[None]] | None = None
         self._stop_after_step = False
         """A stop asked for after the step's first optimizer step: it waits for the step's end."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from digen.algos.train_step import step_terms
@@ -34,7 +35,7 @@ from digen.sched.microbatch import MicroBatch
 from digen.sched.names import Pool, TaskKind, worker_name
 from digen.sched.scheduler import Remake, Scheduler
 
-__all__ = ["GRID_SAMPLES", "Calls", "Work"]
+__all__ = ["GRID_SAMPLES", "Calls", "Parts", "Work"]
 
 GRID_SAMPLES = 16
 """Samples per step whose thumbnails come back for the sample grid."""
@@ -96,28 +97,39 @@ class Calls:
         return res.value
 
 
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What the driver's rooms share: the workers, the scheduler, the call awaiter, the
+    accounts, what the loops wait on, the answers to a loss, the update queue and the
+    step's prompts. :class:`Work` and :class:`~digen.runtime.driver.step.StepEnd` read
+    them; the driver makes them once."""
+
+    cluster: Any
+    sched: Scheduler
+    call: Calls
+    accounts: CostLedger
+    progress: Progress
+    recovery: Recovery
+    updates: Updates
+    prompts: Prompts
+
+
 class Work:
     """Generation, scoring and updates, as the loops call them (module docstring)."""
 
     def __init__(
-        self,
-        cfg: DigenConfig,
-        cluster: Any,
-        sched: Scheduler,
-        updates: Updates,
-        call: Calls,
-        accounts: CostLedger,
-        progress: Progress,
-        recovery: Recovery,
-        prompts: Prompts,
-        mini_size: int,
-        handed_out: Callable[[], None],
+        self, cfg: DigenConfig, parts: Parts, mini_size: int, handed_out: Callable[[], None]
     ) -> None:
         """``mini_size``: prompts per mini-batch (one optimizer step each); ``handed_out()``:
         told as a new micro-batch's generate call goes out (the weight sync's quota)."""
-        self.cfg, self.cluster, self.sched, self.updates = cfg, cluster, sched, updates
-        self.call, self.accounts, self.progress = call, accounts, progress
-        self.recovery, self.prompts, self.mini_size = recovery, prompts, mini_size
+        self.cfg, self.cluster, self.sched, self.updates = (
+            cfg,
+            parts.cluster,
+            parts.sched,
+            parts.updates,
+        )
+        self.call, self.accounts, self.progress = parts.call, parts.accounts, parts.progress
+        self.recovery, self.prompts, self.mini_size = parts.recovery, parts.prompts, mini_size
         self.handed_out = handed_out
         self.overlap = cfg.runtime.schedule.score_overlap
         """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
