@@ -5,8 +5,9 @@
   hands it out and waits for the next.
 - :mod:`~digen.runtime.driver.work`: the work handed out (generate, make again, score,
   update): each call's request, and what its answer tells the scheduler; every actor call
-  awaited there, told to the scheduler and the accounts;
-  :mod:`~digen.runtime.driver.progress`: what the loops wait on.
+  awaited there, told to the scheduler and the accounts; its ``Parts``: what the rooms
+  share, made once by the driver; :mod:`~digen.runtime.driver.progress`: what the loops
+  wait on.
 - :mod:`~digen.runtime.driver.updates`: each scored micro-batch's update (advantages, kept
   rows, holder) until it is trained.
 - :mod:`~digen.runtime.driver.step`: the end of each mini-batch and step: the trainers'
