@@ -122,14 +122,10 @@ class Work:
     ) -> None:
         """``mini_size``: prompts per mini-batch (one optimizer step each); ``handed_out()``:
         told as a new micro-batch's generate call goes out (the weight sync's quota)."""
-        self.cfg, self.cluster, self.sched, self.updates = (
-            cfg,
-            parts.cluster,
-            parts.sched,
-            parts.updates,
-        )
+        self.cfg, self.mini_size = cfg, mini_size
+        self.cluster, self.sched, self.updates = parts.cluster, parts.sched, parts.updates
         self.call, self.accounts, self.progress = parts.call, parts.accounts, parts.progress
-        self.recovery, self.prompts, self.mini_size = parts.recovery, parts.prompts, mini_size
+        self.recovery, self.prompts = parts.recovery, parts.prompts
         self.handed_out = handed_out
         self.overlap = cfg.runtime.schedule.score_overlap
         """Scoring on each generator's scoring actor (lane ``scorer-i``), beside generation."""
