@@ -169,6 +169,13 @@ class TrainerParallel(StrEnum):
     HSDP = "hsdp"
 
 
+class ShardDeal(StrEnum):
+    """``runtime.placement.shard_deal``."""
+
+    SAMPLES = "samples"
+    TERMS = "terms"
+
+
 SHARDED_PARALLEL = frozenset({TrainerParallel.FSDP, TrainerParallel.HSDP})
 """The ``runtime.placement.trainer_parallel`` values whose trainers shard one model (and
 move as one)."""
@@ -361,8 +368,8 @@ _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
 }
 _CHOICES: tuple[type[StrEnum], ...] = (
     Dtype, CpsLogprob, Solver, TimeInput, AdvNorm, AdvStd, KlType, RewardWeighting, LrSchedule,
-    NonfinitePolicy, GradOrder, RewardErrorPolicy, Mode, TrainerParallel, MicrobatchAxis,
-    WeightSync, GeneratorLoss, StalenessSchedule, TagPolicyName,
+    NonfinitePolicy, GradOrder, RewardErrorPolicy, Mode, TrainerParallel, ShardDeal,
+    MicrobatchAxis, WeightSync, GeneratorLoss, StalenessSchedule, TagPolicyName,
 )  # fmt: skip
 """The settings' sets of values: a field annotated with one (or with ``<it> | None``) takes
 one of its values, which the loader turns into the member."""
@@ -781,6 +788,8 @@ class PlacementConfig:
     """How trainers (and colocated workers) share the model: replicate (each holds all of it; gradients all-reduced), fsdp (FSDP2: every transformer block sharded over all of them; the trainers act as one), hsdp (sharded inside groups of shard_size, replicated across)."""
     shard_size: int | None = None
     """hsdp: trainers per sharding group (the GPUs of a node); None = the visible GPUs, at most the trainers. Must divide the trainer count."""
+    shard_deal: ShardDeal = ShardDeal.SAMPLES
+    """fsdp / hsdp trainers of a disaggregated run: what an update deals over them: samples (each member trains whole samples, every trained timestep of each), or terms (each member trains (sample, timestep) pairs, as a timestep batch against the same gathered layers, so a micro-batch smaller than the group keeps every member busy)."""
     generator_devices: Devices = None
     """Devices of the generator pool (e.g. [cuda:0, cuda:1] or "cuda:0,cuda:1"; a bare cuda is cuda:0); worker i takes entry i mod len. None: model.device, and with model.device = cuda the visible GPUs split between the pools."""
     trainer_devices: Devices = None

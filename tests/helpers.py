@@ -36,10 +36,17 @@ def run_config(cfg: DigenConfig, out_dir: Path | None, **kwargs: Any) -> RunResu
 
 def flat_runtime(plain: Mapping[str, Any]) -> dict[str, Any]:
     """A config as plain data (``config_to_dict``) with its ``runtime`` laid out as runs
-    before the runtime sections wrote it: every key directly under ``runtime``."""
+    before the runtime sections wrote it: every key of that layout directly under
+    ``runtime`` (a key added since, such as ``placement.shard_deal``, is left out: those runs
+    had its default)."""
+    from digen.config import FORMER_RUNTIME_KEYS
+
     runtime: dict[str, Any] = {}
     for key, value in plain["runtime"].items():
-        runtime.update(value if isinstance(value, dict) else {key: value})
+        if isinstance(value, dict):
+            runtime.update({k: v for k, v in value.items() if k in FORMER_RUNTIME_KEYS})
+        else:
+            runtime[key] = value
     return {**plain, "runtime": runtime}
 
 

@@ -27,7 +27,7 @@ from helpers import (
 )
 
 from digen.models import load_adapter
-from digen.runtime.worker.fsdp import lockstep_chunks
+from digen.runtime.worker.fsdp import lockstep_chunks, lockstep_terms
 
 COMMON = ["steps=1", "rollout.n=4", "train.micro_batch_size=2", "rollout.num_inference_steps=4"]
 COMMON += ["train.mini_batch_size=null", "train.lr=1e-3", SMOOTH_REWARD]
@@ -118,6 +118,57 @@ def test_lockstep_chunks_give_every_member_the_same_count() -> None:
     assert lockstep_chunks(5, 2, 1, 2) == [[1, 3], None]
     assert lockstep_chunks(1, 2, 1, 4) == [None]
     assert lockstep_chunks(3, 1, 0, 2) == [[0, 1], [2]]
+
+
+def test_lockstep_terms_deal_every_term_once_and_keep_every_member_busy() -> None:
+    # one sample, 4 trained timesteps, 2 members: by samples member 1 would only pad; by
+    # terms each takes 2 timesteps of the sample, in one pass of up to 2 terms
+    assert lockstep_chunks(1, 2, 1, 2) == [None]
+    assert lockstep_terms(1, 4, 2, 0, 2) == [[(0, 0), (0, 2)]]
+    assert lockstep_terms(1, 4, 2, 1, 2) == [[(0, 1), (0, 3)]]
+    for rows, steps, members, size in [(3, 2, 2, 1), (4, 3, 8, 2), (2, 5, 3, 4), (1, 1, 4, 1)]:
+        dealt = [lockstep_terms(rows, steps, members, r, size) for r in range(members)]
+        every = [t for chunks in dealt for c in chunks if c is not None for t in c]
+        assert sorted(every) == [(i, j) for i in range(rows) for j in range(steps)]
+        assert len({len(chunks) for chunks in dealt}) == 1  # the same number of passes
+        assert all(len(c) <= size for chunks in dealt for c in chunks if c is not None)
+        # the members' shares differ by at most one term
+        shares = [sum(len(c) for c in chunks if c is not None) for chunks in dealt]
+        assert max(shares) - min(shares) <= 1, shares
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("algo", "full"),
+    [("flowgrpo", False), ("nft", True), ("mixgrpo", False), ("dancegrpo", True)],
+    ids=["flowgrpo-lora", "nft-full", "mixgrpo-lora", "dancegrpo-full"],
+)
+def test_sharded_trainers_dealing_terms_train_as_the_colocated_trainer(
+    tmp_path: Path, algo: str, full: bool
+) -> None:
+    """``runtime.placement.shard_deal=terms``: micro-batches of one sample on 2 FSDP trainers
+    (by samples one member would only pad), each member training its share of the sample's
+    (sample, timestep) terms as one timestep batch, end the step with the colocated
+    trainer's weights (NFT: its per-term noise drawn for the term wherever it runs)."""
+    over = ["train.lora_rank=0", "algo.kl_coef=0.01"] if full else []
+    if algo == "nft":
+        over = ["train.lora_rank=0"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        colocated = run_config(tiny_config("flux", algo, [*COMMON, *over]), tmp_path / "c")
+    finally:
+        torch.set_num_threads(threads)
+    extra = ["runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp"]
+    extra += ["runtime.placement.shard_deal=terms", "runtime.schedule.tag=none"]
+    extra += ["runtime.schedule.samples_per_microbatch=1"]
+    cfg = tiny_config("flux", algo, [*COMMON, *over, *extra], mode="disaggregated")
+    sharded = run_config(cfg, tmp_path / "terms")
+    start = dict(load_adapter("flux").transformer.named_parameters()) if full else None
+    assert_trained_alike(sharded.final_state, colocated.final_state, start)
+    # every sample trained: as many as the colocated step trained
+    terms = sharded.metrics[0]["trained_samples"]
+    assert terms == colocated.metrics[0]["trained_samples"] > 0
 
 
 @pytest.mark.slow

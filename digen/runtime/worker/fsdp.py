@@ -9,13 +9,15 @@ shards inside groups of ``runtime.placement.shard_size`` trainers (the GPUs of a
 replicates across them, all-reducing gradients between groups.
 
 Every collective needs every member, so sharded trainers move in lockstep: they act as one
-trainer that is ``T`` devices wide. Each update call is split by rows over the members, and
-each member runs the same number of forward/backward passes (a member short of rows runs a
-pass on a copy of a row, with its loss scaled by zero). The pieces that follow from that:
+trainer that is ``T`` devices wide. Each update call is split over the members, by rows
+(``runtime.placement.shard_deal: samples``) or by (row, trained timestep) terms (``terms``),
+and each member runs the same number of forward/backward passes (a member short of work runs
+a pass on a copy of a term, with its loss scaled by zero). The pieces that follow from that:
 
 - :func:`shard_transformer` wraps a policy's transformer (before its optimizer is built, so
   the optimizer holds the sharded parameters: sharded optimizer state);
 - :func:`lockstep_chunks` splits a call's rows over the members into equal numbers of chunks;
+- :func:`lockstep_terms` does the same with a call's terms, a timestep batch per chunk;
 - :func:`gather_dealt` puts rows dealt over the members back together on every member (a
   TAG micro-batch: each member samples ``1 / T`` of its rows);
 - :func:`full_tensors` gathers the trained weights in full (one parameter at a time) for
@@ -51,6 +53,7 @@ __all__ = [
     "gather_dealt",
     "local",
     "lockstep_chunks",
+    "lockstep_terms",
     "hsdp_shard_size",
     "make_mesh",
     "shard_and_load",
@@ -239,6 +242,29 @@ def lockstep_chunks(rows: int, members: int, rank: int, size: int) -> list[list[
     most = -(-rows // members)  # the largest member's rows
     count = -(-most // size)
     chunks: list[list[int] | None] = [mine[i : i + size] for i in range(0, len(mine), size)]
+    return chunks + [None] * (count - len(chunks))
+
+
+def lockstep_terms(
+    rows: int, timesteps: int, members: int, rank: int, size: int
+) -> list[list[tuple[int, int]] | None]:
+    """Member ``rank``'s chunks of a call's terms: every ``(row, j)`` pair of its ``rows``
+    samples and ``timesteps`` trained timesteps (``j`` indexes a sample's trained timesteps).
+    The terms are taken timestep by timestep (all rows at ``j = 0``, then at ``j = 1``, ...),
+    every ``members``-th from ``rank``, and cut into chunks of at most ``size``: one forward
+    pass each, as a batch of rows at their own timesteps. Every member gets the same number
+    of chunks, None marking one it runs only to keep in step; every term is someone's once.
+
+    Dealt this way, a member's terms touch few rows (with ``members`` a multiple of ``rows``,
+    one), so it fetches little, and a call with fewer rows than members still gives every
+    member work."""
+    terms = [(i, j) for j in range(timesteps) for i in range(rows)]
+    mine = terms[rank::members]
+    most = -(-len(terms) // members)  # the largest member's terms
+    count = -(-most // size)
+    chunks: list[list[tuple[int, int]] | None] = [
+        mine[i : i + size] for i in range(0, len(mine), size)
+    ]
     return chunks + [None] * (count - len(chunks))
 
 

@@ -309,7 +309,13 @@ class Policy:
 
     # --- training -----------------------------------------------------------------------
 
-    def accumulate(self, item: TrainItem, loss_scale: float, tsp_degree: int = 1) -> LossStats:
+    def accumulate(
+        self,
+        item: TrainItem,
+        loss_scale: float,
+        tsp_degree: int = 1,
+        terms: Sequence[tuple[int, int]] | None = None,
+    ) -> LossStats:
         """Forward/backward over the trained timesteps of ``item``; gradients accumulate.
 
         ``tsp_degree`` timesteps go through the transformer together, as one batch of
@@ -319,6 +325,10 @@ class Policy:
         each backward is scaled by ``loss_scale`` (``1 / total terms`` of the optimizer
         step), so the accumulated gradient is that of the mean loss however the terms are
         split over calls, chunks and workers. No optimizer step here.
+
+        ``terms``: only these ``(row of item, j)`` pairs (``j`` indexes the row's trained
+        timesteps), in one forward pass: a sharded trainer's share of a call dealt by terms
+        (:func:`~digen.runtime.worker.fsdp.lockstep_terms`).
         """
         if self.optimizer is None:
             raise RuntimeError("this policy copy is not trainable")
@@ -329,22 +339,15 @@ class Policy:
             [algorithm.trained_positions(cfg, step, k.prompt, k.sample) for k in item.keys]
         )  # [B, K']: positions into the algorithm's train steps, per sample
         steps_of = torch.tensor(algorithm.train_steps(cfg, step), dtype=torch.long)
-        b = len(item.keys)
-        cond = self.conditioning(item.prompts)
-        neg = self.negative_conditioning(b)
         device = self.adapter.device
         ro = item.rollout.to(device)  # what came from elsewhere goes where the model is
         advantages = item.advantages.to(device)
-        rows = torch.arange(b)
         stats = LossStats()
         # the weights that sampled these terms, untouched since (drift is then rounding)
         same = self.old is None and item.version in (None, self.version)
         same = same and self.optimizer_steps == self.version * len(mini_batches(cfg))
         self.adapter.transformer.train()
-        for j0 in range(0, positions.shape[1], tsp_degree):
-            pos = positions[:, j0 : j0 + tsp_degree].T.reshape(-1)  # [d*B], timestep-major
-            d = pos.numel() // b
-            r = rows.repeat(d)  # [d*B]
+        for r, pos, cond, neg in self._passes(item, positions, tsp_degree, terms):
             chunk = TrainChunk(
                 policy=self,
                 spec=spec,
@@ -354,32 +357,62 @@ class Policy:
                 rows=r,
                 positions=pos,
                 steps=steps_of[pos],
-                cond=cond if d == 1 else PromptEmbeds.cat([cond] * d),
-                neg=neg if neg is None or d == 1 else PromptEmbeds.cat([neg] * d),
-                advantages=advantages.repeat(d),
+                cond=cond,
+                neg=neg,
+                advantages=advantages[r.to(device)],
                 version=item.version,
                 same_weights=same,
             )
             out = algorithm.chunk_loss(cfg, chunk)
             loss = out.loss
-            terms = d * b
+            n = r.numel()
             read = _ChunkRead.of(out)  # the chunk's one wait on the device
             if not read.finite:
                 if cfg.train.on_nonfinite == "fail":
-                    bad = terms if out.values is None else int((~out.values.isfinite()).sum())
+                    bad = n if out.values is None else int((~out.values.isfinite()).sum())
                     raise NonFiniteError(
                         f"the loss of train step {step} (prompt {item.keys[0].prompt}, samples "
                         f"{[k.sample for k in item.keys]}) is {read.loss} with "
-                        f"{bad} of {terms} terms non-finite; lower train.lr, "
+                        f"{bad} of {n} terms non-finite; lower train.lr, "
                         "or set train.on_nonfinite=drop to leave such micro-batches out."
                     )
                 if not self.sharded:  # sharded members must all run the backward, and the
                     stats.add(LossStats(dropped=1))  # step's non-finite gradient skips it
                     continue
-            (loss * (terms * loss_scale)).backward()
-            stats.add(read.stats(terms))
+            (loss * (n * loss_scale)).backward()
+            stats.add(read.stats(n))
         self.adapter.transformer.eval()
         return stats
+
+    def _passes(
+        self,
+        item: TrainItem,
+        positions: torch.Tensor,
+        tsp_degree: int,
+        terms: Sequence[tuple[int, int]] | None,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, PromptEmbeds, PromptEmbeds | None]]:
+        """The forward passes of :meth:`accumulate`: each pass's rows of ``item``, their
+        positions into the train steps, and their conditioning. ``tsp_degree`` timesteps of
+        every row a pass (timestep-major), or the one pass of ``terms``."""
+        if terms is not None:
+            r = torch.tensor([i for i, _ in terms], dtype=torch.long)
+            pos = positions[r, torch.tensor([j for _, j in terms], dtype=torch.long)]
+            cond = self.conditioning([item.prompts[i] for i in r.tolist()])
+            yield r, pos, cond, self.negative_conditioning(len(terms))
+            return
+        b = len(item.keys)
+        cond = self.conditioning(item.prompts)
+        neg = self.negative_conditioning(b)
+        rows = torch.arange(b)
+        for j0 in range(0, positions.shape[1], tsp_degree):
+            pos = positions[:, j0 : j0 + tsp_degree].T.reshape(-1)  # [d*B], timestep-major
+            d = pos.numel() // b
+            yield (
+                rows.repeat(d),  # [d*B]
+                pos,
+                cond if d == 1 else PromptEmbeds.cat([cond] * d),
+                neg if neg is None or d == 1 else PromptEmbeds.cat([neg] * d),
+            )
 
     def velocity(self, x_t, sigma, cond, neg) -> torch.Tensor:
         """The trained weights' velocity at ``x_t`` (with grad): ``sigma`` one per row."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from digen.config import DigenConfig
+from digen.config import DigenConfig, ShardDeal
 from digen.runtime.messages import (
     LossStats,
     SampleKey,
@@ -33,7 +33,13 @@ from digen.runtime.transport.groups import (
     tcp_store,
 )
 from digen.runtime.worker.base import PolicyActor, pool_config
-from digen.runtime.worker.fsdp import full_tensors, gather_dealt, lockstep_chunks, make_mesh
+from digen.runtime.worker.fsdp import (
+    full_tensors,
+    gather_dealt,
+    lockstep_chunks,
+    lockstep_terms,
+    make_mesh,
+)
 from digen.runtime.worker.grads import GradAccumulator
 from digen.runtime.worker.policy import Generated
 from digen.runtime.worker.store import fetch_rollout
@@ -235,16 +241,26 @@ class TrainerActor(PolicyActor):
     def update(self, request: UpdateRequest) -> TimedResult:
         """Forward/backward the samples of a micro-batch
         (:class:`~digen.runtime.messages.UpdateRequest`), in TSP chunks of
-        ``runtime.schedule.tsp_degree`` timesteps; returns their ``LossStats``."""
+        ``runtime.schedule.tsp_degree`` timesteps; returns their ``LossStats``. Sharded
+        trainers deal it over their members by samples, or by (sample, timestep) terms
+        (``runtime.placement.shard_deal``)."""
         self.jitter()
         t0 = time.time()
         mb, holder, prompt = request.mb, request.holder, request.prompt
         loss_scale, version = request.loss_scale, request.made_by
         key, keys, rows = (request.step, mb), list(request.keys), list(request.rows)
         size = self.cfg.train.micro_batch_size
+        tsp = self.cfg.runtime.schedule.tsp_degree
         members, me = (self.world, self.rank) if self.sharded else (1, 0)
-        chunks = lockstep_chunks(len(keys), members, me, size)
-        mine = [i for c in chunks if c is not None for i in c] or [0]  # call's row indices
+        by_terms = members > 1 and self.cfg.runtime.placement.shard_deal == ShardDeal.TERMS
+        if by_terms:
+            first = keys[0]  # every sample of a call trains as many timesteps
+            k = len(self.policy.algorithm.trained_positions(self.cfg, *dataclasses.astuple(first)))
+            chunks: list[Any] = lockstep_terms(len(keys), k, members, me, size * tsp)
+            mine = sorted({i for c in chunks if c is not None for i, _ in c}) or [0]
+        else:
+            chunks = lockstep_chunks(len(keys), members, me, size)
+            mine = [i for c in chunks if c is not None for i in c] or [0]  # call's row indices
         takers = members if not self._holds(holder) else 1
         if self._holds(holder):
             rollout = self.store.take_rollout(key, [rows[i] for i in mine])
@@ -260,17 +276,30 @@ class TrainerActor(PolicyActor):
         adv = torch.tensor(list(request.advantages), dtype=torch.float32, device=self.device)
         stats = LossStats()
         with self.grads.micro_batch(mb):
-            for chunk in chunks:
-                # a chunk this member runs only to keep in step adds nothing (scale 0)
-                idx, scale = (chunk, loss_scale) if chunk is not None else (mine[:1], 0.0)
+            if by_terms:  # every pass trains terms of the rows this member fetched
                 part = TrainItem(
-                    keys=[keys[i] for i in idx],
-                    prompts=[prompt] * len(idx),
-                    rollout=rollout.select(torch.tensor([at[i] for i in idx])),
-                    advantages=adv[idx],
+                    keys=[keys[i] for i in mine],
+                    prompts=[prompt] * len(mine),
+                    rollout=rollout,
+                    advantages=adv[mine],
                     version=version,
                 )
-                got = self.policy.accumulate(part, scale, self.cfg.runtime.schedule.tsp_degree)
+            for chunk in chunks:
+                # a chunk this member runs only to keep in step adds nothing (scale 0)
+                scale = loss_scale if chunk is not None else 0.0
+                if by_terms:
+                    terms = [(at[i], j) for i, j in chunk] if chunk is not None else [(0, 0)]
+                    got = self.policy.accumulate(part, scale, terms=terms)
+                else:
+                    idx = chunk if chunk is not None else mine[:1]
+                    part = TrainItem(
+                        keys=[keys[i] for i in idx],
+                        prompts=[prompt] * len(idx),
+                        rollout=rollout.select(torch.tensor([at[i] for i in idx])),
+                        advantages=adv[idx],
+                        version=version,
+                    )
+                    got = self.policy.accumulate(part, scale, tsp)
                 if chunk is not None:
                     stats.add(got)
         return self.timed(stats, t0)
