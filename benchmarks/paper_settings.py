@@ -30,7 +30,9 @@ at :data:`HBM_GB_S`.
 - *naive*: half the devices generate, half train, the whole batch before any update;
 - *digen*: the same even split with GAP groups, TSP 4, BTS and scoring beside generation,
   and *+ TCSS* (one version, half a step early); new weights reach the generators over the
-  link between the pools every step;
+  link between the pools every step; sharded trainers deal an update's (sample, timestep)
+  terms over their members and take a prompt group's micro-batches as one update, and
+  *samples dealt* is + TCSS dealing whole samples, one micro-batch an update, instead;
 - *planner*: what ``digen simulate recommend`` ranks first over every layout.
 
 Step times are the mean of a 4-step simulation. The output is markdown; ``--json FILE``
@@ -48,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from digen.planning.hardware import TRAINED_BYTES, Device, Hardware, ModelSize, weakest
-from digen.planning.layouts import Workload, best_colocated, plan, split_costs
+from digen.planning.layouts import Workload, best_colocated, grouped_update, plan, split_costs
 from digen.registry.models import get_backbone
 from digen.sched import BTS, Costs, NoTAG, simulate
 
@@ -141,19 +143,30 @@ SETTINGS = (
 
 
 def load_ratios(path: Path) -> dict[str, Any]:
-    """The profile's cost ratios at micro-batch 1, and where it was measured."""
+    """The profile's cost ratios, and where it was measured: an update's to a generation's
+    per sample at the largest micro-batch both curves timed (the most compute-bound point,
+    as a GPU's work is; on a CPU one sample alone can take a slower kernel path), and TSP's
+    saving at the smallest (where batching timesteps is what fills a device)."""
     prof = json.loads(path.read_text())
     curves, point = prof.get("curves"), prof.get("operating_point")
     if not curves or not point:
         raise SystemExit(
             f"error: {path} has no cost curves: write it with benchmarks/gpu_check.py."
         )
-    gen = [p for p in curves["generate"] if p["microbatch"] == 1 and "seconds" in p]
-    train = [p for p in curves["train"] if p["microbatch"] == 1 and "seconds" in p]
-    if not gen or not train:
-        raise SystemExit(f"error: {path} has no micro-batch 1 points to project from.")
+    gens = {p["microbatch"]: p["seconds"] for p in curves["generate"] if "seconds" in p}
+    trains = {p["microbatch"] for p in curves["train"] if "seconds" in p}
+    if not set(gens) & trains:
+        raise SystemExit(f"error: {path} has no micro-batch that both curves timed.")
+    mb = max(set(gens) & trains)
+    train = [p for p in curves["train"] if p["microbatch"] == mb and "seconds" in p]
     by_tsp = {p["tsp_degree"]: p["seconds"] for p in train}
-    per_pass = gen[0]["seconds"] / point["inference_steps"]
+    small = min(trains)
+    tsp = {
+        p["tsp_degree"]: p["seconds"]
+        for p in curves["train"]
+        if p["microbatch"] == small and "seconds" in p
+    }
+    per_pass = gens[mb] / point["inference_steps"]
     report = path.with_name("report.json")
     device = "unknown device"
     if report.is_file():
@@ -162,9 +175,10 @@ def load_ratios(path: Path) -> dict[str, Any]:
         device = f"{env.get('device_name', device)} ({kind})"
     return {
         "update_per_pass": by_tsp[min(by_tsp)] / point["trained_timesteps"] / per_pass,
-        "tsp4": by_tsp.get(4, by_tsp[min(by_tsp)]) / by_tsp[min(by_tsp)],
-        "score_per_gen": curves.get("score_s", 0.0) / point["microbatch"] / gen[0]["seconds"],
-        "where": f"{device}, {point.get('height')}x{point.get('width')} px",
+        "tsp4": tsp.get(4, tsp[min(tsp)]) / tsp[min(tsp)],
+        "score_per_gen": curves.get("score_s", 0.0) / point["microbatch"] / (gens[mb] / mb),
+        "where": f"{device}, {point.get('height')}x{point.get('width')} px, "
+        f"micro-batches of {mb} (TSP: of {small})",
     }
 
 
@@ -184,15 +198,23 @@ SIZES = (1, 2, 4, 8)
 
 
 def workload(
-    s: Setting, r: dict[str, Any], steps: int, fraction: float, trainers: int, size: int, lora: int
+    s: Setting,
+    r: dict[str, Any],
+    steps: int,
+    fraction: float,
+    trainers: int,
+    size: int,
+    lora: int,
+    deal: str = "terms",
 ) -> Workload:
     """The setting's costs per micro-batch of ``size`` samples on its trainers' device (the
     planner's reference); a micro-batch costs ``size`` samples (a GPU is compute-bound at
-    these sizes)."""
+    these sizes). ``deal``: what sharded trainers deal over their members."""
     device = TESTBED[s.testbeds[1]]
     one = pass_seconds(s, device)
     gen = one * steps * s.guidance_passes * size
-    update = r["update_per_pass"] * one * fraction * steps * size
+    trained = round(fraction * steps)  # trained timesteps a sample
+    update = r["update_per_pass"] * one * trained * size
     model = ModelSize.of(s.model, lora_rank=lora, reward_params=s.reward_params)
     step = 2 * TRAINED_BYTES * model.trained / trainers / (HBM_GB_S * 1e9)
     costs = Costs(gen=gen, update=update, score=r["score_per_gen"] * gen, step=step)
@@ -204,12 +226,27 @@ def workload(
         update_tsp=update * r["tsp4"],
         tsp_degree=4,
         passes=steps * s.guidance_passes,
+        timesteps=trained,
+        pass_samples=size,
+        shard_deal=deal,
         model=model,
     )
 
 
-def _split(w: Workload, hw: Hardware, half: int, *, tsp: bool, policy: str, tcss: bool) -> float:
-    _, costs, slots, _ = split_costs(w, hw, half, half, tsp=tsp)
+def _split(
+    w: Workload,
+    hw: Hardware,
+    half: int,
+    *,
+    tsp: bool,
+    policy: str,
+    tcss: bool,
+    grouped: bool = False,
+) -> float:
+    strategy, costs, slots, _ = split_costs(w, hw, half, half, tsp=tsp)
+    group = {}
+    if grouped and strategy == "fsdp trainers":  # a group's micro-batches as one update
+        group = {"group_updates": True, "update_of": grouped_update(w, hw, half, tsp=tsp)}
     if policy == "naive":
         res = simulate(
             costs, w.microbatches, half, slots, NoTAG(), steps=4, mbs_per_group=w.microbatches
@@ -226,6 +263,7 @@ def _split(w: Workload, hw: Hardware, half: int, *, tsp: bool, policy: str, tcss
             mbs_per_group=w.mbs_per_group,
             score_overlap=True,
             **stale,
+            **group,
         )
     return _mean(res)
 
@@ -252,14 +290,18 @@ def project(
             w, hw, devices, tsp=False, device=mixed, engine=True
         ),
         "naive": lambda w: _split(w, hw, half, tsp=False, policy="naive", tcss=False),
-        "digen": lambda w: _split(w, hw, half, tsp=True, policy="bts", tcss=False),
-        "digen+tcss": lambda w: _split(w, hw, half, tsp=True, policy="bts", tcss=True),
+        "digen": lambda w: _split(w, hw, half, tsp=True, policy="bts", tcss=False, grouped=True),
+        "digen+tcss": lambda w: _split(
+            w, hw, half, tsp=True, policy="bts", tcss=True, grouped=True
+        ),
+        "digen+tcss by samples": lambda w: _split(w, hw, half, tsp=True, policy="bts", tcss=True),
     }
     row: dict[str, Any] = {}
     for name, run in layouts.items():
         best = None
+        deal = "samples" if name.endswith("by samples") else "terms"
         for size in SIZES:
-            got = run(workload(s, r, steps, fraction, half, size, lora))
+            got = run(workload(s, r, steps, fraction, half, size, lora, deal))
             t = got if isinstance(got, float) else got.step_time
             if best is None or t < best[0]:
                 best = (t, size, "" if isinstance(got, float) else got.strategy)
@@ -299,12 +341,11 @@ def main() -> None:
         print(f"**{s.name}** (paper: {s.paper})\n")
         print(
             "| GPUs | steps | fraction | colocated (s) | + TSP (s) | rollout engine (s) "
-            "| naive (s) | digen (s) | + TCSS (s) | digen vs colocated | + TCSS vs colocated "
-            "| + TCSS vs colocated + TSP | digen vs rollout engine | planner's first |"
+            "| naive (s) | digen (s) | + TCSS (s) | + TCSS, samples dealt (s) | digen vs colocated "
+            "| + TCSS vs colocated | + TCSS vs colocated + TSP | digen vs rollout engine "
+            "| planner's first |"
         )
-        print(
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
-        )
+        print("| ---: " * 13 + "| --- |")
         for d in s.devices:
             for steps in STEPS:
                 for f in FRACTIONS:
@@ -314,7 +355,8 @@ def main() -> None:
                     print(
                         f"| {d} | {steps} | {f} | {t['colocated']:.1f} | {t['colocated+tsp']:.1f} "
                         f"| {t['rollout engine']:.1f} | {t['naive']:.1f} | {t['digen']:.1f} "
-                        f"| {t['digen+tcss']:.1f} | {t['colocated'] / t['digen']:.2f}x "
+                        f"| {t['digen+tcss']:.1f} | {t['digen+tcss by samples']:.1f} "
+                        f"| {t['colocated'] / t['digen']:.2f}x "
                         f"| {t['colocated'] / t['digen+tcss']:.2f}x "
                         f"| {t['colocated+tsp'] / t['digen+tcss']:.2f}x "
                         f"| {t['rollout engine'] / t['digen']:.2f}x | {t['planner']} |"

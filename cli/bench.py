@@ -39,9 +39,15 @@ from digen.registry.models import MODEL_NAMES
 @click.option(
     "--workers",
     type=int,
-    default=2,
-    show_default=True,
-    help="Worker processes in every rung (disaggregated: generators + trainers).",
+    help="Worker processes in every rung (disaggregated: generators + trainers) "
+    "[default: 2; --sharded 3].",
+)
+@click.option(
+    "--sharded",
+    is_flag=True,
+    help="Measure sharded trainers instead of the ladder: 1 generator and --workers - 1 FSDP "
+    "trainers, micro-batches of one sample, samples dealt against (sample, timestep) terms "
+    "dealt, with the planner's prediction.",
 )
 @click.option(
     "--json",
@@ -97,7 +103,8 @@ def bench(
     size: int | None,
     steps: int | None,
     repeats: int | None,
-    workers: int,
+    workers: int | None,
+    sharded: bool,
     json_path: Path | None,
     plot_path: Path | None,
     out_dir: Path | None,
@@ -118,26 +125,22 @@ def bench(
 
     With --quality: train the shapes task to a held-out accuracy instead, in every mode and
     with every algorithm, and report time and steps to --target (docs/BENCHMARKS.md).
+
+    With --sharded: measure 1 generator and --workers - 1 FSDP trainers dealing each update's
+    samples, then its (sample, timestep) terms, and the planner's prediction of the second.
     """
     quiet_imports()
 
     if quality:
+        if sharded:
+            from digen.errors import DigenError
+
+            raise DigenError("--quality and --sharded measure different things; choose one")
+        workers = 2 if workers is None else workers
         _bench_quality(**{k: v for k, v in locals().items() if k in _QUALITY_OPTIONS})
         return
 
-    settings = _bench_settings(
-        quick,
-        model,
-        algo,
-        size,
-        steps,
-        repeats,
-        workers,
-        json_path,
-        plot_path,
-        overrides,
-        out_dir,
-    )
+    settings = _bench_settings(**{k: v for k, v in locals().items() if k in _SETTINGS_OPTIONS})
     from digen.run import bench as b
 
     b.rung_configs(settings)  # a setting no rung allows fails here, before any run
@@ -147,7 +150,7 @@ def bench(
         if not quiet:
             click.echo(f"bench: {text}", err=True)
 
-    rungs = len(b.colocated_variants(settings)) + len(b.ladder(settings))
+    rungs = len(b.rungs(settings))
     say(
         f"{settings.model} / {settings.algo}, {settings.size} px, {settings.steps} steps, "
         f"{rungs} runs x {settings.repeats} repeats on {settings.workers} workers"
@@ -156,6 +159,7 @@ def bench(
     command = (
         f"digen bench --model {settings.model} --algo {settings.algo} --size {settings.size} "
         f"--steps {settings.steps} --repeats {settings.repeats} --workers {settings.workers}"
+        + (" --sharded" if sharded else "")
     )
     command = " ".join([command, *(shlex.quote(o) for o in overrides)])
     report = b.summarise(settings, runs, command=command)
@@ -304,9 +308,17 @@ def _write_report(
         say(f"wrote {plot_path}")
 
 
+_SETTINGS_OPTIONS = [
+    "quick", "model", "algo", "size", "steps", "repeats", "workers", "json_path", "plot_path",
+    "overrides", "out_dir", "sharded",
+]  # fmt: skip
+"""The options of ``digen bench`` that the ladder and ``--sharded`` read."""
+
+
 def _bench_settings(
-    quick, model, algo, size, steps, repeats, workers, json_path, plot_path, overrides, out_dir
-):
+    *, quick, model, algo, size, steps, repeats, workers, json_path, plot_path, overrides, out_dir,
+    sharded,
+):  # fmt: skip
     """The bench's settings from its options, or one sentence (DigenError) on bad input."""
     from digen.errors import DigenError
     from digen.run.bench import QUICK, BenchSettings
@@ -326,6 +338,12 @@ def _bench_settings(
             )
     if values.get("size", 16) % 16:
         raise DigenError(f"--size {values['size']} is not allowed: it must be a multiple of 16")
+    workers = (3 if sharded else 2) if workers is None else workers
+    if sharded and workers < 3:
+        raise DigenError(
+            f"--workers {workers} is not allowed with --sharded: it needs at least 3 "
+            "(a generator and 2 sharded trainers)"
+        )
     if workers < 2:
         raise DigenError(
             f"--workers {workers} is not allowed: disaggregation needs at least 2 "
@@ -345,5 +363,6 @@ def _bench_settings(
         workers=workers,
         cores=max(1, cores or 1),
         overrides=tuple(overrides),
+        sharded=sharded,
         **values,
     )

@@ -154,6 +154,21 @@ _OPTIONS = [
         help="The TSP degree of --update-tsp.",
     ),
     _option(
+        "--trained-timesteps",
+        type=int,
+        default=1,
+        show_default=True,
+        help="With --recommend: trained timesteps a sample (an update's terms: samples x these).",
+    ),
+    _option(
+        "--shard-deal",
+        type=click.Choice(["terms", "samples"]),
+        default="terms",
+        show_default=True,
+        help="With --recommend: what sharded trainers deal over their members "
+        "(runtime.placement.shard_deal).",
+    ),
+    _option(
         "--samples-per-microbatch",
         type=int,
         default=1,
@@ -227,6 +242,8 @@ _JOBS: dict[str, tuple[str, ...]] = {
         "sampling-passes",
         "update-tsp",
         "tsp-degree",
+        "trained-timesteps",
+        "shard-deal",
         "samples-per-microbatch",
         "by",
         "generator-price",
@@ -360,6 +377,8 @@ def _simulate(
     sampling_passes: int,
     update_tsp: float | None,
     tsp_degree: int,
+    trained_timesteps: int,
+    shard_deal: str,
     samples_per_microbatch: int,
     by: str,
     plot_path: Path | None,
@@ -444,6 +463,8 @@ def _simulate(
             passes=sampling_passes,
             update_tsp=update_tsp,
             tsp_degree=tsp_degree,
+            timesteps=trained_timesteps,
+            shard_deal=shard_deal,
             samples=samples_per_microbatch,
             by=by,
             prices=(generator_price, trainer_price),
@@ -488,6 +509,8 @@ def _recommend(
     passes: int,
     update_tsp: float | None,
     tsp_degree: int,
+    timesteps: int,
+    shard_deal: str,
     samples: int,
     by: str,
     prices: tuple[float, float],
@@ -510,7 +533,11 @@ def _recommend(
         raise DigenError("--model needs --hardware or --device, the devices it runs on")
     if devices is None and (hw is None or hw.generators is None):
         raise DigenError("--recommend needs --devices N, the number of devices to lay out")
-    for name, value in (("--sampling-passes", passes), ("--tsp-degree", tsp_degree)):
+    for name, value in (
+        ("--sampling-passes", passes),
+        ("--tsp-degree", tsp_degree),
+        ("--trained-timesteps", timesteps),
+    ):
         if value < 1:
             raise DigenError(f"{name} = {value} is not allowed: it must be at least 1")
     if lora_rank < 0:
@@ -526,6 +553,8 @@ def _recommend(
         update_tsp=update_tsp,
         tsp_degree=tsp_degree,
         passes=passes,
+        timesteps=timesteps,
+        shard_deal=shard_deal,
         model=model,
     )
     n = hw.generators + hw.trainers if hw is not None and hw.generators else devices

@@ -788,8 +788,8 @@ class PlacementConfig:
     """How trainers (and colocated workers) share the model: replicate (each holds all of it; gradients all-reduced), fsdp (FSDP2: every transformer block sharded over all of them; the trainers act as one), hsdp (sharded inside groups of shard_size, replicated across)."""
     shard_size: int | None = None
     """hsdp: trainers per sharding group (the GPUs of a node); None = the visible GPUs, at most the trainers. Must divide the trainer count."""
-    shard_deal: ShardDeal = ShardDeal.SAMPLES
-    """fsdp / hsdp trainers of a disaggregated run: what an update deals over them: samples (each member trains whole samples, every trained timestep of each), or terms (each member trains (sample, timestep) pairs, as a timestep batch against the same gathered layers, so a micro-batch smaller than the group keeps every member busy)."""
+    shard_deal: ShardDeal = ShardDeal.TERMS
+    """fsdp / hsdp trainers of a disaggregated run: what an update deals over them: terms (each member trains (sample, timestep) pairs, as a timestep batch against the same gathered layers, so a micro-batch smaller than the group keeps every member busy), or samples (each member trains whole samples, every trained timestep of each). Colocated workers train the samples they made."""
     generator_devices: Devices = None
     """Devices of the generator pool (e.g. [cuda:0, cuda:1] or "cuda:0,cuda:1"; a bare cuda is cuda:0); worker i takes entry i mod len. None: model.device, and with model.device = cuda the visible GPUs split between the pools."""
     trainer_devices: Devices = None
@@ -850,6 +850,8 @@ class ScheduleConfig:
     """TCSS: fixed (the first staleness_ratio of every step's micro-batches are made one version early, always the same ones, whatever max_staleness >= 1: seeded runs repeat) or eager (stale while a worker is free, up to max_staleness versions and the ratio: the paper's form; which ones depends on timing)."""
     max_inflight: int | None = None
     """C_gen: micro-batches generated but not yet trained, at most (back-pressure on generators, bounds what workers hold); None = one step's plus the TCSS share."""
+    group_updates: bool = False
+    """Sharded trainers (fsdp / hsdp, disaggregated) take a prompt group's micro-batches made by one version in one update, their terms dealt over the members together: fuller passes, so fewer gathers of the model for the same terms (passes still hold at most train.micro_batch_size x tsp_degree terms, so activation memory is as before). Which micro-batches go together is fixed by the group, so seeded runs repeat."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "runtime.schedule")
@@ -972,6 +974,14 @@ class RuntimeConfig:
         if elastic.min_generators > self.generators:
             why = f"it cannot exceed {_key(p, 'generators')} ({self.generators})"
             raise _bad(_key(p, "elastic.min_generators"), elastic.min_generators, why)
+        sharded = self.mode == Mode.DISAGGREGATED and self.trainers > 1 and self.placement.sharded
+        if self.schedule.group_updates and not sharded:
+            why = (
+                "it groups the updates of sharded trainers: set "
+                f"{_key(p, 'mode')}=disaggregated, {_key(p, 'trainers')} > 1 and "
+                f"{_key(p, 'placement.trainer_parallel')}=fsdp or hsdp"
+            )
+            raise _bad(_key(p, "schedule.group_updates"), self.schedule.group_updates, why)
 
 
 _RUNTIME_SECTIONS: dict[str, type] = {
@@ -1270,6 +1280,7 @@ def schedule_plan(cfg: DigenConfig, *, first_step: int = 0) -> SchedulePlan:
         score_overlap=rt.schedule.score_overlap,
         tag=rt.schedule.tag,
         tag_k=rt.schedule.tag_k,
+        group_updates=rt.schedule.group_updates,
         first_step=first_step,
         last_step=cfg.steps - 1,
     )

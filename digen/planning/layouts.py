@@ -22,7 +22,8 @@ ranked:
   once a step), *sharded sampling* (every block gathered at every forward pass), *offload*
   (the training state moved to host memory and back each step, then a gathered copy);
 - split: generators hold a full bf16 copy and the reward model; trainers replicate or shard
-  (FSDP, one lockstep slot that splits each micro-batch over its devices); TAG on sharded
+  (FSDP, one lockstep slot that deals each micro-batch's (sample, timestep) terms, or its
+  samples, over its devices; every forward/backward pass gathers the model); TAG on sharded
   trainers samples with sharded weights; new weights reach the generators each step
   (:func:`~digen.planning.hardware.weight_sync_s` over the link between the pools).
 
@@ -76,6 +77,7 @@ __all__ = [
     "colocated_costs",
     "explain",
     "format_plan",
+    "grouped_update",
     "plan",
     "simulate_colocated",
     "split_costs",
@@ -105,14 +107,25 @@ class Workload:
     passes: int = 0
     """Forward passes of the denoiser to sample one micro-batch (sampling steps, twice with
     separate guidance passes): what sharded sampling gathers for."""
+    timesteps: int = 1
+    """Trained timesteps a sample: an update's terms are its samples x these."""
+    pass_samples: int | None = None
+    """Samples a training forward pass holds (``train.micro_batch_size``); None: a
+    micro-batch's. With TSP a pass holds ``tsp_degree`` timesteps of each."""
+    shard_deal: str = "terms"
+    """What sharded trainers deal over their members: ``terms`` or ``samples``
+    (``runtime.placement.shard_deal``)."""
     model: ModelSize | None = None
     """The model's sizes (GPU terms need them)."""
 
     def __post_init__(self) -> None:
-        for name in ("microbatches", "samples_per_microbatch", "mbs_per_group", "tsp_degree"):
+        names = ("microbatches", "samples_per_microbatch", "mbs_per_group", "tsp_degree")
+        for name in (*names, "timesteps", *(("pass_samples",) if self.pass_samples else ())):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise DigenError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.shard_deal not in ("terms", "samples"):
+            raise DigenError(f"shard_deal must be terms or samples, got {self.shard_deal!r}")
         if self.update_tsp is not None and not (
             math.isfinite(self.update_tsp) and self.update_tsp >= 0
         ):
@@ -126,6 +139,23 @@ class Workload:
         if tsp and self.update_tsp is not None:
             return self.update_tsp
         return self.costs.update
+
+    def trained_share(self, members: int, *, tsp: bool) -> tuple[float, int]:
+        """What one of ``members`` trainers sharing one model (FSDP) does of a micro-batch's
+        update: its share of the terms, and its forward/backward passes (each gathers the
+        whole model, and every member runs as many, in lockstep). Dealt by samples, a member
+        trains ``ceil(n / T)`` of the ``n`` samples at all ``K`` trained timesteps, ``d`` of
+        them a pass with TSP; dealt by terms, ``ceil(n K / T)`` (sample, timestep) pairs, a
+        pass's worth (``pass_samples x d``) at a time. One member: the whole update."""
+        n, k = self.samples_per_microbatch, self.timesteps
+        # with one timing only, it is at tsp_degree (the run's)
+        d = self.tsp_degree if tsp or self.update_tsp is None else 1
+        per_pass = self.pass_samples or n
+        if self.shard_deal == "terms" and members > 1:
+            terms = -(-n * k // members)
+            return terms / (n * k), -(-terms // (per_pass * d))
+        rows = -(-n // members)
+        return rows / n, -(-rows // per_pass) * -(-k // d)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,6 +182,9 @@ class Candidate:
     terms: dict[str, float] = field(default_factory=dict)
     """Seconds a step of each GPU term, as the candidate pays it (before overlap)."""
     tsp_degree: int = 1
+    grouped: bool = False
+    """Split with sharded trainers: a group's micro-batches are one update
+    (``runtime.schedule.group_updates``)."""
 
     @property
     def devices(self) -> int:
@@ -172,7 +205,8 @@ class Candidate:
             return f"colocated{tsp} on {self.trainers} devices"
         tcss = " + TCSS" if self.tcss else ""
         tsp = f" + TSP {self.tsp_degree}" if self.tsp else ""
-        return f"{self.generators}G+{self.trainers}T {self.policy}{tsp}{tcss}"
+        grouped = " + grouped updates" if self.grouped else ""
+        return f"{self.generators}G+{self.trainers}T {self.policy}{tsp}{grouped}{tcss}"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -312,7 +346,9 @@ def colocated_costs(
             f"{devices} {d.kind} cannot hold the training state even sharded "
             f"({_gb(shard + reward)} a device with the reward model; {_room(d)})"
         )
-    fsdp = fsdp_update_s(m, devices, d.link_gb_s)
+    # every forward/backward pass of an update gathers the whole model (TSP makes fewer)
+    _, passes = work.trained_share(1, tsp=tsp)
+    fsdp = passes * fsdp_update_s(m, devices, d.link_gb_s)
     trained = dataclasses.replace(scaled, update=scaled.update + fsdp)
     fsdp_term = {"fsdp update": fsdp * per_device}
     gather = allgather_s(copy, devices, d.link_gb_s)
@@ -384,17 +420,40 @@ def split_costs(
             f"{trainers} {t.kind} trainer(s) cannot hold the training state even sharded "
             f"({_gb(shard)} a device; {_room(t)})"
         )
-    # one lockstep slot: a micro-batch's samples are dealt over the trainers (the runtime's
-    # lockstep chunks), so each works ceil(samples / trainers) of them, gathering whole
-    # weights for every pass; a micro-batch of fewer samples than trainers leaves some idle
-    fsdp = fsdp_update_s(m, trainers, t.link_gb_s)
+    # one lockstep slot: a micro-batch's terms (or samples) are dealt over the trainers,
+    # each pass of each member gathering the whole model (Workload.trained_share); a TAG
+    # generation deals its samples, so a micro-batch smaller than the group leaves some idle
+    share, passes = work.trained_share(trainers, tsp=tsp)
+    fsdp = passes * fsdp_update_s(m, trainers, t.link_gb_s)
     gathers = sharded_sampling_s(m, trainers, t.link_gb_s, work.passes)
     n = work.samples_per_microbatch
-    share = -(-n // trainers) / n
     costs["update"] = costs["update"] * share + fsdp
-    costs["gen_tag"] = overlapped(costs["gen_tag"] * share, gathers)
+    costs["gen_tag"] = overlapped(costs["gen_tag"] * -(-n // trainers) / n, gathers)
     terms["fsdp update"] = fsdp * work.microbatches
     return "fsdp trainers", Costs(**costs), 1, terms
+
+
+def grouped_update(
+    work: Workload, hw: Hardware, trainers: int, *, tsp: bool
+) -> Callable[[int], float]:
+    """Seconds an update of ``count`` micro-batches taken together costs ``trainers`` FSDP
+    trainers (``runtime.schedule.group_updates``): each member's share of their terms, dealt
+    together, and the gathers of its passes (fuller passes, so fewer of them than one update
+    a micro-batch). One micro-batch costs what :func:`split_costs` charges."""
+    assert work.model is not None
+    t = hw.trainer
+    per_microbatch = work.update(tsp) / hw.speed(t)
+    fsdp = fsdp_update_s(work.model, trainers, t.link_gb_s)
+    n = work.samples_per_microbatch
+
+    def update_of(count: int) -> float:
+        together = dataclasses.replace(
+            work, samples_per_microbatch=n * count, pass_samples=work.pass_samples or n
+        )
+        share, passes = together.trained_share(trainers, tsp=tsp)
+        return per_microbatch * count * share + passes * fsdp
+
+    return update_of
 
 
 # -- ranking ------------------------------------------------------------------------------------
@@ -527,35 +586,44 @@ def plan(
             continue
         k = slots if static_k is None else static_k
         stale = [(True, max_staleness, staleness_ratio)] if tcss else []
-        for with_tcss, w, r in [(False, 0, 0.0), *stale]:
-            for name, policy in _policies(k, node_limit):
-                res = simulate(
-                    costs,
-                    work.microbatches,
-                    g,
-                    slots,
-                    policy,
-                    steps=steps,
-                    mbs_per_group=work.mbs_per_group,
-                    max_staleness=w,
-                    staleness_ratio=r,
-                    score_overlap=score_overlap,
-                )
-                done.append(
-                    Candidate(
-                        layout=SPLIT,
-                        generators=g,
-                        trainers=t,
-                        policy=name,
-                        tcss=with_tcss,
-                        tsp=tsp,
-                        step_time=_mean_step(res),
-                        price_h=_price(hardware, prices, g, t, False),
-                        strategy=strategy,
-                        terms=terms,
-                        **common,
+        # sharded trainers may take a group's micro-batches as one update
+        grouping = [(False, None)]
+        if strategy == "fsdp trainers" and work.mbs_per_group > 1:
+            assert hardware is not None
+            grouping.append((True, grouped_update(work, hardware, t, tsp=tsp)))
+        for grouped, update_of in grouping:
+            for with_tcss, w, r in [(False, 0, 0.0), *stale]:
+                for name, policy in _policies(k, node_limit):
+                    res = simulate(
+                        costs,
+                        work.microbatches,
+                        g,
+                        slots,
+                        policy,
+                        steps=steps,
+                        mbs_per_group=work.mbs_per_group,
+                        max_staleness=w,
+                        staleness_ratio=r,
+                        score_overlap=score_overlap,
+                        group_updates=grouped,
+                        update_of=update_of,
                     )
-                )
+                    done.append(
+                        Candidate(
+                            layout=SPLIT,
+                            generators=g,
+                            trainers=t,
+                            policy=name,
+                            tcss=with_tcss,
+                            tsp=tsp,
+                            step_time=_mean_step(res),
+                            price_h=_price(hardware, prices, g, t, False),
+                            strategy=strategy,
+                            terms=terms,
+                            grouped=grouped,
+                            **common,
+                        )
+                    )
         if on_split is not None:
             on_split(g, t, done)
         cands += done
@@ -568,6 +636,7 @@ def _rank_key(c: Candidate) -> tuple:
         round(c.step_time, 9),
         c.layout != COLOCATED,
         c.tcss,
+        c.grouped,
         _POLICY_RANK.get(c.policy.split("-")[0], -1),
         -c.generators,
     )

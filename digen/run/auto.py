@@ -28,6 +28,7 @@ costs the planner was given are the costs the chosen run pays.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
@@ -195,7 +196,7 @@ def apply_layout(cfg: DigenConfig, c: Candidate, size: int) -> DigenConfig:
     else:
         policy, _, k = c.policy.partition("-")
         rt.update(mode="disaggregated", generators=c.generators, trainers=c.trainers)
-        rt["schedule"].update(tag=policy, samples_per_microbatch=size)
+        rt["schedule"].update(tag=policy, samples_per_microbatch=size, group_updates=c.grouped)
         if k:
             rt["schedule"]["tag_k"] = int(k)
         if not c.tcss:
@@ -210,18 +211,16 @@ def rank_layouts(
     """The planner's ranking of ``devices`` for ``cfg``, timed by ``probe`` (``costs``), the
     micro-batch size, and the layouts left out as not fitting ``memory``.
 
-    A sharded probe timed each update and trainer generation over its ``T`` trainers,
-    ``ceil(n / T)`` of a micro-batch's ``n`` samples each: those costs are scaled back to
-    one device's, which the planner deals over trainers itself."""
+    A sharded probe timed each update over its ``T`` trainers, each its share of a
+    micro-batch's terms (:meth:`Workload.trained_share`), and each trainer generation over
+    them, ``ceil(n / T)`` of its ``n`` samples each: those costs are scaled back to one
+    device's, which the planner deals over trainers itself."""
+    from digen.algos.train_step import terms_per_sample
+
     sp = schedule_plan(probe)
     assert sp.layout is not None
     rt, timed = cfg.runtime, probe.runtime.trainers
     n = sp.layout.samples_per_microbatch
-    if timed > 1:
-        share = -(-n // timed) / n
-        costs = Costs(
-            **{**costs.to_dict(), "update": costs.update / share, "gen_tag": costs.gen_tag / share}
-        )
     r = probe.rollout
     work = Workload(
         costs=costs,
@@ -230,8 +229,23 @@ def rank_layouts(
         mbs_per_group=sp.update_group,
         tsp_degree=rt.schedule.tsp_degree,
         passes=r.num_inference_steps * (2 if r.guidance_scale > 1 else 1),
+        timesteps=terms_per_sample(probe, 0),
+        pass_samples=probe.train.micro_batch_size,
+        shard_deal=str(rt.placement.shard_deal),
         model=None if memory is None else memory.model,
     )
+    if timed > 1:
+        probed = dataclasses.replace(work, shard_deal=str(probe.runtime.placement.shard_deal))
+        share, _ = probed.trained_share(timed, tsp=True)
+        gen_share = -(-n // timed) / n
+        costs = Costs(
+            **{
+                **costs.to_dict(),
+                "update": costs.update / share,
+                "gen_tag": costs.gen_tag / gen_share,
+            }
+        )
+        work = dataclasses.replace(work, costs=costs)
     ranked, skipped = plan(
         work,
         devices,

@@ -20,6 +20,12 @@ second, speed-ups, utilisation per pool from the run's trace, the bubble fractio
 measured step over the ideal bound (``max(total work / workers, critical path)`` from the
 run's own task costs) and the step time the simulator predicts from those same costs.
 
+With ``sharded`` (``digen bench --sharded``) the bench measures sharded trainers instead:
+one generator and ``workers - 1`` FSDP trainers with micro-batches of one sample, an update's
+samples dealt over them against its (sample, timestep) terms dealt (:func:`sharded_rungs`),
+and how well the planner's model predicts the second from the first
+(:func:`summarise_sharded`).
+
 The measuring (:func:`run_bench`) is separate from the reporting (:func:`format_table`,
 :func:`plot_bench`), and :func:`summarise` is a pure function of the measured runs.
 """
@@ -27,6 +33,7 @@ The measuring (:func:`run_bench`) is separate from the reporting (:func:`format_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as _dt
 import os
 import platform
@@ -54,6 +61,8 @@ __all__ = [
     "format_table",
     "ladder",
     "plot_bench",
+    "rungs",
+    "sharded_rungs",
     "QUICK",
     "rung_configs",
     "run_bench",
@@ -100,6 +109,8 @@ class BenchSettings:
     """CPU threads available in all (one process with all of them is a colocated variant)."""
     overrides: tuple[str, ...] = ()
     """The user's own config overrides, applied to every rung before the rung's own."""
+    sharded: bool = False
+    """Measure sharded trainers instead of the ladder (:func:`sharded_rungs`)."""
 
     @property
     def generators(self) -> int:
@@ -195,6 +206,41 @@ def ladder(s: BenchSettings) -> list[Rung]:
     return rungs
 
 
+SAMPLES_DEALT, TERMS_DEALT, GROUPED = "sharded-samples", "sharded-terms", "sharded-grouped"
+
+
+def sharded_rungs(s: BenchSettings) -> list[Rung]:
+    """``--sharded``: one generator and ``workers - 1`` FSDP trainers, micro-batches of one
+    sample (fewer than the trainers), no TAG, so the trainers train and nothing else: an
+    update's samples dealt over them (one member trains, the others run padding passes),
+    then its (sample, timestep) terms (every member trains its share), then a prompt
+    group's micro-batches taken as one update, their terms dealt together."""
+    shared = (
+        "runtime.generators=1",
+        f"runtime.trainers={s.workers - 1}",
+        "runtime.placement.trainer_parallel=fsdp",
+        f"runtime.placement.threads_per_worker={s.threads_per_worker}",
+        "runtime.schedule.samples_per_microbatch=1",
+        "runtime.schedule.tag=none",
+    )
+    terms = (*shared, "runtime.placement.shard_deal=terms")
+    return [
+        Rung(SAMPLES_DEALT, "sharded trainers, samples dealt", "disaggregated",
+             (*shared, "runtime.placement.shard_deal=samples")),
+        Rung(TERMS_DEALT, "sharded trainers, terms dealt", "disaggregated", terms),
+        Rung(GROUPED, "sharded trainers, terms dealt, grouped updates", "disaggregated",
+             (*terms, "runtime.schedule.group_updates=true")),
+    ]  # fmt: skip
+
+
+def rungs(s: BenchSettings) -> list[Rung]:
+    """Every rung the bench runs, in order: the colocated variants and the ladder, or the
+    sharded rungs."""
+    if s.sharded:
+        return sharded_rungs(s)
+    return [*colocated_variants(s), *ladder(s)]
+
+
 def _replace_keys(base: Sequence[str], extra: Sequence[str]) -> list[str]:
     """``base`` overrides with ``extra``'s keys set to ``extra``'s values."""
     keys = {e.split("=", 1)[0] for e in extra}
@@ -216,7 +262,7 @@ def rung_configs(s: BenchSettings) -> dict[str, Any]:
         *s.overrides,
     ]
     out = {}
-    for rung in [*colocated_variants(s), *ladder(s)]:
+    for rung in rungs(s):
         base = preset(s.model, s.algo, mode=rung.mode)
         out[rung.key] = load_config(base=base, overrides=[*shared, *rung.overrides])
     return out
@@ -250,6 +296,9 @@ class RunMeasure:
     """Disaggregated: time calls spent outside the actors' own work (RPC, pickling, the
     driver's loop) over the work itself, the median of the counted steps' metrics; 0 for
     colocated runs, which make no calls."""
+    call_overhead: dict[str, float] = field(default_factory=dict)
+    """Disaggregated: seconds a call of each cost's kind spent outside the work
+    (:func:`~digen.run.auto.call_overhead`), which the prediction adds."""
     events: list[TraceEvent] = field(default_factory=list, repr=False)
 
 
@@ -307,8 +356,15 @@ def analyse(
         overhead_fraction=statistics.median(
             float(r.get("overhead_fraction", 0.0)) for r in counted
         ),
+        call_overhead=_call_overhead(rung, counted),
         events=trace.events,
     )
+
+
+def _call_overhead(rung: Rung, rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    from digen.run.auto import call_overhead
+
+    return {} if rung.mode == COLOCATED else call_overhead(rows)
 
 
 def step_ends(events: Sequence[TraceEvent]) -> dict[int, float]:
@@ -439,7 +495,10 @@ def _bound_and_prediction(
     times: list[float] = []
     for _ in range(PREDICTION_DRAWS):
         drawn = {name: _pick(rng, measured, name, getattr(costs, name)) for name in COST_NAMES}
-        sim = simulate_plan(plan, Costs(**{k: v + extra.get(k, 0.0) for k, v in drawn.items()}))
+        drawn = {k: v + extra.get(k, 0.0) for k, v in drawn.items()}
+        # a grouped run timed whole groups' updates: one is what a group costs
+        whole = (lambda c, u=drawn["update"]: u) if plan.group_updates else None
+        sim = simulate_plan(plan, Costs(**drawn), update_of=whole)
         times += sim.step_times[first:] or sim.step_times
     return costs.to_dict(), bound, statistics.median(times)
 
@@ -456,15 +515,15 @@ def run_bench(
     that is removed afterwards.
     """
     cfgs = rung_configs(s)
-    rungs = [*colocated_variants(s), *ladder(s)]
+    todo = rungs(s)
     say = progress or (lambda text: None)
     root = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="digen-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[RunMeasure]] = {r.key: [] for r in rungs}
+    runs: dict[str, list[RunMeasure]] = {r.key: [] for r in todo}
     try:
         for rep in range(s.repeats):
-            for i, rung in enumerate(rungs, 1):
-                say(f"repeat {rep + 1}/{s.repeats}, run {i}/{len(rungs)}: {rung.name} ...")
+            for i, rung in enumerate(todo, 1):
+                say(f"repeat {rep + 1}/{s.repeats}, run {i}/{len(todo)}: {rung.name} ...")
                 run_dir = root / f"r{rep + 1}-{rung.key}"
                 if run_dir.exists():
                     shutil.rmtree(run_dir)
@@ -487,7 +546,10 @@ def summarise(
     s: BenchSettings, runs: dict[str, list[RunMeasure]], *, command: str | None = None
 ) -> dict[str, Any]:
     """The bench's JSON: ``modes`` (rungs 1-7, rung 1 the fastest colocated variant),
-    ``colocated_variants`` (every one tried), settings, machine and command."""
+    ``colocated_variants`` (every one tried), settings, machine and command; with
+    ``s.sharded``, ``sharded`` instead (:func:`summarise_sharded`)."""
+    if s.sharded:
+        return summarise_sharded(s, runs, command=command)
     variants = colocated_variants(s)
     rows = {r.key: _row(r, runs[r.key]) for r in [*variants, *ladder(s)]}
     best = min((v.key for v in variants), key=lambda k: rows[k]["step_time_s"])
@@ -503,6 +565,79 @@ def summarise(
     return {
         "modes": modes,
         "colocated_variants": [dict(rows[v.key], chosen=v.key == best) for v in variants],
+        "settings": asdict(s),
+        "machine": machine_info(),
+        "command": command if command is not None else " ".join(sys.argv),
+        "argv": list(sys.argv),
+    }
+
+
+def summarise_sharded(
+    s: BenchSettings, runs: dict[str, list[RunMeasure]], *, command: str | None = None
+) -> dict[str, Any]:
+    """``--sharded``: both rungs, the speed-up of dealing terms, and the planner's prediction
+    of the terms rung from the samples rung alone.
+
+    The prediction scales the samples rung's measured update by the members' shares of the
+    work (:meth:`~digen.planning.layouts.Workload.trained_share`, the planner's model: by
+    samples every member runs as many passes as the member that trains the sample; by terms
+    each runs its share of the terms) and replays the terms rung's schedule with those costs
+    (:func:`~digen.sched.simulator.simulate_plan`, the samples rung's other costs and call
+    overheads, drawn as :func:`_bound_and_prediction` draws them)."""
+    from digen.algos.train_step import terms_per_sample
+    from digen.config import schedule_plan
+    from digen.planning.layouts import Workload
+    from digen.sched.simulator import simulate_plan
+
+    by_key = {r.key: r for r in sharded_rungs(s)}
+    rows = {k: _row(by_key[k], runs[k]) for k in (SAMPLES_DEALT, TERMS_DEALT, GROUPED)}
+    cfgs = rung_configs(s)
+    cfg = cfgs[TERMS_DEALT]
+    plan = schedule_plan(cfg)
+    trainers = cfg.runtime.trainers
+    work = Workload(
+        costs=Costs(gen=1.0, update=1.0),
+        microbatches=plan.microbatches,
+        samples_per_microbatch=1,
+        tsp_degree=cfg.runtime.schedule.tsp_degree,
+        timesteps=terms_per_sample(cfg, 0),
+        pass_samples=cfg.train.micro_batch_size,
+    )
+    terms_share, terms_passes = work.trained_share(trainers, tsp=True)
+    by_samples = dataclasses.replace(work, shard_deal="samples")
+    samples_share, samples_passes = by_samples.trained_share(trainers, tsp=True)
+    # every member runs the passes of the member with most work: its share is what it costs
+    scale = terms_share / samples_share
+    rng = random.Random(0)
+    times: list[float] = []
+    for m in runs[SAMPLES_DEALT]:
+        measured = _measured([e for e in m.events if e.worker != DRIVER and e.step >= 1])
+        base = Costs(**m.costs)
+        for _ in range(PREDICTION_DRAWS):
+            drawn = {n: _pick(rng, measured, n, getattr(base, n)) for n in COST_NAMES}
+            drawn["update"] *= scale
+            costs = {k: v + m.call_overhead.get(k, 0.0) for k, v in drawn.items()}
+            sim = simulate_plan(plan, Costs(**costs))
+            times += sim.step_times[1:] or sim.step_times
+    predicted = statistics.median(times)
+    measured_terms = rows[TERMS_DEALT]["step_time_s"]
+    return {
+        "sharded": {
+            "rungs": [rows[SAMPLES_DEALT], rows[TERMS_DEALT], rows[GROUPED]],
+            "speedup_terms_vs_samples": rows[SAMPLES_DEALT]["step_time_s"] / measured_terms,
+            "speedup_grouped_vs_terms": measured_terms / rows[GROUPED]["step_time_s"],
+            "update_speedup": rows[SAMPLES_DEALT]["costs"]["update"]
+            / rows[TERMS_DEALT]["costs"]["update"],
+            "model": {
+                "trainers": trainers,
+                "trained_timesteps": work.timesteps,
+                "passes_by_samples": samples_passes,
+                "passes_by_terms": terms_passes,
+                "update_scale": scale,
+                "predicted_terms_step_time_s": predicted,
+                "prediction_error": (predicted - measured_terms) / measured_terms,
+            },
+        },
         "settings": asdict(s),
         "machine": machine_info(),
         "command": command if command is not None else " ".join(sys.argv),
@@ -567,7 +702,10 @@ def machine_info() -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The ladder as a markdown table (the colocated variants not chosen as extra rows)."""
+    """The ladder as a markdown table (the colocated variants not chosen as extra rows); the
+    sharded rungs as theirs."""
+    if "sharded" in report:
+        return format_sharded(report["sharded"])
     head = (
         "| rung | step s median [min-max] | samples/s | vs colocated | vs naive "
         "| util gen / trainer | bubble % | call overhead % | bound ratio | predicted s "
@@ -583,6 +721,36 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(_table_line(label, m))
     for v in extra:
         lines.append(_table_line(f"({v['name']})", v))
+    return "\n".join(lines)
+
+
+def format_sharded(sh: dict[str, Any]) -> str:
+    """``--sharded``'s table and the planner's prediction, in markdown."""
+    lines = [
+        "| rung | step s median [min-max] | update s | util gen / trainer | predicted s "
+        "| pred error % |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for m in sh["rungs"]:
+        u = m["utilization"]
+        lines.append(
+            f"| {m['name']} | {m['step_time_s']:.3f} [{m['step_time_min_s']:.3f}-"
+            f"{m['step_time_max_s']:.3f}] | {m['costs']['update']:.3f} "
+            f"| {u.get(Pool.GENERATOR, float('nan')):.2f} / {u.get(Pool.TRAINER, float('nan')):.2f}"
+            f" | {m['predicted_step_time_s']:.3f} | {100 * m['prediction_error']:+.0f} |"
+        )
+    mo = sh["model"]
+    lines += [
+        "",
+        f"terms dealt vs samples dealt: {sh['speedup_terms_vs_samples']:.2f}x a step, "
+        f"{sh['update_speedup']:.2f}x an update; grouped updates vs one a micro-batch: "
+        f"{sh['speedup_grouped_vs_terms']:.2f}x a step.",
+        f"planner's model ({mo['trainers']} trainers, {mo['trained_timesteps']} trained "
+        f"timesteps a sample, {mo['passes_by_samples']} passes a member by samples, "
+        f"{mo['passes_by_terms']} by terms): the samples rung's update x {mo['update_scale']:.2f} "
+        f"predicts {mo['predicted_terms_step_time_s']:.3f} s a step dealing terms "
+        f"({100 * mo['prediction_error']:+.0f} %).",
+    ]
     return "\n".join(lines)
 
 
@@ -616,7 +784,19 @@ def plot_bench(
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    modes = report["modes"]
+    if "sharded" in report:
+        base = report["sharded"]["rungs"][0]["step_time_s"]
+        modes = [
+            dict(m, rung=i, speedup_vs_samples=base / m["step_time_s"])
+            for i, m in enumerate(report["sharded"]["rungs"], 1)
+        ]
+        bars = [("vs samples dealt", "speedup_vs_samples", "#1f77b4")]
+    else:
+        modes = report["modes"]
+        bars = [
+            ("vs colocated", "speedup_vs_colocated", "#1f77b4"),
+            ("vs naive", "speedup_vs_naive", "#ff7f0e"),
+        ]
     traces = []
     for m in modes:
         key = m.get("variant", m["key"])
@@ -640,21 +820,10 @@ def plot_bench(
     axes[-2].set_xlabel("seconds from the run's first task")
     ax = axes[-1]
     x = range(len(modes))
-    width = 0.4
-    ax.bar(
-        [i - width / 2 for i in x],
-        [m["speedup_vs_colocated"] for m in modes],
-        width,
-        label="vs colocated",
-        color="#1f77b4",
-    )
-    ax.bar(
-        [i + width / 2 for i in x],
-        [m["speedup_vs_naive"] for m in modes],
-        width,
-        label="vs naive",
-        color="#ff7f0e",
-    )
+    width = 0.8 / len(bars)
+    for b, (label, key, colour) in enumerate(bars):
+        at = [i + (b - (len(bars) - 1) / 2) * width for i in x]
+        ax.bar(at, [m[key] for m in modes], width, label=label, color=colour)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(list(x), labels=[f"{m['rung']}. {m['name']}" for m in modes], fontsize=8)
     ax.set_ylabel("speed-up")

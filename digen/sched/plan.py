@@ -88,6 +88,9 @@ class SchedulePlan:
     """The static TAG policy's ``k`` (``runtime.schedule.tag_k``)."""
     layout: StepLayout | None = None
     """Which samples each micro-batch holds; None in a simulation that counts only."""
+    group_updates: bool = False
+    """A trainer slot takes the queued micro-batches of a prompt group made by one version in
+    one update (``runtime.schedule.group_updates``)."""
 
     def __post_init__(self) -> None:
         for name in ("microbatches", "update_group", "generators", "trainers"):
@@ -138,6 +141,7 @@ def plan_schedule(
     score_overlap: bool = False,
     tag: str = "none",
     tag_k: int = 0,
+    group_updates: bool = False,
     first_step: int = 0,
     last_step: int | None = None,
 ) -> SchedulePlan:
@@ -188,4 +192,5 @@ def plan_schedule(
         tag=tag,
         tag_k=tag_k,
         layout=StepLayout(prompts, group_size, size),
+        group_updates=group_updates,
     )

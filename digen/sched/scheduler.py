@@ -307,6 +307,28 @@ class Scheduler:
                 return mb
         return None
 
+    def take_updates(self, step: int, ids: range | None = None) -> list[int]:
+        """What a free trainer slot updates next, taken off UQ: the head of ``step``'s UQ
+        (:meth:`take_update`) and, with ``plan.group_updates``, the other micro-batches of
+        its prompt group on UQ that the same version made, in micro-batch order (the
+        group's micro-batches go on UQ together, so which go together does not depend on
+        timing). Empty when UQ has nothing for it."""
+        head = self.take_update(step, ids)
+        if head is None:
+            return []
+        if not self.plan.group_updates:
+            return [head]
+        rec = self.record(step)
+        prompt, version = rec.mbs[head].prompt, rec.made[head][1]
+        mates = [
+            m.mb
+            for m in rec.group(prompt)
+            if m.mb in self.uq[step] and rec.made[m.mb][1] == version
+        ]
+        for mb in mates:
+            self.uq[step].remove(mb)
+        return sorted([head, *mates])
+
     def _off_uq(self, step: int, mb: int) -> None:
         """``(step, mb)`` leaves UQ if it is on it (its rollout was lost, or it is left out)."""
         if mb in self.uq.get(step, ()):

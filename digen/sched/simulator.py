@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Literal
@@ -93,11 +94,15 @@ def simulate(
     staleness_schedule: str = "fixed",
     max_inflight: int | None = None,
     score_overlap: bool = False,
+    group_updates: bool = False,
+    update_of: Callable[[int], float] | None = None,
 ) -> SimResult:
     """Simulate ``steps`` train steps of ``microbatches`` micro-batches (rules in the module doc).
 
     ``policy`` (default :class:`NoTAG`) is asked at every bubble with a
     :class:`~digen.sched.state.SchedState`, exactly as the driver would ask it.
+    ``group_updates``: a trainer takes a group's queued micro-batches in one update, which
+    lasts ``update_of(count)`` (default ``count x costs.update``).
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
@@ -116,17 +121,22 @@ def simulate(
             last_step=steps - 1,
         ),
         score_overlap=score_overlap,
+        group_updates=group_updates,
     )
-    return simulate_plan(plan, costs, policy=policy)
+    return simulate_plan(plan, costs, policy=policy, update_of=update_of)
 
 
 def simulate_plan(
     plan: SchedulePlan,
     costs: Costs,
     policy: TagPolicy | None | Literal["plan"] = "plan",
+    *,
+    update_of: Callable[[int], float] | None = None,
 ) -> SimResult:
     """Simulate the run ``plan`` describes, from step 0 to its last step, with ``costs`` and
-    its TAG policy (``policy="plan"``; or pass one, None for :class:`NoTAG`)."""
+    its TAG policy (``policy="plan"``; or pass one, None for :class:`NoTAG`).
+    ``update_of``: seconds of an update of that many micro-batches taken together
+    (``plan.group_updates``; default that many times ``costs.update``)."""
     if plan.admission.last_step is None:
         raise ValueError("the plan has no last step: nothing says when the simulation ends")
     steps = plan.admission.last_step + 1
@@ -134,7 +144,7 @@ def simulate_plan(
         policy = make_tag_policy(plan.tag, plan.tag_k)
     pol = NoTAG() if policy is None else policy
     pol.reset()
-    clock = _Clock(plan, costs, steps)
+    clock = _Clock(plan, costs, steps, update_of)
     decisions: list[bool] = []
     while (j := clock.run()) >= 0:
         d = bool(pol.decide(clock.sched.sched_state(j, clock.now, costs), costs))
@@ -172,8 +182,17 @@ class _Clock:
     Lanes: generators ``0 .. G-1``, trainers ``G .. G+T-1``, then the scoring lanes.
     """
 
-    def __init__(self, plan: SchedulePlan, costs: Costs, steps: int) -> None:
+    def __init__(
+        self,
+        plan: SchedulePlan,
+        costs: Costs,
+        steps: int,
+        update_of: Callable[[int], float] | None = None,
+    ) -> None:
         self.sched = Scheduler(plan)
+        self.update_of = update_of or (lambda count: count * costs.update)
+        self.updating: dict[int, list[int]] = {}
+        """Per trainer lane, the micro-batches its update takes (several: a group's)."""
         g, t = plan.generators, plan.trainers
         self.g, self.workers = g, g + t
         self.lanes = g if plan.score_overlap else 0
@@ -279,8 +298,11 @@ class _Clock:
         free = [j for j in range(sched.trainers) if self.ends[g + j] == math.inf]
         waiting = [j for j in free if j in sched.waiting]  # served first
         for j in waiting + [j for j in free if j not in waiting]:
-            if (m := sched.take_update(v)) is not None:
-                self._start(g + j, TaskKind.UPDATE, v, m, v)
+            if ms := sched.take_updates(v):
+                self._start(g + j, TaskKind.UPDATE, v, ms[0], v)
+                self.ends[g + j] = self.now + self.update_of(len(ms))
+                if len(ms) > 1:
+                    self.updating[g + j] = ms
             elif j not in sched.waiting and sched.at_bubble(j, v):
                 return j
         return -1
@@ -308,7 +330,8 @@ class _Clock:
                 for other in sched.record(task.step).group(mb.prompt):
                     sched.queued(task.step, other.mb)
         elif task.kind == TaskKind.UPDATE:
-            sched.trained(task.step, task.mb, None)
+            for m in self.updating.pop(i, [task.mb]):
+                sched.trained(task.step, m, None)
 
     def _advance(self) -> None:
         """The step's end: all trainers step once their updates are done; then, once the

@@ -472,6 +472,19 @@ BAD = [
     (["runtime.elastic.join_secret_file=/s"], "runtime.elastic.join_secret_file", "'/s'"),
     # the rules that span sections, and the elastic section's own
     (["runtime.elastic.min_generators=2"], "runtime.elastic.min_generators", "2"),
+    # grouped updates are for sharded trainers: not replicated ones, nor colocated workers
+    (
+        ["runtime.mode=disaggregated", "runtime.trainers=2"]
+        + ["runtime.schedule.group_updates=true"],
+        "runtime.schedule.group_updates",
+        "True",
+    ),
+    (
+        ["runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp"]
+        + ["runtime.schedule.group_updates=true"],
+        "runtime.schedule.group_updates",
+        "True",
+    ),
     (
         ["runtime.elastic.on_generator_loss=fail", "runtime.elastic.respawn_generators=true"],
         "runtime.elastic.respawn_generators",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from digen.errors import DigenError
 from digen.planning.hardware import (
     GB,
     ModelSize,
@@ -23,6 +26,7 @@ from digen.planning.layouts import (
     colocated_costs,
     explain,
     format_plan,
+    grouped_update,
     plan,
     simulate_colocated,
     split_costs,
@@ -115,6 +119,57 @@ def test_a_split_pays_the_weight_sync_and_runs_at_each_kind_speed() -> None:
     assert c.update == pytest.approx(0.5 / 4 + fsdp_update_s(FULL, 4, 450))
     gathers = sharded_sampling_s(FULL, 4, 450, 10)
     assert c.gen_tag == pytest.approx(max(1.0 / 4, gathers))
+
+
+def test_sharded_updates_deal_terms_or_samples_and_pay_the_gathers_every_pass() -> None:
+    # one sample of 8 trained timesteps on 4 members, TSP 4: by terms each trains 2 in one
+    # pass; by samples one member trains all 8 in 2 passes, the others keep in step
+    one = Workload(
+        costs=COSTS, microbatches=8, update_tsp=0.3, tsp_degree=4, timesteps=8, model=FULL
+    )
+    assert one.trained_share(4, tsp=True) == (2 / 8, 1)
+    by_samples = dataclasses.replace(one, shard_deal="samples")
+    assert by_samples.trained_share(4, tsp=True) == (1.0, 2)
+    assert one.trained_share(4, tsp=False) == (2 / 8, 2)  # passes of 1 term without TSP
+    assert by_samples.trained_share(4, tsp=False) == (1.0, 8)
+    # 4 samples of 6 timesteps on 8 members, 2 samples a pass: 3 terms each, in 2 passes
+    four = Workload(
+        costs=COSTS, microbatches=8, samples_per_microbatch=4, timesteps=6, pass_samples=2
+    )
+    assert four.trained_share(8, tsp=False) == (3 / 24, 2)
+    assert dataclasses.replace(four, shard_deal="samples").trained_share(8, tsp=False) == (1 / 4, 6)
+    hw = load_hardware({"device": "h100"})
+    fsdp = fsdp_update_s(FULL, 4, 450)
+    _, c, slots, terms = split_costs(one, hw, 4, 4, tsp=True)
+    assert slots == 1 and c.update == pytest.approx(0.3 * 2 / 8 + fsdp)
+    assert terms["fsdp update"] == pytest.approx(8 * fsdp)  # one pass a micro-batch
+    _, c, _, _ = split_costs(by_samples, hw, 4, 4, tsp=True)
+    assert c.update == pytest.approx(0.3 + 2 * fsdp)
+    _, c, _, _ = split_costs(one, hw, 4, 4, tsp=False)
+    assert c.update == pytest.approx(0.5 * 2 / 8 + 2 * fsdp)
+    # a colocated FSDP device trains its micro-batch's 8 timesteps in 2 TSP passes
+    got = {s: c for s, c, _, _ in colocated_costs(one, hw, 8, tsp=True)}
+    assert got["gathered copy"].update == pytest.approx(0.3 + 2 * fsdp_update_s(FULL, 8, 450))
+    # a group's 4 micro-batches as one update: 32 terms, 8 a member in 2 passes of 4, where
+    # one update each pays 4 passes' gathers for the same terms
+    update_of = grouped_update(one, hw, 4, tsp=True)
+    assert update_of(1) == pytest.approx(0.3 * 2 / 8 + fsdp)
+    assert update_of(4) == pytest.approx(0.3 * 4 * 8 / 32 + 2 * fsdp)
+    grouped = dataclasses.replace(one, mbs_per_group=4)
+    ranked, _ = plan(grouped, 8, hw, steps=2)
+    together = [c for c in ranked if c.grouped]
+    assert together and all(c.strategy == "fsdp trainers" for c in together)
+    assert all("grouped updates" in c.label for c in together)
+    res = simulate(
+        COSTS, 8, 2, 1, NoTAG(), steps=2, mbs_per_group=4, group_updates=True, update_of=update_of
+    )
+    updates = [e for e in res.events if e.kind == "update" and e.step == 0]
+    assert len(updates) == 2  # one a group
+    assert [e.duration for e in updates] == pytest.approx([update_of(4)] * 2)
+    with pytest.raises(DigenError, match="shard_deal"):
+        Workload(costs=COSTS, microbatches=1, shard_deal="rows")
+    with pytest.raises(DigenError, match="timesteps"):
+        Workload(costs=COSTS, microbatches=1, timesteps=0)
 
 
 def test_plan_ranks_colocated_beside_every_split() -> None:

@@ -4,6 +4,7 @@ one sentence. Speed is never asserted here (docs/BENCHMARKS.md holds the measure
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,71 @@ def test_bench_quick_json_is_complete_and_consistent(tmp_path: Path) -> None:
     assert len(table) == 2 + 7 + 1  # header, rule, 7 rungs, the other colocated variant
 
 
+@pytest.mark.slow
+def test_bench_sharded_measures_both_deals_and_predicts_terms_from_samples(
+    tmp_path: Path,
+) -> None:
+    """``--sharded``: 1 generator and 2 FSDP trainers, samples dealt then terms dealt; the
+    report's ratios and the planner's prediction are what its own numbers make them."""
+    from digen.algos.train_step import terms_per_sample
+    from digen.run.bench import BenchSettings, rung_configs
+
+    report_path, plot_path, runs = (
+        tmp_path / "bench.json",
+        tmp_path / "bench.png",
+        tmp_path / "runs",
+    )
+    args = ["bench", "--quick", "--sharded", "--size", "32", "--steps", "2", "--quiet"]
+    args += ["--json", str(report_path), "--plot", str(plot_path), "--out", str(runs)]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    sh = json.loads(report_path.read_text())["sharded"]
+    samples, terms, grouped = sh["rungs"]
+    keys = [samples["key"], terms["key"], grouped["key"]]
+    assert keys == ["sharded-samples", "sharded-terms", "sharded-grouped"]
+    assert "runtime.placement.shard_deal=samples" in samples["overrides"]
+    assert "runtime.placement.shard_deal=terms" in terms["overrides"]
+    assert "runtime.schedule.group_updates=true" in grouped["overrides"]
+    assert sh["speedup_grouped_vs_terms"] == pytest.approx(
+        terms["step_time_s"] / grouped["step_time_s"]
+    )
+    for m in (samples, terms, grouped):
+        assert m["step_time_min_s"] <= m["step_time_s"] <= m["step_time_max_s"]
+        assert set(m["utilization"]) == {"generator", "trainer"}
+        assert m["costs"]["update"] > 0
+    assert sh["speedup_terms_vs_samples"] == pytest.approx(
+        samples["step_time_s"] / terms["step_time_s"]
+    )
+    assert sh["update_speedup"] == pytest.approx(
+        samples["costs"]["update"] / terms["costs"]["update"]
+    )
+    # the model: one sample of K trained timesteps over 2 members, passes of p x d terms
+    cfg = rung_configs(BenchSettings(size=32, steps=2, repeats=1, workers=3, sharded=True))
+    c = cfg["sharded-terms"]
+    k = terms_per_sample(c, 0)
+    size = c.train.micro_batch_size * c.runtime.schedule.tsp_degree
+    mo = sh["model"]
+    assert (mo["trainers"], mo["trained_timesteps"]) == (2, k)
+    assert mo["passes_by_samples"] == math.ceil(k / c.runtime.schedule.tsp_degree)
+    each = math.ceil(k / 2)  # a member's terms
+    assert mo["passes_by_terms"] == math.ceil(each / size)
+    assert mo["update_scale"] == pytest.approx(each / k)
+    got = (mo["predicted_terms_step_time_s"] - terms["step_time_s"]) / terms["step_time_s"]
+    assert mo["prediction_error"] == pytest.approx(got)
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "terms dealt vs samples dealt" in res.output
+    # grouped: one update a prompt group (one sample a micro-batch, so n of them a group)
+    g = cfg["sharded-grouped"]
+    events = Trace.load_jsonl(runs / "r1-sharded-grouped" / "trace.jsonl").events
+    for step in range(2):
+        ups = [e for e in events if e.kind == "update" and e.step == step]
+        assert len(ups) == g.data.train_batch_size
+    ones = Trace.load_jsonl(runs / "r1-sharded-terms" / "trace.jsonl").events
+    assert len([e for e in ones if e.kind == "update" and e.step == 0]) == (
+        g.data.train_batch_size * g.rollout.n
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -87,6 +153,8 @@ def test_bench_quick_json_is_complete_and_consistent(tmp_path: Path) -> None:
         (["--plot", "timeline.jpg"], ".png"),
         (["--json", "no/such/dir/out.json"], "does not exist"),
         (["runtime.schedule.tsp_degree=0"], "runtime.schedule.tsp_degree"),
+        (["--sharded", "--workers", "2"], "--workers 2 is not allowed with --sharded"),
+        (["--sharded", "--quality"], "choose one"),
     ],
 )
 def test_bad_options_are_one_sentence_and_exit_2(args: list[str], message: str) -> None:

@@ -21,6 +21,7 @@ from helpers import (
     SMOOTH_REWARD,
     assert_trained_alike,
     free_port,
+    read_jsonl,
     run_config,
     tiny_config,
     wider_sd3,
@@ -139,17 +140,38 @@ def test_lockstep_terms_deal_every_term_once_and_keep_every_member_busy() -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("algo", "full"),
-    [("flowgrpo", False), ("nft", True), ("mixgrpo", False), ("dancegrpo", True)],
-    ids=["flowgrpo-lora", "nft-full", "mixgrpo-lora", "dancegrpo-full"],
+    ("algo", "full", "deal", "grouped"),
+    [
+        ("flowgrpo", False, "terms", False),
+        ("nft", True, "terms", False),
+        ("mixgrpo", False, "terms", False),
+        ("dancegrpo", True, "terms", False),
+        ("flowgrpo", False, "samples", False),
+        ("flowgrpo", False, "terms", True),
+        ("dancegrpo", True, "terms", True),
+        ("nft", True, "samples", True),
+    ],
+    ids=[
+        "flowgrpo-lora",
+        "nft-full",
+        "mixgrpo-lora",
+        "dancegrpo-full",
+        "samples-flowgrpo-lora",
+        "grouped-flowgrpo-lora",
+        "grouped-dancegrpo-full",
+        "grouped-samples-nft-full",
+    ],
 )
 def test_sharded_trainers_dealing_terms_train_as_the_colocated_trainer(
-    tmp_path: Path, algo: str, full: bool
+    tmp_path: Path, algo: str, full: bool, deal: str, grouped: bool
 ) -> None:
-    """``runtime.placement.shard_deal=terms``: micro-batches of one sample on 2 FSDP trainers
-    (by samples one member would only pad), each member training its share of the sample's
-    (sample, timestep) terms as one timestep batch, end the step with the colocated
-    trainer's weights (NFT: its per-term noise drawn for the term wherever it runs)."""
+    """``runtime.placement.shard_deal=terms`` (the default): micro-batches of one sample on
+    2 FSDP trainers, each member training its share of the sample's (sample, timestep) terms
+    as one timestep batch, end the step with the colocated trainer's weights (NFT: its
+    per-term noise drawn for the term wherever it runs). Dealt by samples, one member trains
+    the sample and the other runs padding passes: the same weights. With
+    ``runtime.schedule.group_updates`` a prompt group's micro-batches are one update (one
+    update event a group), their rows dealt together: the same weights again."""
     over = ["train.lora_rank=0", "algo.kl_coef=0.01"] if full else []
     if algo == "nft":
         over = ["train.lora_rank=0"]
@@ -160,15 +182,19 @@ def test_sharded_trainers_dealing_terms_train_as_the_colocated_trainer(
     finally:
         torch.set_num_threads(threads)
     extra = ["runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp"]
-    extra += ["runtime.placement.shard_deal=terms", "runtime.schedule.tag=none"]
+    extra += [f"runtime.placement.shard_deal={deal}", "runtime.schedule.tag=none"]
     extra += ["runtime.schedule.samples_per_microbatch=1"]
+    extra += [f"runtime.schedule.group_updates={str(grouped).lower()}"]
     cfg = tiny_config("flux", algo, [*COMMON, *over, *extra], mode="disaggregated")
-    sharded = run_config(cfg, tmp_path / "terms")
+    sharded = run_config(cfg, tmp_path / deal)
     start = dict(load_adapter("flux").transformer.named_parameters()) if full else None
     assert_trained_alike(sharded.final_state, colocated.final_state, start)
     # every sample trained: as many as the colocated step trained
     terms = sharded.metrics[0]["trained_samples"]
     assert terms == colocated.metrics[0]["trained_samples"] > 0
+    updates = [e for e in read_jsonl(tmp_path / deal / "trace.jsonl") if e["kind"] == "update"]
+    groups, samples = cfg.data.train_batch_size, cfg.data.train_batch_size * cfg.rollout.n
+    assert len(updates) == (groups if grouped else samples)  # one sample a micro-batch
 
 
 @pytest.mark.slow

@@ -208,6 +208,41 @@ def test_partial_groups_count_microbatches_not_samples() -> None:
     assert book.group_rewards(0, 0, 6) == [1.0, 2.0, 1.0, 2.0, 3.0, 4.0]
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_grouped_updates_take_a_groups_queued_micro_batches_of_one_version(
+    grouped: bool,
+) -> None:
+    """Two prompts of 4 one-sample micro-batches; prompt 0's made by versions 0, 0, 1, 1
+    (as TCSS may make them). Grouped, a trainer takes prompt 0's version-0 pair, then its
+    version-1 pair, then prompt 1's four; else one at a time, in UQ order."""
+    plan = SchedulePlan(
+        microbatches=8,
+        update_group=4,
+        generators=1,
+        trainers=1,
+        admission=Admission(),
+        layout=StepLayout(2, 4, 1),
+        group_updates=grouped,
+    )
+    book = Scheduler(plan)
+    for mb, version in zip(plan.microbatches_of(0), [0, 0, 1, 1, 0, 0, 0, 0], strict=True):
+        book.generated(mb, "generator-0", version)
+        book.queued(0, mb.mb)
+    taken = []
+    while got := book.take_updates(0):
+        taken.append(got)
+    if grouped:
+        assert taken == [[0, 1], [2, 3], [4, 5, 6, 7]]
+    else:
+        assert taken == [[m] for m in range(8)]
+    # a mini-batch's ids bound what is taken
+    again = Scheduler(plan)
+    for mb in plan.microbatches_of(0):
+        again.generated(mb, "generator-0", 0)
+        again.queued(0, mb.mb)
+    assert again.take_updates(0, range(4, 8)) == ([4, 5, 6, 7] if grouped else [4])
+
+
 def test_admission_fixed_and_eager_tcss_and_back_pressure() -> None:
     fixed = Admission(max_staleness=1, stale_cap=2, schedule="fixed", last_step=3)
     # step 1's first two micro-batches are made with version 0, the rest with version 1

@@ -420,6 +420,7 @@ class ShardedTrainers:
     _EVERY_MEMBER = (
         "generate",
         "update",
+        "update_group",
         "step",
         "write_checkpoint",
         "ping",
@@ -441,7 +442,7 @@ class ShardedTrainers:
         if not isinstance(results[0], TimedResult):
             return results[0]
         value = results[0].value
-        if method == "update":  # every member's loss terms, added in member order
+        if method in ("update", "update_group"):  # every member's terms, in member order
             value = LossStats()
             for r in results:
                 value.add(r.value)

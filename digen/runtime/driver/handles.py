@@ -113,6 +113,11 @@ class TrainerHandle(_Handle):
         """Forward/backward a micro-batch's kept samples; the value is its ``LossStats``."""
         return await self.actor.call("update", request)
 
+    async def update_group(self, requests: tuple[UpdateRequest, ...]) -> TimedResult:
+        """Forward/backward several micro-batches of a group as one update; the value is
+        their ``LossStats``."""
+        return await self.actor.call("update_group", requests)
+
     async def step(self, request: StepRequest) -> TimedResult:
         """An optimizer step; the value is ``(version, grad norm)``."""
         return await self.actor.call("step", request)

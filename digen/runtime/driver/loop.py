@@ -273,8 +273,8 @@ class Driver(ClusterBackend):
         for s in steps:
             for m, ids in enumerate(self.mini_ids):
                 while not self.progress.trained(s, m):
-                    if (mb := self.sched.take_update(s, ids)) is not None:
-                        await self.work.update(j, self.updates[s, mb])
+                    if mbs := self.sched.take_updates(s, ids):
+                        await self.work.update(j, [self.updates[s, mb] for mb in mbs])
                     elif (tag := self._bubble(j, s)) is not None:
                         await self.work.generate(self.trainers[j], tag, TaskKind.TAG)  # onto SQ
                         await self.progress.notify()  # a generator scores it

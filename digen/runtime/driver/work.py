@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,13 @@ from digen.runtime.driver.handles import GeneratorHandle, ScorerHandle, TrainerH
 from digen.runtime.driver.progress import Progress
 from digen.runtime.driver.recovery import Recovery
 from digen.runtime.driver.updates import RolloutRef, Updates, UpdateTask
-from digen.runtime.messages import GenerateRequest, SampleKey, ScoreRequest, UpdateRequest
+from digen.runtime.messages import (
+    GenerateRequest,
+    LossStats,
+    SampleKey,
+    ScoreRequest,
+    UpdateRequest,
+)
 from digen.sched.microbatch import MicroBatch
 from digen.sched.names import Pool, TaskKind, worker_name
 from digen.sched.scheduler import Remake, Scheduler
@@ -203,26 +209,36 @@ class Work:
         await self.progress.notify()
         self.progress.maybe_trained(s)
 
-    async def update(self, j: int, task: UpdateTask) -> None:
-        """Trainer ``j`` accumulates the gradient of ``task``, fetching its rollout from its
-        holder; a holder lost on the way is gone on without (:class:`Recovery`)."""
-        t, mb, s = self.cluster.trainers[j], task.rollout.mb, task.rollout.mb.step
-        keys = tuple(SampleKey(s, mb.prompt, mb.samples[r]) for r in task.rows)
-        text = self.prompts(s)[0][mb.prompt]
+    async def update(self, j: int, tasks: Sequence[UpdateTask]) -> None:
+        """Trainer ``j`` accumulates the gradient of ``tasks`` (one micro-batch's, or a
+        group's taken together: ``runtime.schedule.group_updates``), fetching each rollout
+        from its holder; a holder lost on the way is gone on without (:class:`Recovery`)."""
+        t, first = self.cluster.trainers[j], tasks[0].rollout.mb
+        s = first.step
         scale = 1.0 / step_terms(self.cfg, s, prompts=self.mini_size)  # its optimizer step's
-        holder = task.rollout.holder
-        made_by = task.rollout.version  # the version that sampled it (TCSS: maybe behind)
-        request = UpdateRequest(
-            s, mb.mb, holder, keys, task.rows, text, task.advantages, scale, made_by
-        )
-        call = t.update(request)
+        requests = []
+        for task in tasks:
+            mb = task.rollout.mb
+            keys = tuple(SampleKey(s, mb.prompt, mb.samples[r]) for r in task.rows)
+            text = self.prompts(s)[0][mb.prompt]
+            holder = task.rollout.holder
+            made_by = task.rollout.version  # the version that sampled it (TCSS: maybe behind)
+            requests.append(
+                UpdateRequest(
+                    s, mb.mb, holder, keys, task.rows, text, task.advantages, scale, made_by
+                )
+            )
+        call = t.update(requests[0]) if len(requests) == 1 else t.update_group(tuple(requests))
         try:
-            stats = await self.call(t, TaskKind.UPDATE, s, mb.mb, s, call)
+            stats = await self.call(t, TaskKind.UPDATE, s, first.mb, s, call)
         except Exception as exc:
-            if await self.recovery.update_failed(task, exc, sharded=len(t.members) > 1):
-                return  # its rollout never reached this trainer: made again
+            for task in tasks:  # the first whose holder was lost (several: sharded, raises)
+                if await self.recovery.update_failed(task, exc, sharded=len(t.members) > 1):
+                    return  # its rollout never reached this trainer: made again
             raise
-        self.updates.done(s, mb.mb)
-        self.sched.trained(s, mb.mb, stats)
+        for n, task in enumerate(tasks):  # a group's statistics count once, with its first
+            mb = task.rollout.mb.mb
+            self.updates.done(s, mb)
+            self.sched.trained(s, mb, stats if n == 0 else LossStats())
         await self.progress.notify()
         self.progress.maybe_trained(s)

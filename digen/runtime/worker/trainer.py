@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from digen.algos.rollout import Rollout
 from digen.config import DigenConfig, ShardDeal
 from digen.runtime.messages import (
     LossStats,
@@ -244,42 +245,51 @@ class TrainerActor(PolicyActor):
         ``runtime.schedule.tsp_degree`` timesteps; returns their ``LossStats``. Sharded
         trainers deal it over their members by samples, or by (sample, timestep) terms
         (``runtime.placement.shard_deal``)."""
+        return self.update_group((request,))
+
+    def update_group(self, requests: Sequence[UpdateRequest]) -> TimedResult:
+        """Forward/backward several micro-batches of one prompt group, made by one version,
+        as one update (``runtime.schedule.group_updates``): their rows are dealt over the
+        members together, so each pass is fuller and the gathers fewer; their gradient is
+        the first micro-batch's in the ordered sum. One request is :meth:`update`."""
         self.jitter()
         t0 = time.time()
-        mb, holder, prompt = request.mb, request.holder, request.prompt
-        loss_scale, version = request.loss_scale, request.made_by
-        key, keys, rows = (request.step, mb), list(request.keys), list(request.rows)
+        first = requests[0]
+        if any(
+            (r.step, r.prompt, r.made_by, r.loss_scale)
+            != (first.step, first.prompt, first.made_by, first.loss_scale)
+            for r in requests
+        ):
+            raise ValueError("an update group's micro-batches share a step, prompt and version")
+        keys = [k for r in requests for k in r.keys]
+        # the group's rows, each as (request, row of its micro-batch)
+        where = [(q, row) for q, r in enumerate(requests) for row in r.rows]
         size = self.cfg.train.micro_batch_size
         tsp = self.cfg.runtime.schedule.tsp_degree
         members, me = (self.world, self.rank) if self.sharded else (1, 0)
         by_terms = members > 1 and self.cfg.runtime.placement.shard_deal == ShardDeal.TERMS
         if by_terms:
-            first = keys[0]  # every sample of a call trains as many timesteps
-            k = len(self.policy.algorithm.trained_positions(self.cfg, *dataclasses.astuple(first)))
+            k = len(
+                self.policy.algorithm.trained_positions(self.cfg, *dataclasses.astuple(keys[0]))
+            )
             chunks: list[Any] = lockstep_terms(len(keys), k, members, me, size * tsp)
-            mine = sorted({i for c in chunks if c is not None for i, _ in c}) or [0]
+            mine = sorted({i for c in chunks if c is not None for i, _ in c})
         else:
             chunks = lockstep_chunks(len(keys), members, me, size)
-            mine = [i for c in chunks if c is not None for i in c] or [0]  # call's row indices
-        takers = members if not self._holds(holder) else 1
-        if self._holds(holder):
-            rollout = self.store.take_rollout(key, [rows[i] for i in mine])
-        else:  # the prompt's embedding comes along the first time (cheaper than encoding)
-            need = self.policy.cached_conditioning(prompt) is None
-            wire = self.wire_from(holder)
-            picked = [rows[i] for i in mine]
-            rollout, embeds = run_sync(holder, fetch_rollout, key, picked, need, wire, takers)
-            if embeds is not None:
-                self.policy.add_conditioning(prompt, embeds)
-        rollout = rollout.to(self.device)
-        at = {i: j for j, i in enumerate(mine)}  # call's row -> row of ``rollout``
-        adv = torch.tensor(list(request.advantages), dtype=torch.float32, device=self.device)
+            mine = [i for c in chunks if c is not None for i in c]
+        mine = mine or [0]  # the group's rows this member fetches (one to keep in step)
+        rollout = self._fetch(requests, [where[i] for i in mine])
+        at = {i: j for j, i in enumerate(mine)}  # group's row -> row of ``rollout``
+        adv = torch.tensor(
+            [a for r in requests for a in r.advantages], dtype=torch.float32, device=self.device
+        )
+        loss_scale, version = first.loss_scale, first.made_by
         stats = LossStats()
-        with self.grads.micro_batch(mb):
+        with self.grads.micro_batch(first.mb):
             if by_terms:  # every pass trains terms of the rows this member fetched
                 part = TrainItem(
                     keys=[keys[i] for i in mine],
-                    prompts=[prompt] * len(mine),
+                    prompts=[first.prompt] * len(mine),
                     rollout=rollout,
                     advantages=adv[mine],
                     version=version,
@@ -294,7 +304,7 @@ class TrainerActor(PolicyActor):
                     idx = chunk if chunk is not None else mine[:1]
                     part = TrainItem(
                         keys=[keys[i] for i in idx],
-                        prompts=[prompt] * len(idx),
+                        prompts=[first.prompt] * len(idx),
                         rollout=rollout.select(torch.tensor([at[i] for i in idx])),
                         advantages=adv[idx],
                         version=version,
@@ -303,6 +313,31 @@ class TrainerActor(PolicyActor):
                 if chunk is not None:
                     stats.add(got)
         return self.timed(stats, t0)
+
+    def _fetch(self, requests: Sequence[UpdateRequest], rows: Sequence[tuple[int, int]]) -> Any:
+        """The rollout rows ``(request, row of its micro-batch)`` of an update, in that order
+        (grouped by request), on this trainer's device: taken where each micro-batch is held
+        (this process, or its holder, with the prompt's embedding the first time). A sharded
+        member takes a row of each micro-batch it needs none of, so that the holder, which
+        counts its takers, lets go of it; that row is not kept."""
+        parts = []
+        for q, r in enumerate(requests):
+            picked = [row for i, row in rows if i == q]
+            key, holder = (r.step, r.mb), r.holder
+            take = picked or [r.rows[0]]
+            if self._holds(holder):
+                got = self.store.take_rollout(key, take)
+            else:
+                takers = self.world if self.sharded else 1
+                need = self.policy.cached_conditioning(r.prompt) is None
+                wire = self.wire_from(holder)
+                got, embeds = run_sync(holder, fetch_rollout, key, take, need, wire, takers)
+                if embeds is not None:
+                    self.policy.add_conditioning(r.prompt, embeds)
+            if picked:
+                parts.append(got)
+        rollout = parts[0] if len(parts) == 1 else Rollout.cat(parts)
+        return rollout.to(self.device)
 
     def write_checkpoint(self, directory: str) -> None:
         """Write the weights and optimizer state into a checkpoint directory: trainer 0
