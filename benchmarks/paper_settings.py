@@ -50,7 +50,14 @@ from pathlib import Path
 from typing import Any
 
 from digen.planning.hardware import TRAINED_BYTES, Device, Hardware, ModelSize, weakest
-from digen.planning.layouts import Workload, best_colocated, grouped_update, plan, split_costs
+from digen.planning.layouts import (
+    Workload,
+    best_colocated,
+    grouped_update,
+    plan,
+    split_costs,
+    with_grouped_updates,
+)
 from digen.registry.models import get_backbone
 from digen.sched import BTS, Costs, NoTAG, simulate
 
@@ -245,8 +252,11 @@ def _split(
 ) -> float:
     strategy, costs, slots, _ = split_costs(w, hw, half, half, tsp=tsp)
     group = {}
-    if grouped and strategy == "fsdp trainers":  # a group's micro-batches as one update
-        group = {"group_updates": True, "update_of": grouped_update(w, hw, half, tsp=tsp)}
+    if grouped and strategy == "fsdp trainers" and w.mbs_per_group > 1:
+        # a group's micro-batches as one update
+        update_of = grouped_update(w, hw, half, tsp=tsp)
+        costs = with_grouped_updates(costs, update_of, w.mbs_per_group)
+        group = {"group_updates": True}
     if policy == "naive":
         res = simulate(
             costs, w.microbatches, half, slots, NoTAG(), steps=4, mbs_per_group=w.microbatches

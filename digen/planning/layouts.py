@@ -78,6 +78,7 @@ __all__ = [
     "explain",
     "format_plan",
     "grouped_update",
+    "with_grouped_updates",
     "plan",
     "simulate_colocated",
     "split_costs",
@@ -456,6 +457,17 @@ def grouped_update(
     return update_of
 
 
+def with_grouped_updates(costs: Costs, update_of: Callable[[int], float], group: int) -> Costs:
+    """``costs`` with the ``update_fixed`` that makes :meth:`Costs.update_for` agree with
+    ``update_of`` for one micro-batch and for a whole group of ``group``: the line through
+    the two (the schedule models, and the TAG search, price an update of ``c`` micro-batches
+    on it)."""
+    one = update_of(1)
+    each = (update_of(group) - one) / (group - 1) if group > 1 else one
+    fixed = min(max(one - each, 0.0), one)
+    return dataclasses.replace(costs, update=one, update_fixed=fixed)
+
+
 # -- ranking ------------------------------------------------------------------------------------
 
 
@@ -587,15 +599,16 @@ def plan(
         k = slots if static_k is None else static_k
         stale = [(True, max_staleness, staleness_ratio)] if tcss else []
         # sharded trainers may take a group's micro-batches as one update
-        grouping = [(False, None)]
+        grouping = [(False, costs)]
         if strategy == "fsdp trainers" and work.mbs_per_group > 1:
             assert hardware is not None
-            grouping.append((True, grouped_update(work, hardware, t, tsp=tsp)))
-        for grouped, update_of in grouping:
+            update_of = grouped_update(work, hardware, t, tsp=tsp)
+            grouping.append((True, with_grouped_updates(costs, update_of, work.mbs_per_group)))
+        for grouped, priced in grouping:
             for with_tcss, w, r in [(False, 0, 0.0), *stale]:
                 for name, policy in _policies(k, node_limit):
                     res = simulate(
-                        costs,
+                        priced,
                         work.microbatches,
                         g,
                         slots,
@@ -606,7 +619,6 @@ def plan(
                         staleness_ratio=r,
                         score_overlap=score_overlap,
                         group_updates=grouped,
-                        update_of=update_of,
                     )
                     done.append(
                         Candidate(

@@ -497,8 +497,8 @@ def _bound_and_prediction(
         drawn = {name: _pick(rng, measured, name, getattr(costs, name)) for name in COST_NAMES}
         drawn = {k: v + extra.get(k, 0.0) for k, v in drawn.items()}
         # a grouped run timed whole groups' updates: one is what a group costs
-        whole = (lambda c, u=drawn["update"]: u) if plan.group_updates else None
-        sim = simulate_plan(plan, Costs(**drawn), update_of=whole)
+        whole = {"update_fixed": drawn["update"]} if plan.group_updates else {}
+        sim = simulate_plan(plan, Costs(**drawn, **whole))
         times += sim.step_times[first:] or sim.step_times
     return costs.to_dict(), bound, statistics.median(times)
 

@@ -54,6 +54,9 @@ class Model:
         "step_cost",
         "sync_cost",
         "cheapest_gen",
+        "costs",
+        "prompt_mbs",
+        "update_least",
     )
 
     def __init__(self, plan: SchedulePlan, costs: Costs) -> None:
@@ -80,6 +83,17 @@ class Model:
         self.score_cost, self.update_cost = costs.score, costs.update
         self.step_cost, self.sync_cost = costs.step, costs.sync
         self.cheapest_gen = min(self.gen_cost, self.tag_cost)
+        self.costs = costs
+        self.prompt_mbs = plan.layout.per_group if plan.layout else plan.update_group
+        """Grouped updates (``plan.group_updates``): a prompt group's micro-batches, taken
+        together (the model does not split a group by the version that made it, as the
+        scheduler does under TCSS)."""
+        self.update_least = (
+            costs.update_for(self.prompt_mbs) / self.prompt_mbs
+            if plan.group_updates
+            else costs.update
+        )
+        """The least an update costs a micro-batch (a bound's)."""
 
 
 class Engine:
@@ -98,6 +112,7 @@ class Engine:
         "wmb",
         "wver",
         "wt0",
+        "wcount",
         "waiting",
         "sq",
         "tsq",
@@ -134,6 +149,7 @@ class Engine:
         self.wmb = [-1] * n
         self.wver = [-1] * n
         self.wt0 = [0.0] * n
+        self.wcount = [1] * n  # micro-batches the running update takes (grouped: several)
         self.waiting = [False] * n  # used for trainers only (indices G..n-1)
         self.sq: list[tuple[int, int, int]] = []  # (step, mb, generation version), FIFO
         self.tsq: list[list[tuple[int, int, int]]] = [[] for _ in range(model.scorers)]
@@ -178,6 +194,7 @@ class Engine:
                 eng.busy[i] = max(float(w.busy_until), now)
                 eng.wstep[i], eng.wmb[i], eng.wver[i] = w.step, w.mb, state.step
                 eng.wt0[i] = now
+                eng.wcount[i] = w.count
             eng.waiting[i] = w.waiting and i >= model.generators
         eng.sq = [(s, m, state.step) for s, m in state.sq]
         eng.tsq = [[(s, m, state.step) for s, m in q] for q in state.to_score]
@@ -196,8 +213,11 @@ class Engine:
         for i in range(model.lanes):
             k = self.kind[i]
             if k:
+                count = self.wcount[i] if k == UPDATE else 1
                 clocks.append(
-                    WorkerClock(WORKER_KINDS[k], self.busy[i], self.wstep[i], self.wmb[i], False)
+                    WorkerClock(
+                        WORKER_KINDS[k], self.busy[i], self.wstep[i], self.wmb[i], count=count
+                    )
                 )
             else:
                 clocks.append(WorkerClock(waiting=self.waiting[i]))
@@ -235,6 +255,7 @@ class Engine:
         c.wmb = self.wmb[:]
         c.wver = self.wver[:]
         c.wt0 = self.wt0[:]
+        c.wcount = self.wcount[:]
         c.waiting = self.waiting[:]
         c.sq = self.sq[:]
         c.tsq = [q[:] for q in self.tsq]
@@ -392,7 +413,7 @@ class Engine:
                     wstep[j], wmb[j], wver[j], wt0[j] = v, uq.pop(0), v, now
                     if self.log is not None:
                         self.log.append(("start", j, UPDATE, v, wmb[j], now))
-                    busy[j] = now + model.update_cost
+                    busy[j] = now + self._update_cost(j, uq)
                     waiting[j] = False
                     if not uq:
                         break
@@ -401,7 +422,7 @@ class Engine:
                 if uq:
                     kind[j] = UPDATE
                     wstep[j], wmb[j], wver[j], wt0[j] = v, uq.pop(0), v, now
-                    busy[j] = now + model.update_cost
+                    busy[j] = now + self._update_cost(j, uq)
                     if self.log is not None:
                         self.log.append(("start", j, UPDATE, v, wmb[j], now))
                 elif self._admissible():
@@ -411,6 +432,19 @@ class Engine:
                     if self.log is not None:
                         self.log.append(("wait", j - G))
         return -1
+
+    def _update_cost(self, j: int, uq: list[int]) -> float:
+        """Trainer ``j`` starts the update of ``wmb[j]``: with grouped updates it takes the
+        rest of that micro-batch's prompt group off ``uq`` too. Its seconds."""
+        model = self.model
+        if not model.plan.group_updates:
+            return model.update_cost
+        g = self.wmb[j] // model.prompt_mbs
+        mates = [m for m in uq if m // model.prompt_mbs == g]
+        for m in mates:
+            uq.remove(m)
+        self.wcount[j] = 1 + len(mates)
+        return model.costs.update_for(self.wcount[j])
 
     def _finish(self, i: int, t: float) -> None:
         """Let worker ``i``'s task, ending at ``t``, take effect."""
@@ -444,8 +478,9 @@ class Engine:
             else:
                 self._scored(s, m)
         elif k == UPDATE:
-            self.updated += 1
-            self.untrained -= 1
+            self.updated += self.wcount[i]
+            self.untrained -= self.wcount[i]
+            self.wcount[i] = 1
 
     def _scored(self, s: int, m: int) -> None:
         """GAP groups: a group enters UQ when its last micro-batch is scored."""
@@ -591,7 +626,7 @@ class Engine:
                 if a > tmax:
                     tmax = a
                 if k == UPDATE:
-                    upd_running += 1
+                    upd_running += self.wcount[j]
                 elif k == TAG and wstep[j] == v:
                     to_score += 1
         for e in self.sq:
@@ -601,7 +636,7 @@ class Engine:
         to_score += pending
         not_started = B - self.updated - upd_running
         tail = model.step_cost + model.sync_cost
-        best = (tsum + not_started * model.update_cost) / model.trainers
+        best = (tsum + not_started * model.update_least) / model.trainers
         if tmax > best:
             best = tmax
         best += tail
@@ -618,7 +653,7 @@ class Engine:
             + ssum
             + pending * model.cheapest_gen
             + to_score * model.score_cost
-            + not_started * model.update_cost
+            + not_started * model.update_least
         )
         b = (work + model.trainers * model.step_cost) / (n + S) + model.sync_cost
         if b > best:

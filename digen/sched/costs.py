@@ -56,36 +56,64 @@ class Costs:
     """The optimizer step that ends a train step (every trainer at once)."""
     sync: float = 0.0
     """Weight sync after the step; occupies every trainer and every generator."""
+    update_fixed: float = 0.0
+    """Of ``update``, what an update pays once however many micro-batches it takes
+    (``runtime.schedule.group_updates``): ``c`` of them taken together cost
+    :meth:`update_for`. Sharded trainers: mostly the gathers of their passes. Not measured
+    (the planner derives it); written only when set."""
 
     def __post_init__(self) -> None:
         if self.gen_tag is None:
             object.__setattr__(self, "gen_tag", self.gen if _is_number(self.gen) else None)
-        for name in COST_NAMES:
+        for name in (*COST_NAMES, "update_fixed"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value < 0:
                 raise DigenError(
                     f"costs.{name} must be a finite number of seconds >= 0, got {value!r}"
                 )
             object.__setattr__(self, name, float(value))
+        if self.update_fixed > self.update:
+            raise DigenError(
+                f"costs.update_fixed = {self.update_fixed!r} cannot exceed costs.update = "
+                f"{self.update!r}, the update it is part of"
+            )
+
+    def update_for(self, count: int) -> float:
+        """Seconds of one update of ``count`` micro-batches taken together: the fixed part
+        once, the rest for each."""
+        return self.update_fixed + count * (self.update - self.update_fixed)
 
     def to_dict(self) -> dict[str, float]:
-        """The six costs as a JSON-ready dict."""
-        return asdict(self)
+        """The six costs as a JSON-ready dict (and ``update_fixed`` when set)."""
+        d = asdict(self)
+        if not d["update_fixed"]:
+            del d["update_fixed"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Costs:
         """Inverse of :meth:`to_dict`; unknown keys are an error (a typo would be silent)."""
-        extra = set(d) - set(COST_NAMES)
+        known = (*COST_NAMES, "update_fixed")
+        extra = set(d) - set(known)
         if extra:
             raise DigenError(
                 f"unknown cost key(s) {', '.join(sorted(extra))}; "
                 f"expected some of {', '.join(COST_NAMES)}"
             )
-        return cls(**{k: d[k] for k in COST_NAMES if k in d})
+        return cls(**{k: d[k] for k in known if k in d})
 
-    def as_tuple(self) -> tuple[float, float, float, float, float, float]:
-        """``(gen, gen_tag, score, update, step, sync)``: a cheap, hashable cache key."""
-        return (self.gen, self.gen_tag, self.score, self.update, self.step, self.sync)  # type: ignore[return-value]
+    def as_tuple(self) -> tuple[float, ...]:
+        """``(gen, gen_tag, score, update, step, sync, update_fixed)``: a cheap, hashable
+        cache key."""
+        return (
+            self.gen,
+            self.gen_tag,  # type: ignore[return-value]
+            self.score,
+            self.update,
+            self.step,
+            self.sync,
+            self.update_fixed,
+        )
 
 
 def _is_number(x: object) -> bool:

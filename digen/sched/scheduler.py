@@ -181,6 +181,8 @@ class Scheduler:
         last: their weights belong to no version until it ends (no TAG until then)."""
         self.stopping = False
         """A stop was asked for: nothing new is handed out, made again or scored."""
+        self.grouped: dict[tuple[int, int], int] = {}
+        """Grouped updates: ``(step, first micro-batch)`` -> how many the update takes."""
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -201,6 +203,8 @@ class Scheduler:
         self.waiting.clear()
         self.mid_step = False
         self.uq.pop(version - 1, None)
+        for key in [k for k in self.grouped if k[0] < version]:
+            del self.grouped[key]
         return self.steps.pop(version - 1)
 
     # --- admission ---------------------------------------------------------------------------
@@ -327,7 +331,9 @@ class Scheduler:
         ]
         for mb in mates:
             self.uq[step].remove(mb)
-        return sorted([head, *mates])
+        taken = sorted([head, *mates])
+        self.grouped[step, taken[0]] = len(taken)
+        return taken
 
     def _off_uq(self, step: int, mb: int) -> None:
         """``(step, mb)`` leaves UQ if it is on it (its rollout was lost, or it is left out)."""
@@ -573,8 +579,15 @@ class Scheduler:
             # a weight load or optimizer step in the queue is short: the model skips it
             task = next((t for t in queue if t.kind in expected), None)
             if pool in clocks and task is not None:
-                until = task.t0 + expected[task.kind]  # type: ignore[operator]
-                clocks[pool][index_of(worker)] = WorkerClock(task.kind, until, task.step, task.mb)
+                count = 1
+                if task.kind == TaskKind.UPDATE:
+                    count = self.grouped.get((task.step, task.mb), 1)
+                # an update's expected end: its start plus what that many together cost
+                cost = costs.update_for(count) if count > 1 else expected[task.kind]
+                until = task.t0 + cost  # type: ignore[operator]
+                clocks[pool][index_of(worker)] = WorkerClock(
+                    task.kind, until, task.step, task.mb, count=count
+                )
 
         def clock(pool: Pool, i: int) -> WorkerClock:
             if pool == Pool.TRAINER and i == trainer:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Literal
@@ -95,14 +94,13 @@ def simulate(
     max_inflight: int | None = None,
     score_overlap: bool = False,
     group_updates: bool = False,
-    update_of: Callable[[int], float] | None = None,
 ) -> SimResult:
     """Simulate ``steps`` train steps of ``microbatches`` micro-batches (rules in the module doc).
 
     ``policy`` (default :class:`NoTAG`) is asked at every bubble with a
     :class:`~digen.sched.state.SchedState`, exactly as the driver would ask it.
     ``group_updates``: a trainer takes a group's queued micro-batches in one update, which
-    lasts ``update_of(count)`` (default ``count x costs.update``).
+    lasts :meth:`Costs.update_for` their count.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
@@ -123,20 +121,18 @@ def simulate(
         score_overlap=score_overlap,
         group_updates=group_updates,
     )
-    return simulate_plan(plan, costs, policy=policy, update_of=update_of)
+    return simulate_plan(plan, costs, policy=policy)
 
 
 def simulate_plan(
     plan: SchedulePlan,
     costs: Costs,
     policy: TagPolicy | None | Literal["plan"] = "plan",
-    *,
-    update_of: Callable[[int], float] | None = None,
 ) -> SimResult:
     """Simulate the run ``plan`` describes, from step 0 to its last step, with ``costs`` and
-    its TAG policy (``policy="plan"``; or pass one, None for :class:`NoTAG`).
-    ``update_of``: seconds of an update of that many micro-batches taken together
-    (``plan.group_updates``; default that many times ``costs.update``)."""
+    its TAG policy (``policy="plan"``; or pass one, None for :class:`NoTAG`). With
+    ``plan.group_updates`` an update of several micro-batches lasts
+    :meth:`~digen.sched.costs.Costs.update_for` their count."""
     if plan.admission.last_step is None:
         raise ValueError("the plan has no last step: nothing says when the simulation ends")
     steps = plan.admission.last_step + 1
@@ -144,7 +140,7 @@ def simulate_plan(
         policy = make_tag_policy(plan.tag, plan.tag_k)
     pol = NoTAG() if policy is None else policy
     pol.reset()
-    clock = _Clock(plan, costs, steps, update_of)
+    clock = _Clock(plan, costs, steps)
     decisions: list[bool] = []
     while (j := clock.run()) >= 0:
         d = bool(pol.decide(clock.sched.sched_state(j, clock.now, costs), costs))
@@ -182,15 +178,9 @@ class _Clock:
     Lanes: generators ``0 .. G-1``, trainers ``G .. G+T-1``, then the scoring lanes.
     """
 
-    def __init__(
-        self,
-        plan: SchedulePlan,
-        costs: Costs,
-        steps: int,
-        update_of: Callable[[int], float] | None = None,
-    ) -> None:
+    def __init__(self, plan: SchedulePlan, costs: Costs, steps: int) -> None:
         self.sched = Scheduler(plan)
-        self.update_of = update_of or (lambda count: count * costs.update)
+        self.costs = costs
         self.updating: dict[int, list[int]] = {}
         """Per trainer lane, the micro-batches its update takes (several: a group's)."""
         g, t = plan.generators, plan.trainers
@@ -300,7 +290,7 @@ class _Clock:
         for j in waiting + [j for j in free if j not in waiting]:
             if ms := sched.take_updates(v):
                 self._start(g + j, TaskKind.UPDATE, v, ms[0], v)
-                self.ends[g + j] = self.now + self.update_of(len(ms))
+                self.ends[g + j] = self.now + self.costs.update_for(len(ms))
                 if len(ms) > 1:
                     self.updating[g + j] = ms
             elif j not in sched.waiting and sched.at_bubble(j, v):

@@ -46,6 +46,8 @@ class WorkerClock:
 
     Such a trainer stays idle until UQ has work; it is not asked again.
     """
+    count: int = 1
+    """Micro-batches the running update takes (a group's, with grouped updates)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

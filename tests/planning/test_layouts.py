@@ -30,6 +30,7 @@ from digen.planning.layouts import (
     plan,
     simulate_colocated,
     split_costs,
+    with_grouped_updates,
 )
 from digen.sched.costs import Costs
 from digen.sched.simulator import simulate
@@ -160,9 +161,11 @@ def test_sharded_updates_deal_terms_or_samples_and_pay_the_gathers_every_pass() 
     together = [c for c in ranked if c.grouped]
     assert together and all(c.strategy == "fsdp trainers" for c in together)
     assert all("grouped updates" in c.label for c in together)
-    res = simulate(
-        COSTS, 8, 2, 1, NoTAG(), steps=2, mbs_per_group=4, group_updates=True, update_of=update_of
-    )
+    # the schedule prices c together on the line through 1 and a whole group
+    priced = with_grouped_updates(COSTS, update_of, 4)
+    assert priced.update_for(1) == pytest.approx(update_of(1))
+    assert priced.update_for(4) == pytest.approx(update_of(4))
+    res = simulate(priced, 8, 2, 1, NoTAG(), steps=2, mbs_per_group=4, group_updates=True)
     updates = [e for e in res.events if e.kind == "update" and e.step == 0]
     assert len(updates) == 2  # one a group
     assert [e.duration for e in updates] == pytest.approx([update_of(4)] * 2)

@@ -23,7 +23,7 @@ def test_costs_defaults_and_round_trip() -> None:
     assert d == {"gen": 2.0, "update": 3.0, "gen_tag": 2.0, "score": 0.0, "step": 0.0, "sync": 0.0}
     assert Costs.from_dict(d) == c
     assert Costs(gen=1, update=1, gen_tag=1.5).gen_tag == 1.5
-    assert c.as_tuple() == (2.0, 2.0, 0.0, 3.0, 0.0, 0.0)
+    assert c.as_tuple() == (2.0, 2.0, 0.0, 3.0, 0.0, 0.0, 0.0)
 
 
 @pytest.mark.parametrize(
