@@ -15,8 +15,11 @@ frames, 256 text tokens), times the passes (sampling steps, twice with separate 
 passes), at :data:`MFU` of the device's dense bf16 throughput. The other costs keep the
 profile's *ratios* to generation: an update per trained timestep against one denoiser pass,
 TSP's saving at degree 4, scoring. A CPU profile's ratios are a CPU's; the output says which
-profile it used. The optimizer step is memory-bound: the sharded Adam state read and written
-at :data:`HBM_GB_S`.
+profile it used. Training passes keep their activations (the setting's tokens, at
+:data:`~digen.planning.hardware.ACTIVATION_BYTES` a token and hidden unit a block), and a
+layout whose pass does not fit otherwise checkpoints every block and pays the recompute.
+The optimizer step is memory-bound: the sharded Adam state read and written at
+:data:`HBM_GB_S`.
 
 **Layouts** (all on the same devices, batch 32 = 4 prompts x 8, one sample a micro-batch):
 
@@ -51,6 +54,7 @@ from typing import Any
 
 from digen.planning.hardware import TRAINED_BYTES, Device, Hardware, ModelSize, weakest
 from digen.planning.layouts import (
+    DoesNotFit,
     Workload,
     best_colocated,
     grouped_update,
@@ -189,13 +193,18 @@ def load_ratios(path: Path) -> dict[str, Any]:
     }
 
 
-def pass_seconds(s: Setting, device: Device) -> float:
-    """One denoiser pass of one sample, from FLOPs at :data:`MFU`."""
-    b = get_backbone(s.model)
+def tokens_of(s: Setting) -> int:
+    """A sample's sequence: 16 px to a token, a quarter of the frames, and the text."""
     tokens = (s.height // 16) * (s.width // 16)
     if s.frames:
         tokens *= (s.frames - 1) // 4 + 1
-    tokens += TEXT_TOKENS
+    return tokens + TEXT_TOKENS
+
+
+def pass_seconds(s: Setting, device: Device) -> float:
+    """One denoiser pass of one sample, from FLOPs at :data:`MFU`."""
+    b = get_backbone(s.model)
+    tokens = tokens_of(s)
     flops = 2 * b.params * tokens + 4 * b.blocks * tokens**2 * b.hidden
     return flops / (device.tflops * 1e12 * MFU)
 
@@ -222,7 +231,9 @@ def workload(
     gen = one * steps * s.guidance_passes * size
     trained = round(fraction * steps)  # trained timesteps a sample
     update = r["update_per_pass"] * one * trained * size
-    model = ModelSize.of(s.model, lora_rank=lora, reward_params=s.reward_params)
+    model = ModelSize.of(
+        s.model, lora_rank=lora, reward_params=s.reward_params, tokens=tokens_of(s)
+    )
     step = 2 * TRAINED_BYTES * model.trained / trainers / (HBM_GB_S * 1e9)
     costs = Costs(gen=gen, update=update, score=r["score_per_gen"] * gen, step=step)
     return Workload(
@@ -311,11 +322,18 @@ def project(
         best = None
         deal = "samples" if name.endswith("by samples") else "terms"
         for size in SIZES:
-            got = run(workload(s, r, steps, fraction, half, size, lora, deal))
+            try:
+                got = run(workload(s, r, steps, fraction, half, size, lora, deal))
+            except DoesNotFit:  # this micro-batch's training pass does not fit
+                continue
             t = got if isinstance(got, float) else got.step_time
             if best is None or t < best[0]:
-                best = (t, size, "" if isinstance(got, float) else got.strategy)
-        assert best is not None
+                how = "" if isinstance(got, float) else got.strategy
+                if not isinstance(got, float) and got.checkpointing:
+                    how += ", checkpointed"
+                best = (t, size, how)
+        if best is None:
+            raise SystemExit(f"error: {name} fits at no micro-batch size in {s.name}")
         row[name], row[f"{name} size"], row[f"{name} how"] = best
     w = workload(s, r, steps, fraction, half, row["digen size"], lora)
     _, _, _, terms = split_costs(w, hw, half, half, tsp=True)

@@ -135,6 +135,14 @@ _OPTIONS = [
         help="With --model: parameters of a reward model that sits beside the sampler.",
     ),
     _option(
+        "--tokens",
+        type=int,
+        default=0,
+        show_default=True,
+        help="With --model: tokens one sample's denoiser pass attends over (latent patches and "
+        "text); activation memory is then planned for, blocks checkpointed where they must be.",
+    ),
+    _option(
         "--sampling-passes",
         type=int,
         default=10,
@@ -239,6 +247,7 @@ _JOBS: dict[str, tuple[str, ...]] = {
         "model",
         "lora-rank",
         "reward-params",
+        "tokens",
         "sampling-passes",
         "update-tsp",
         "tsp-degree",
@@ -374,6 +383,7 @@ def _simulate(
     model_name: str | None,
     lora_rank: int,
     reward_params: float,
+    tokens: int,
     sampling_passes: int,
     update_tsp: float | None,
     tsp_degree: int,
@@ -460,6 +470,7 @@ def _simulate(
             model_name=model_name,
             lora_rank=lora_rank,
             reward_params=reward_params,
+            tokens=tokens,
             passes=sampling_passes,
             update_tsp=update_tsp,
             tsp_degree=tsp_degree,
@@ -506,6 +517,7 @@ def _recommend(
     model_name: str | None,
     lora_rank: int,
     reward_params: float,
+    tokens: int,
     passes: int,
     update_tsp: float | None,
     tsp_degree: int,
@@ -542,16 +554,20 @@ def _recommend(
             raise DigenError(f"{name} = {value} is not allowed: it must be at least 1")
     if lora_rank < 0:
         raise DigenError(f"--lora-rank = {lora_rank} is not allowed: it must be at least 0")
+    if tokens < 0:
+        raise DigenError(f"--tokens = {tokens} is not allowed: it must be at least 0")
     model = None
     if model_name is not None:
-        model = ModelSize.of(model_name, lora_rank=lora_rank, reward_params=reward_params)
+        model = ModelSize.of(
+            model_name, lora_rank=lora_rank, reward_params=reward_params, tokens=tokens
+        )
     work = planner.Workload(
         costs=costs,
         microbatches=microbatches,
         samples_per_microbatch=samples,
         mbs_per_group=kw["mbs_per_group"],
         update_tsp=update_tsp,
-        tsp_degree=tsp_degree,
+        tsp_degree=tsp_degree if update_tsp is not None else 1,  # the degree of --update-tsp
         passes=passes,
         timesteps=timesteps,
         shard_deal=shard_deal,

@@ -22,7 +22,9 @@ them by hand:
   latency per bucket of ``bucket_mb`` (the runtime sends weights in buckets);
 - memory: :func:`train_state_bytes` (bf16 weights and gradients, fp32 master copy and two
   Adam moments for what is trained: 16 bytes a trained parameter, 2 a frozen one),
-  :func:`sampling_copy_bytes`, and :meth:`Device.fits`.
+  :func:`sampling_copy_bytes`, :func:`activation_bytes` (what a training pass keeps for its
+  backward, with or without per-block checkpointing, when the model's token count is
+  known), and :meth:`Device.fits`.
 
 Device figures come from a hardware description (:func:`load_hardware`: a YAML or JSON file,
 or a dict). Kinds in :data:`DEVICE_DEFAULTS` carry spec-sheet figures, marked as defaults
@@ -45,6 +47,7 @@ from digen.errors import DigenError
 from digen.registry.models import get_backbone
 
 __all__ = [
+    "ACTIVATION_BYTES",
     "DEVICE_DEFAULTS",
     "FROZEN_BYTES",
     "GB",
@@ -52,6 +55,8 @@ __all__ = [
     "Device",
     "Hardware",
     "ModelSize",
+    "RECOMPUTE",
+    "activation_bytes",
     "allgather_s",
     "allreduce_s",
     "describe",
@@ -171,14 +176,21 @@ class ModelSize:
     reward_params: float = 0.0
     """Parameters of the reward model, resident where scoring runs (0: a rule or a server)."""
     name: str = ""
+    hidden: int = 0
+    """Width of a block (its hidden size)."""
+    tokens: int = 0
+    """Tokens one sample's denoiser pass attends over (latent patches and text); 0: not
+    known, and activation memory is left to ``Device.reserve_gb``."""
 
     @classmethod
-    def of(cls, model: str, *, lora_rank: int = 0, reward_params: float = 0.0) -> ModelSize:
+    def of(
+        cls, model: str, *, lora_rank: int = 0, reward_params: float = 0.0, tokens: int = 0
+    ) -> ModelSize:
         """The published sizes of backbone ``model`` (:mod:`digen.registry.models`).
 
         With ``lora_rank`` r > 0 the trained parameters are an estimate: rank-r adapters on
         the four attention projections (q, k, v, out) of every block, ``blocks x 4 x 2 x
-        hidden x r``.
+        hidden x r``. ``tokens``: a sample's sequence length, for activation memory.
         """
         b = get_backbone(model)
         if not b.params:
@@ -190,6 +202,8 @@ class ModelSize:
             trained=trained,
             reward_params=reward_params,
             name=model,
+            hidden=b.hidden,
+            tokens=tokens,
         )
 
     @property
@@ -213,6 +227,29 @@ def sampling_copy_bytes(model: ModelSize) -> float:
 def reward_bytes(model: ModelSize) -> float:
     """Bytes of the reward model in bf16."""
     return model.reward_params * FROZEN_BYTES
+
+
+ACTIVATION_BYTES = 34
+"""Bytes a transformer block keeps for its backward per token and hidden unit, in bf16 with
+attention by a fused kernel (no score matrix kept): the estimate of Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models" (34 s b h a layer), which a
+DiT block (attention and a 4x MLP, with its modulation) is close to."""
+
+RECOMPUTE = 4 / 3
+"""What per-block checkpointing multiplies an update's compute by: every block's forward
+runs again in the backward (a forward is about a third of a forward and backward)."""
+
+
+def activation_bytes(model: ModelSize, rows: int, *, checkpointing: bool) -> float:
+    """Bytes of activations one training forward/backward pass of ``rows`` rows keeps on a
+    device (rows: the pass's terms, samples x TSP degree; a row is ``model.tokens`` long):
+    every block's (``rows x tokens x hidden x blocks x`` :data:`ACTIVATION_BYTES`), or with
+    per-block checkpointing each block's input in bf16 and one block's whole while it is
+    recomputed. 0 when the token count is not known."""
+    per_block = rows * model.tokens * model.hidden
+    if checkpointing:
+        return per_block * (model.blocks * FROZEN_BYTES + ACTIVATION_BYTES)
+    return per_block * model.blocks * ACTIVATION_BYTES
 
 
 # -- the terms ------------------------------------------------------------------------------

@@ -45,9 +45,11 @@ from digen.errors import DigenError
 from digen.planning.hardware import (
     FROZEN_BYTES,
     GRAD_BYTES,
+    RECOMPUTE,
     Device,
     Hardware,
     ModelSize,
+    activation_bytes,
     allgather_s,
     allreduce_s,
     fsdp_update_s,
@@ -141,6 +143,12 @@ class Workload:
             return self.update_tsp
         return self.costs.update
 
+    def pass_rows(self, *, tsp: bool) -> int:
+        """Rows (terms) one training forward/backward pass holds at most: a pass's samples,
+        times the TSP degree."""
+        d = self.tsp_degree if tsp or self.update_tsp is None else 1
+        return (self.pass_samples or self.samples_per_microbatch) * d
+
     def trained_share(self, members: int, *, tsp: bool) -> tuple[float, int]:
         """What one of ``members`` trainers sharing one model (FSDP) does of a micro-batch's
         update: its share of the terms, and its forward/backward passes (each gathers the
@@ -186,6 +194,9 @@ class Candidate:
     grouped: bool = False
     """Split with sharded trainers: a group's micro-batches are one update
     (``runtime.schedule.group_updates``)."""
+    checkpointing: bool = False
+    """Training recomputes each block in the backward (per-block activation
+    checkpointing): the activations of a pass fit only so."""
 
     @property
     def devices(self) -> int:
@@ -302,6 +313,30 @@ def _room(d: Device) -> str:
     return f"{d.memory_gb:g} GB less {d.reserve_gb:g} GB reserved"
 
 
+def _training_fit(
+    work: Workload, device: Device, beside: float, *, tsp: bool, who: str, what: str = ""
+) -> tuple[bool, float]:
+    """Whether a training pass's activations (:func:`activation_bytes`) fit on ``device``
+    beside ``beside`` bytes of training state: ``(checkpointing needed, activation
+    bytes)``, trying without per-block checkpointing first. Raises :class:`DoesNotFit`:
+    ``who`` ``what`` when the state alone does not fit, else naming the activations. With
+    the model's token count unknown: ``(False, 0)`` where the state fits."""
+    assert work.model is not None
+    if not device.fits(beside):  # the state itself, before any activation
+        raise DoesNotFit(f"{who} {what} ({_gb(beside)} a device; {_room(device)})")
+    rows = work.pass_rows(tsp=tsp)
+    act = 0.0
+    for checkpointing in (False, True):
+        act = activation_bytes(work.model, rows, checkpointing=checkpointing)
+        if device.fits(beside + act):
+            return checkpointing, act
+    raise DoesNotFit(
+        f"{who}: a training pass of {rows} row(s) of {work.model.tokens} tokens keeps "
+        f"{_gb(act)} of activations even checkpointed a block at a time, beside "
+        f"{_gb(beside)} of training state ({_room(device)})"
+    )
+
+
 def colocated_costs(
     work: Workload,
     hw: Hardware | None,
@@ -336,22 +371,31 @@ def colocated_costs(
     )
     per_device = -(-work.microbatches // devices)
     copy, reward = sampling_copy_bytes(m), reward_bytes(m)
-    if d.fits(train_state_bytes(m) + reward):
-        # every device holds everything: it samples with the weights it trains
+    try:  # every device holds everything: it samples with the weights it trains
+        ckpt, _ = _training_fit(work, d, train_state_bytes(m) + reward, tsp=tsp, who="")
+    except DoesNotFit:
+        pass
+    else:
         grads = allreduce_s(m.trained * GRAD_BYTES, devices, d.link_gb_s)
-        c = dataclasses.replace(scaled, step=scaled.step + grads)
-        return [("replicated", c, 0.0, {"gradient all-reduce": grads})]
+        terms = {"gradient all-reduce": grads, **_recompute(scaled.update, per_device, ckpt)}
+        update = scaled.update * (RECOMPUTE if ckpt else 1.0)
+        c = dataclasses.replace(scaled, update=update, step=scaled.step + grads)
+        return [("replicated", c, 0.0, terms)]
     shard = train_state_bytes(m, devices)
-    if not d.fits(shard + reward):
-        raise DoesNotFit(
-            f"{devices} {d.kind} cannot hold the training state even sharded "
-            f"({_gb(shard + reward)} a device with the reward model; {_room(d)})"
-        )
+    ckpt, _ = _training_fit(
+        work,
+        d,
+        shard + reward,
+        tsp=tsp,
+        who=f"{devices} {d.kind}",
+        what="cannot hold the training state even sharded, with the reward model",
+    )
     # every forward/backward pass of an update gathers the whole model (TSP makes fewer)
     _, passes = work.trained_share(1, tsp=tsp)
     fsdp = passes * fsdp_update_s(m, devices, d.link_gb_s)
-    trained = dataclasses.replace(scaled, update=scaled.update + fsdp)
-    fsdp_term = {"fsdp update": fsdp * per_device}
+    compute = scaled.update * (RECOMPUTE if ckpt else 1.0)
+    trained = dataclasses.replace(scaled, update=compute + fsdp)
+    fsdp_term = {"fsdp update": fsdp * per_device, **_recompute(scaled.update, per_device, ckpt)}
     gather = allgather_s(copy, devices, d.link_gb_s)
     if engine:
         if d.fits(shard + copy + reward):
@@ -410,17 +454,27 @@ def split_costs(
         "sync": sync,
     }
     terms = {"weight sync": sync}
-    if t.fits(train_state_bytes(m)):
+    try:
+        ckpt, _ = _training_fit(work, t, train_state_bytes(m), tsp=tsp, who="")
+    except DoesNotFit:
+        pass
+    else:
         grads = allreduce_s(m.trained * GRAD_BYTES, trainers, t.link_gb_s)
         costs["step"] += grads
         terms["gradient all-reduce"] = grads
+        terms.update(_recompute(costs["update"], work.microbatches / trainers, ckpt))
+        costs["update"] *= RECOMPUTE if ckpt else 1.0
         return "replicated", Costs(**costs), trainers, terms
     shard = train_state_bytes(m, trainers)
-    if not t.fits(shard):
-        raise DoesNotFit(
-            f"{trainers} {t.kind} trainer(s) cannot hold the training state even sharded "
-            f"({_gb(shard)} a device; {_room(t)})"
-        )
+    ckpt, _ = _training_fit(
+        work,
+        t,
+        shard,
+        tsp=tsp,
+        who=f"{trainers} {t.kind} trainer(s)",
+        what="cannot hold the training state even sharded",
+    )
+    costs["update"] *= RECOMPUTE if ckpt else 1.0
     # one lockstep slot: a micro-batch's terms (or samples) are dealt over the trainers,
     # each pass of each member gathering the whole model (Workload.trained_share); a TAG
     # generation deals its samples, so a micro-batch smaller than the group leaves some idle
@@ -428,14 +482,20 @@ def split_costs(
     fsdp = passes * fsdp_update_s(m, trainers, t.link_gb_s)
     gathers = sharded_sampling_s(m, trainers, t.link_gb_s, work.passes)
     n = work.samples_per_microbatch
+    terms.update(_recompute(costs["update"] / RECOMPUTE * share, work.microbatches, ckpt))
     costs["update"] = costs["update"] * share + fsdp
     costs["gen_tag"] = overlapped(costs["gen_tag"] * -(-n // trainers) / n, gathers)
     terms["fsdp update"] = fsdp * work.microbatches
     return "fsdp trainers", Costs(**costs), 1, terms
 
 
+def _recompute(update_s: float, updates: float, checkpointing: bool) -> dict[str, float]:
+    """The ``recompute`` term of a step (what checkpointing adds to its updates), if any."""
+    return {"recompute": (RECOMPUTE - 1) * update_s * updates} if checkpointing else {}
+
+
 def grouped_update(
-    work: Workload, hw: Hardware, trainers: int, *, tsp: bool
+    work: Workload, hw: Hardware, trainers: int, *, tsp: bool, checkpointing: bool = False
 ) -> Callable[[int], float]:
     """Seconds an update of ``count`` micro-batches taken together costs ``trainers`` FSDP
     trainers (``runtime.schedule.group_updates``): each member's share of their terms, dealt
@@ -443,7 +503,7 @@ def grouped_update(
     a micro-batch). One micro-batch costs what :func:`split_costs` charges."""
     assert work.model is not None
     t = hw.trainer
-    per_microbatch = work.update(tsp) / hw.speed(t)
+    per_microbatch = work.update(tsp) / hw.speed(t) * (RECOMPUTE if checkpointing else 1.0)
     fsdp = fsdp_update_s(work.model, trainers, t.link_gb_s)
     n = work.samples_per_microbatch
 
@@ -502,6 +562,7 @@ def best_colocated(
                 strategy=strategy,
                 terms=terms,
                 tsp_degree=work.tsp_degree,
+                checkpointing="recompute" in terms,
             )
     assert best is not None
     return best
@@ -590,19 +651,28 @@ def plan(
 
     for g, t in split_list if splits else []:
         done: list[Candidate] = []
-        tsp = work.update_tsp is not None
-        try:
-            strategy, costs, slots, terms = split_costs(work, hardware, g, t, tsp=tsp)
-        except DoesNotFit as exc:
-            skipped.append(f"{g}G+{t}T: {exc}")
+        # with TSP where it was timed, else (its passes' activations too large) without
+        fitted, why = None, []
+        for tsp in [True, False] if work.update_tsp is not None else [False]:
+            try:
+                fitted = tsp, *split_costs(work, hardware, g, t, tsp=tsp)
+                break
+            except DoesNotFit as exc:
+                why.append(f"{g}G+{t}T{' + TSP' if tsp else ''}: {exc}")
+        if fitted is None:  # what stops it without TSP says it all
+            skipped.append(why[-1])
             continue
+        skipped += why  # TSP's passes did not fit: it runs without
+        tsp, strategy, costs, slots, terms = fitted
         k = slots if static_k is None else static_k
         stale = [(True, max_staleness, staleness_ratio)] if tcss else []
         # sharded trainers may take a group's micro-batches as one update
         grouping = [(False, costs)]
         if strategy == "fsdp trainers" and work.mbs_per_group > 1:
             assert hardware is not None
-            update_of = grouped_update(work, hardware, t, tsp=tsp)
+            update_of = grouped_update(
+                work, hardware, t, tsp=tsp, checkpointing="recompute" in terms
+            )
             grouping.append((True, with_grouped_updates(costs, update_of, work.mbs_per_group)))
         for grouped, priced in grouping:
             for with_tcss, w, r in [(False, 0, 0.0), *stale]:
@@ -633,6 +703,7 @@ def plan(
                             strategy=strategy,
                             terms=terms,
                             grouped=grouped,
+                            checkpointing="recompute" in terms,
                             **common,
                         )
                     )
@@ -685,8 +756,9 @@ def format_plan(ranked: list[Candidate], skipped: list[str], *, top: int | None 
     lines = [head, rule]
     best = ranked[0].step_time if ranked else 0.0
     for i, c in enumerate(ranked[:top] if top else ranked, 1):
+        how = (c.strategy or "-") + (", checkpointed" if c.checkpointing else "")
         line = (
-            f"| {i} | {c.label} | {c.strategy or '-'} | {c.step_time:.3f} "
+            f"| {i} | {c.label} | {how} | {c.step_time:.3f} "
             f"| {c.step_time / best if best else 1.0:.2f}x |"
         )
         if priced:

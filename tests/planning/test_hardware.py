@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from digen.planning.hardware import (
     GB,
     Device,
     ModelSize,
+    activation_bytes,
     allgather_s,
     allreduce_s,
     describe,
@@ -59,6 +61,16 @@ def test_memory_of_training_and_sampling() -> None:
     assert train_state_bytes(LORA) == pytest.approx(9.95e9 * 2 + 50e6 * 16)
     assert sampling_copy_bytes(FULL) == 20 * GB
     assert sampling_copy_bytes(LORA) == pytest.approx(20 * GB + 0.1 * GB)
+
+
+def test_activations_of_a_training_pass_with_and_without_checkpointing() -> None:
+    video = dataclasses.replace(FULL, hidden=4096, tokens=1000)
+    # 2 rows x 1000 tokens x 4096 wide: 34 bytes a unit in each of the 50 blocks, or each
+    # block's bf16 input (2 bytes) and one block's 34 while it is recomputed
+    assert activation_bytes(video, 2, checkpointing=False) == 2 * 1000 * 4096 * 50 * 34
+    assert activation_bytes(video, 2, checkpointing=True) == 2 * 1000 * 4096 * (50 * 2 + 34)
+    assert activation_bytes(FULL, 2, checkpointing=False) == 0  # tokens not known
+    assert ModelSize.of("hunyuanvideo", tokens=3644).hidden == 3072
 
 
 def test_offload_and_weight_sync() -> None:

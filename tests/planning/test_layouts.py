@@ -9,6 +9,7 @@ import pytest
 from digen.errors import DigenError
 from digen.planning.hardware import (
     GB,
+    RECOMPUTE,
     ModelSize,
     allgather_s,
     allreduce_s,
@@ -21,6 +22,7 @@ from digen.planning.hardware import (
 from digen.planning.layouts import (
     COLOCATED,
     SPLIT,
+    DoesNotFit,
     Workload,
     by_cost,
     colocated_costs,
@@ -173,6 +175,32 @@ def test_sharded_updates_deal_terms_or_samples_and_pay_the_gathers_every_pass() 
         Workload(costs=COSTS, microbatches=1, shard_deal="rows")
     with pytest.raises(DigenError, match="timesteps"):
         Workload(costs=COSTS, microbatches=1, timesteps=0)
+
+
+def test_activations_decide_checkpointing_and_what_fits() -> None:
+    hw = load_hardware({"device": "h100"})  # 80 GB, 10 kept in reserve
+    # 1B parameters, all trained: 16 GB of training state; 100k tokens of width 2048 in 20
+    # blocks: a one-row pass keeps 139 GB of activations, 15 GB checkpointed a block at a time
+    long = ModelSize(params=1e9, blocks=20, trained=1e9, hidden=2048, tokens=100_000)
+    work = Workload(costs=COSTS, microbatches=8, update_tsp=0.3, tsp_degree=4, model=long)
+    ((strategy, c, _, terms),) = colocated_costs(work, hw, 8, tsp=False)
+    assert strategy == "replicated" and c.update == pytest.approx(0.5 * RECOMPUTE)
+    assert terms["recompute"] == pytest.approx((RECOMPUTE - 1) * 0.5 * 1)  # 1 update a device
+    # TSP 4 makes 4-row passes: 61 GB checkpointed, which fits only beside a shard
+    got = {s: c for s, c, _, _ in colocated_costs(work, hw, 8, tsp=True)}
+    assert "replicated" not in got and got["sharded sampling"].update > 0.3 * RECOMPUTE
+    # a split's trainers pay the same; a one-device trainer pool cannot hold a TSP pass
+    strategy, c, _, terms = split_costs(work, hw, 4, 4, tsp=False)
+    assert strategy == "replicated" and "recompute" in terms
+    one = Workload(costs=COSTS, microbatches=8, update_tsp=0.3, tsp_degree=4, model=long)
+    with pytest.raises(DoesNotFit, match="of activations even checkpointed"):
+        split_costs(one, hw, 7, 1, tsp=True)
+    ranked, skipped = plan(work, 8, hw, steps=2)
+    assert all(c.checkpointing for c in ranked)
+    assert "checkpointed" in format_plan(ranked, [])
+    # one trainer holds a one-row pass but not TSP's four rows: that split runs without TSP
+    assert any(why.startswith("7G+1T + TSP: ") for why in skipped)
+    assert {c.tsp for c in ranked if (c.generators, c.trainers) == (7, 1)} == {False}
 
 
 def test_plan_ranks_colocated_beside_every_split() -> None:
