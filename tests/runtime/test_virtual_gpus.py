@@ -138,16 +138,25 @@ def test_tensors_cross_rpc_only_where_a_device_map_says(tmp_path: Path, case: st
         )
         for r in (0, 1)
     ]
+    # What is tested is what rank 0 sees. Rank 1 only answers; how it leaves afterwards is a
+    # race in torch, not here: rank 0 hosts the rendezvous store, and once it has left
+    # (refusing the world at once, or done and shut down first) rank 1 may wait on the store
+    # in vain, or fail to read its last reply. It is given a while, then stopped.
     try:
-        outs = [p.communicate(timeout=180) for p in procs]
+        out = procs[0].communicate(timeout=180)
+        try:
+            procs[1].communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            procs[1].kill()
+            procs[1].communicate()
     finally:
         for p in procs:
             p.kill()
-    first = json.loads(outs[0][0].strip().splitlines()[-1])
+    first = json.loads(out[0].strip().splitlines()[-1])
     if case == "unknown":
-        assert "name c, which the RPC world" in first["init"], outs[0][1][-2000:]
+        assert "name c, which the RPC world" in first["init"], out[1][-2000:]
         return
-    assert all(p.returncode == 0 for p in procs), outs[1][1][-2000:]
+    assert procs[0].returncode == 0, out[1][-2000:]
     assert first["staged"] == "cpu"
     if case == "mapped":
         assert first["arrived"] == "cuda:1" and "sent" not in first
