@@ -143,11 +143,15 @@ class Workload:
             return self.update_tsp
         return self.costs.update
 
+    def degree(self, tsp: bool) -> int:
+        """Timesteps a training pass batches: the TSP degree with TSP, or when it is the
+        only timing (then at the run's degree); else 1."""
+        return self.tsp_degree if tsp or self.update_tsp is None else 1
+
     def pass_rows(self, *, tsp: bool) -> int:
         """Rows (terms) one training forward/backward pass holds at most: a pass's samples,
         times the TSP degree."""
-        d = self.tsp_degree if tsp or self.update_tsp is None else 1
-        return (self.pass_samples or self.samples_per_microbatch) * d
+        return (self.pass_samples or self.samples_per_microbatch) * self.degree(tsp)
 
     def trained_share(self, members: int, *, tsp: bool) -> tuple[float, int]:
         """What one of ``members`` trainers sharing one model (FSDP) does of a micro-batch's
@@ -156,9 +160,7 @@ class Workload:
         trains ``ceil(n / T)`` of the ``n`` samples at all ``K`` trained timesteps, ``d`` of
         them a pass with TSP; dealt by terms, ``ceil(n K / T)`` (sample, timestep) pairs, a
         pass's worth (``pass_samples x d``) at a time. One member: the whole update."""
-        n, k = self.samples_per_microbatch, self.timesteps
-        # with one timing only, it is at tsp_degree (the run's)
-        d = self.tsp_degree if tsp or self.update_tsp is None else 1
+        n, k, d = self.samples_per_microbatch, self.timesteps, self.degree(tsp)
         per_pass = self.pass_samples or n
         if self.shard_deal == "terms" and members > 1:
             terms = -(-n * k // members)
@@ -315,12 +317,12 @@ def _room(d: Device) -> str:
 
 def _training_fit(
     work: Workload, device: Device, beside: float, *, tsp: bool, who: str, what: str = ""
-) -> tuple[bool, float]:
+) -> bool:
     """Whether a training pass's activations (:func:`activation_bytes`) fit on ``device``
-    beside ``beside`` bytes of training state: ``(checkpointing needed, activation
-    bytes)``, trying without per-block checkpointing first. Raises :class:`DoesNotFit`:
-    ``who`` ``what`` when the state alone does not fit, else naming the activations. With
-    the model's token count unknown: ``(False, 0)`` where the state fits."""
+    beside ``beside`` bytes of training state only with per-block checkpointing (tried
+    second). Raises :class:`DoesNotFit`: ``who`` ``what`` when the state alone does not
+    fit, else naming the activations. With the model's token count unknown: False where the
+    state fits."""
     assert work.model is not None
     if not device.fits(beside):  # the state itself, before any activation
         raise DoesNotFit(f"{who} {what} ({_gb(beside)} a device; {_room(device)})")
@@ -329,7 +331,7 @@ def _training_fit(
     for checkpointing in (False, True):
         act = activation_bytes(work.model, rows, checkpointing=checkpointing)
         if device.fits(beside + act):
-            return checkpointing, act
+            return checkpointing
     raise DoesNotFit(
         f"{who}: a training pass of {rows} row(s) of {work.model.tokens} tokens keeps "
         f"{_gb(act)} of activations even checkpointed a block at a time, beside "
@@ -372,7 +374,7 @@ def colocated_costs(
     per_device = -(-work.microbatches // devices)
     copy, reward = sampling_copy_bytes(m), reward_bytes(m)
     try:  # every device holds everything: it samples with the weights it trains
-        ckpt, _ = _training_fit(work, d, train_state_bytes(m) + reward, tsp=tsp, who="")
+        ckpt = _training_fit(work, d, train_state_bytes(m) + reward, tsp=tsp, who="")
     except DoesNotFit:
         pass
     else:
@@ -382,7 +384,7 @@ def colocated_costs(
         c = dataclasses.replace(scaled, update=update, step=scaled.step + grads)
         return [("replicated", c, 0.0, terms)]
     shard = train_state_bytes(m, devices)
-    ckpt, _ = _training_fit(
+    ckpt = _training_fit(
         work,
         d,
         shard + reward,
@@ -455,7 +457,7 @@ def split_costs(
     }
     terms = {"weight sync": sync}
     try:
-        ckpt, _ = _training_fit(work, t, train_state_bytes(m), tsp=tsp, who="")
+        ckpt = _training_fit(work, t, train_state_bytes(m), tsp=tsp, who="")
     except DoesNotFit:
         pass
     else:
@@ -466,7 +468,7 @@ def split_costs(
         costs["update"] *= RECOMPUTE if ckpt else 1.0
         return "replicated", Costs(**costs), trainers, terms
     shard = train_state_bytes(m, trainers)
-    ckpt, _ = _training_fit(
+    ckpt = _training_fit(
         work,
         t,
         shard,
@@ -474,7 +476,6 @@ def split_costs(
         who=f"{trainers} {t.kind} trainer(s)",
         what="cannot hold the training state even sharded",
     )
-    costs["update"] *= RECOMPUTE if ckpt else 1.0
     # one lockstep slot: a micro-batch's terms (or samples) are dealt over the trainers,
     # each pass of each member gathering the whole model (Workload.trained_share); a TAG
     # generation deals its samples, so a micro-batch smaller than the group leaves some idle
@@ -482,7 +483,8 @@ def split_costs(
     fsdp = passes * fsdp_update_s(m, trainers, t.link_gb_s)
     gathers = sharded_sampling_s(m, trainers, t.link_gb_s, work.passes)
     n = work.samples_per_microbatch
-    terms.update(_recompute(costs["update"] / RECOMPUTE * share, work.microbatches, ckpt))
+    terms.update(_recompute(costs["update"] * share, work.microbatches, ckpt))
+    costs["update"] *= RECOMPUTE if ckpt else 1.0
     costs["update"] = costs["update"] * share + fsdp
     costs["gen_tag"] = overlapped(costs["gen_tag"] * -(-n // trainers) / n, gathers)
     terms["fsdp update"] = fsdp * work.microbatches
