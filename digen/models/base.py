@@ -37,6 +37,7 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from digen.errors import DigenError
 from digen.models._quiet import NOTES, caught_truncation, truncation_note
 from digen.models.checks import check_model_dir
+from digen.models.parallel import GuidanceBranch, SequencePlan
 
 #: LoRA targets of joint (MMDiT-style) attention: the image stream's and the text stream's
 #: projections, as diffusers names them in FLUX, SD3 and HunyuanVideo
@@ -193,6 +194,8 @@ class DiffusionAdapter(ABC):
     medium_num_frames: ClassVar[int] = 1
     shapes_height: ClassVar[int] = 32
     shapes_width: ClassVar[int] = 32
+    #: where the transformer's tokens may be cut for sequence parallelism (None: nowhere)
+    sequence_plan: ClassVar[SequencePlan | None] = None
 
     def __init__(
         self,
@@ -216,6 +219,8 @@ class DiffusionAdapter(ABC):
         """How many times offloaded text encoders came to the device (two copies each)."""
         #: the text encoders live on the CPU and visit the model's device in encode_prompts
         self.offload_text_encoders = offload_text_encoders
+        #: set by the runtime's CFG parallelism: this device runs one branch of guidance
+        self.guidance_branch: GuidanceBranch | None = None
         for comp in self.frozen_modules():
             comp.requires_grad_(False)
             comp.eval()
@@ -561,7 +566,8 @@ class DiffusionAdapter(ABC):
         neg_cond: PromptEmbeds | None = None,
         guidance_scale: float = 1.0,
     ) -> torch.Tensor:
-        """Velocity in fp32, with classifier-free guidance when ``guidance_scale > 1``.
+        """Velocity in fp32, with classifier-free guidance when ``guidance_scale > 1``
+        (:meth:`combine_guidance` of the two branches, :meth:`guided_pair`).
 
         ``latents``: ``[B, *latent_shape]``; ``sigma``: scalar or ``[B]``.
         """
@@ -569,13 +575,36 @@ class DiffusionAdapter(ABC):
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
         if sigma.ndim == 0:
             sigma = sigma.expand(b)
-        x = latents.to(self.dtype)
         if guidance_scale > 1.0 and neg_cond is not None:
-            both = _cat_padded([cond, neg_cond])
-            v = self.forward_velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), both).float()
-            v_pos, v_neg = v.chunk(2)
-            return v_neg + guidance_scale * (v_pos - v_neg)
-        return self.forward_velocity(x, sigma, cond).float()
+            v_pos, v_neg = self.guided_pair(latents, sigma, cond, neg_cond)
+            return self.combine_guidance(v_pos, v_neg, guidance_scale)
+        return self.forward_velocity(latents.to(self.dtype), sigma, cond).float()
+
+    def guided_pair(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, neg_cond: PromptEmbeds
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's and the negative prompt's velocities ``([B, ...], [B, ...])``, fp32.
+
+        In one process both branches run as one batch of ``2B``; with a
+        :attr:`guidance_branch` this device runs its branch's rows of that same batch (the
+        conditionings padded alike) and swaps velocities with the device running the other.
+        """
+        x = latents.to(self.dtype)
+        both = _cat_padded([cond, neg_cond])
+        if self.guidance_branch is None:
+            v = self.forward_velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), both)
+            v_pos, v_neg = v.float().chunk(2)
+            return v_pos, v_neg
+        b = x.shape[0]
+        rows = slice(0, b) if self.guidance_branch.index == 0 else slice(b, 2 * b)
+        mine = self.forward_velocity(x, sigma, both.select(rows)).float()
+        return self.guidance_branch.exchange(mine)
+
+    def combine_guidance(
+        self, v_pos: torch.Tensor, v_neg: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Classifier-free guidance of the two branches: ``v_neg + scale (v_pos - v_neg)``."""
+        return v_neg + scale * (v_pos - v_neg)
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from digen.models.base import (
     PromptEmbeds,
     make_byte_tokenizer,
 )
+from digen.models.parallel import Cut, SequencePlan
 from digen.models.tiny import (
     medium_autoencoder_kl,
     pixel_autoencoder_kl,
@@ -93,6 +94,19 @@ class FluxAdapter(DiffusionAdapter):
     name: ClassVar[str] = "flux"
     pipeline_class: ClassVar[type[FluxPipeline]] = FluxPipeline
     is_video: ClassVar[bool] = False
+    #: the packed latent tokens and the prompt's, with the ids their rotary tables are made
+    #: from, are cut as they enter; joint attention in both kinds of block spans the cut
+    sequence_plan: ClassVar[SequencePlan] = SequencePlan(
+        inputs={
+            "": {
+                "hidden_states": Cut(("image",), 1),  # [B, N, 4C]
+                "encoder_hidden_states": Cut(("text",), 1),  # [B, L, D]
+                "img_ids": Cut(("image",), 0),  # [N, 3]
+                "txt_ids": Cut(("text",), 0),  # [L, 3]
+            }
+        },
+        attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
+    )
     lora_targets: ClassVar[tuple[str, ...]] = (
         *JOINT_ATTENTION_TARGETS,
         "ff.net.0.proj",

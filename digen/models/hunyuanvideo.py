@@ -29,6 +29,7 @@ from digen.models.base import (
     PromptEmbeds,
     make_byte_tokenizer,
 )
+from digen.models.parallel import Cut, SequencePlan
 from digen.models.tiny import tiny_clip_text
 
 __all__ = ["HunyuanVideoAdapter", "template_crop_start"]
@@ -127,6 +128,21 @@ class HunyuanVideoAdapter(DiffusionAdapter):
     is_video: ClassVar[bool] = True
     # Attention projections of the dual-stream (image + text branch), single-stream and
     # token-refiner blocks.
+    #: the video tokens and the refined prompt are cut as they enter the first block, the
+    #: rotary tables as the model makes them and, at every block, the joint mask over image
+    #: then text tokens; joint attention in both kinds of block spans the cut (the prompt's
+    #: refiner runs before it, on the whole prompt)
+    sequence_plan: ClassVar[SequencePlan] = SequencePlan(
+        inputs={
+            "transformer_blocks.0": {
+                "hidden_states": Cut(("image",), 1),  # [B, N, D]
+                "encoder_hidden_states": Cut(("text",), 1),  # [B, L, D]
+            },
+            "*transformer_blocks.*": {"attention_mask": Cut(("image", "text"), 3, ndim=4)},
+        },
+        outputs={"rope": {0: Cut(("image",), 0), 1: Cut(("image",), 0)}},  # [N, d]
+        attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
+    )
     lora_targets: ClassVar[tuple[str, ...]] = JOINT_ATTENTION_TARGETS
     tiny_version: ClassVar[int] = 1
     tiny_height: ClassVar[int] = 32

@@ -27,7 +27,8 @@ from diffusers import (
 )
 
 from digen.errors import DigenError
-from digen.models.base import DiffusionAdapter, PromptEmbeds, _cat_padded, make_byte_tokenizer
+from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+from digen.models.parallel import Cut, SequencePlan
 
 __all__ = ["QwenImageAdapter"]
 
@@ -116,6 +117,20 @@ class QwenImageAdapter(DiffusionAdapter):
     #: image tokens, so their LoRA weights would get no gradient at all (a failure under DDP
     #: without ``find_unused_parameters``); the text stream still adapts through
     #: ``add_{q,k,v}_proj``. Pass them explicitly to reproduce a recipe that trains them.
+    #: image and prompt tokens are cut as they enter the first block, the rotary tables of
+    #: both as the model makes them and the prompt's padding mask at every block; joint
+    #: attention spans the cut
+    sequence_plan: ClassVar[SequencePlan] = SequencePlan(
+        inputs={
+            "transformer_blocks.0": {
+                "hidden_states": Cut(("image",), 1),  # [B, N, D]
+                "encoder_hidden_states": Cut(("text",), 1),  # [B, L, D]
+            },
+            "transformer_blocks.*": {"encoder_hidden_states_mask": Cut(("text",), 1)},  # [B, L]
+        },
+        outputs={"pos_embed": {0: Cut(("image",), 0), 1: Cut(("text",), 0)}},  # [N|L, d]
+        attention=("transformer_blocks.*.attn",),
+    )
     lora_targets: ClassVar[tuple[str, ...]] = (
         "attn.to_q",
         "attn.to_k",
@@ -248,33 +263,12 @@ class QwenImageAdapter(DiffusionAdapter):
         )[0]  # [B, (H/2)(W/2), 4C]
         return self._unpack(out, h, w)
 
-    def predict_velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor | float,
-        cond: PromptEmbeds,
-        neg_cond: PromptEmbeds | None = None,
-        guidance_scale: float = 1.0,
+    def combine_guidance(
+        self, v_pos: torch.Tensor, v_neg: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Velocity ``[B, C, H, W]``, fp32, with Qwen-Image's true CFG when ``guidance_scale > 1``.
-
-        As ``QwenImagePipeline`` does with ``true_cfg_scale``: ``comb = neg + s (pos - neg)``, then
-        each packed token (a 2x2 patch over all channels) of ``comb`` is rescaled to the norm of
-        the same token of ``pos``. Both branches run as one batch.
-        """
-        if guidance_scale <= 1.0 or neg_cond is None:
-            return super().predict_velocity(latents, sigma, cond)
-        b = latents.shape[0]
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
-        if sigma.ndim == 0:
-            sigma = sigma.expand(b)
-        both = _cat_padded([cond, neg_cond])
-        v = super().predict_velocity(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both)
-        v_pos, v_neg = v.chunk(2)  # [B, C, H, W] each
-        return self._true_cfg(v_pos, v_neg, guidance_scale)
-
-    def _true_cfg(self, v_pos: torch.Tensor, v_neg: torch.Tensor, scale: float) -> torch.Tensor:
-        """The pipeline's renormalised CFG on ``[B, C, H, W]`` velocities, done on packed tokens."""
+        """Qwen-Image's true CFG, as ``QwenImagePipeline`` does it with ``true_cfg_scale``:
+        ``comb = neg + s (pos - neg)``, then each packed token (a 2x2 patch over all channels)
+        of ``comb`` rescaled to the norm of the same token of ``pos``; ``[B, C, H, W]``."""
         h, w = v_pos.shape[-2:]
         pos, neg = self._pack(v_pos), self._pack(v_neg)  # [B, S, 4C]
         comb = neg + scale * (pos - neg)

@@ -25,6 +25,7 @@ from digen.models.base import (
     PromptEmbeds,
     make_byte_tokenizer,
 )
+from digen.models.parallel import Cut, SequencePlan
 from digen.models.tiny import (
     medium_autoencoder_kl,
     pixel_autoencoder_kl,
@@ -70,6 +71,17 @@ class SD3Adapter(DiffusionAdapter):
     pipeline_class: ClassVar[type[StableDiffusion3Pipeline]] = StableDiffusion3Pipeline
     is_video: ClassVar[bool] = False
     # attention projections of both streams (``attn`` and SD3.5-medium's ``attn2``)
+    #: the patch tokens (position embedding added) and the prompt's are cut as they enter the
+    #: first block; joint attention (and SD3.5's second, image-only attention) spans the cut
+    sequence_plan: ClassVar[SequencePlan] = SequencePlan(
+        inputs={
+            "transformer_blocks.0": {
+                "hidden_states": Cut(("image",), 1),  # [B, N, D]
+                "encoder_hidden_states": Cut(("text",), 1),  # [B, L, D]
+            }
+        },
+        attention=("transformer_blocks.*.attn", "transformer_blocks.*.attn2"),
+    )
     lora_targets: ClassVar[tuple[str, ...]] = JOINT_ATTENTION_TARGETS
     shipped_flavours: ClassVar[tuple[str, ...]] = ("shapes",)
     tiny_version: ClassVar[int] = 1

@@ -27,6 +27,7 @@ from diffusers import (
 
 from digen.errors import DigenError
 from digen.models.base import DiffusionAdapter, PromptEmbeds, make_byte_tokenizer
+from digen.models.parallel import Cut, SequencePlan
 from digen.models.tiny import tiny_t5_encoder
 
 __all__ = ["WanAdapter"]
@@ -68,6 +69,17 @@ class WanAdapter(DiffusionAdapter):
     pipeline_class: ClassVar[type[WanPipeline]] = WanPipeline
     is_video: ClassVar[bool] = True
     # Self-attention (attn1) and text cross-attention (attn2) projections of every block.
+    #: the video tokens are cut as they enter the first block, with their rotary tables (and
+    #: Wan 2.2's per-token timesteps); the prompt is not cut: cross-attention (``attn2``) from
+    #: each device's tokens to the whole prompt needs nothing from the others
+    sequence_plan: ClassVar[SequencePlan] = SequencePlan(
+        inputs={
+            "": {"timestep": Cut(("image",), 1, ndim=2)},  # [B, N] in Wan 2.2 TI2V only
+            "blocks.0": {"hidden_states": Cut(("image",), 1)},  # [B, N, D]
+        },
+        outputs={"rope": {0: Cut(("image",), 1), 1: Cut(("image",), 1)}},  # [1, N, 1, d]
+        attention=("blocks.*.attn1",),
+    )
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     tiny_version: ClassVar[int] = 1
     tiny_height: ClassVar[int] = 32
