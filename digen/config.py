@@ -174,6 +174,7 @@ class ShardDeal(StrEnum):
 
     SAMPLES = "samples"
     TERMS = "terms"
+    SEQUENCE = "sequence"
 
 
 SHARDED_PARALLEL = frozenset({TrainerParallel.FSDP, TrainerParallel.HSDP})
@@ -789,7 +790,7 @@ class PlacementConfig:
     shard_size: int | None = None
     """hsdp: trainers per sharding group (the GPUs of a node); None = the visible GPUs, at most the trainers. Must divide the trainer count."""
     shard_deal: ShardDeal = ShardDeal.TERMS
-    """fsdp / hsdp trainers of a disaggregated run: what an update deals over them: terms (each member trains (sample, timestep) pairs, as a timestep batch against the same gathered layers, so a micro-batch smaller than the group keeps every member busy), or samples (each member trains whole samples, every trained timestep of each). Colocated workers train the samples they made."""
+    """fsdp / hsdp trainers of a disaggregated run: what an update deals over them: terms (each member trains (sample, timestep) pairs, as a timestep batch against the same gathered layers, so a micro-batch smaller than the group keeps every member busy), samples (each member trains whole samples, every trained timestep of each), or sequence (every member trains every term with its share of each sample's tokens: Ulysses sequence parallelism, for samples too long for one device; the group also samples so when it assists generation). Colocated workers train the samples they made."""
     generator_devices: Devices = None
     """Devices of the generator pool (e.g. [cuda:0, cuda:1] or "cuda:0,cuda:1"; a bare cuda is cuda:0); worker i takes entry i mod len. None: model.device, and with model.device = cuda the visible GPUs split between the pools."""
     trainer_devices: Devices = None
@@ -982,6 +983,13 @@ class RuntimeConfig:
                 f"{_key(p, 'placement.trainer_parallel')}=fsdp or hsdp"
             )
             raise _bad(_key(p, "schedule.group_updates"), self.schedule.group_updates, why)
+        if self.placement.shard_deal == ShardDeal.SEQUENCE and not sharded:
+            why = (
+                "it splits the tokens over sharded trainers: set "
+                f"{_key(p, 'mode')}=disaggregated, {_key(p, 'trainers')} > 1 and "
+                f"{_key(p, 'placement.trainer_parallel')}=fsdp or hsdp"
+            )
+            raise _bad(_key(p, "placement.shard_deal"), self.placement.shard_deal, why)
 
 
 _RUNTIME_SECTIONS: dict[str, type] = {

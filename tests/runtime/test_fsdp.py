@@ -484,3 +484,50 @@ def test_sharded_nft_trainer_0_keeps_one_full_copy(tmp_path: Path, dtype: str) -
     # two steps at decay 0.25: the old policy lags the trained weights, both moved
     assert max(float((state[n] - start[n]).abs().max()) for n in start) > 1e-4
     assert max(float((state[n] - old[n]).abs().max()) for n in start) > 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("algo", "full"), [("flowgrpo", False), ("nft", True)])
+def test_sequence_parallel_trainers_train_as_the_colocated_trainer(
+    tmp_path: Path, algo: str, full: bool
+) -> None:
+    """``runtime.placement.shard_deal=sequence``: 2 FSDP trainers run every term of every
+    update with half of each sample's tokens (Ulysses), and sample their TAG micro-batch so
+    too; the step ends with the colocated trainer's weights (rounding apart: the samples
+    may differ in their last bits, so the reward is a smooth one). Each member held about
+    half of the tokens of the attention it ran."""
+    import asyncio
+
+    from digen.prompts import PromptSet
+    from digen.runtime.driver.loop import Driver
+    from digen.sched.trace import Trace
+
+    over = [*COMMON, SMOOTH_REWARD, *(["train.lora_rank=0"] if full else [])]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        colocated = run_config(tiny_config("flux", algo, over), tmp_path / "c")
+    finally:
+        torch.set_num_threads(threads)
+    extra = ["runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp"]
+    extra += ["runtime.placement.shard_deal=sequence", "runtime.schedule.tag=static"]
+    extra += ["runtime.schedule.tag_k=1"]
+    cfg = tiny_config("flux", algo, [*over, *extra], mode="disaggregated")
+
+    async def run() -> tuple[list[dict], dict, list[dict]]:
+        trace = Trace()
+        async with Driver(cfg, None, PromptSet.builtin(), trace) as driver:
+            await driver.run(1)
+            members = driver.trainers[0].actor.handles
+            stats = await asyncio.gather(*(h.call("statistics") for h in members))
+            state = await driver.trainers[0].trainable_state()
+        return stats, state, [e.to_dict() for e in trace.events]
+
+    stats, state, events = asyncio.run(run())
+    start = dict(load_adapter("flux").transformer.named_parameters()) if full else None
+    assert_trained_alike(state, colocated.final_state, start)
+    # each member held its half of the tokens (the first the larger piece of an odd count)
+    shares = [s["token_share"] for s in stats]
+    assert shares[0] >= 0.5 >= shares[1] > 0.3 and abs(sum(shares) - 1) < 1e-9, shares
+    # the trainers sampled a micro-batch (TAG), sequence-parallel like their updates
+    assert any(e["kind"] == "tag" for e in events)

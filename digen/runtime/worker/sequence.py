@@ -434,13 +434,16 @@ class _SpanningFunctional:
         return owner.attend(run, query, key, value, attn_mask, heads_first=True)
 
 
-def apply_sequence_parallel(adapter: DiffusionAdapter, group: Any = None) -> SequenceParallel:
-    """Split ``adapter``'s transformer over the members of ``group`` (None: the default
-    group) along its tokens; every member must call this, then run the same passes."""
+def apply_sequence_parallel(
+    adapter: DiffusionAdapter, group: Any = None, module: torch.nn.Module | None = None
+) -> SequenceParallel:
+    """Split ``adapter``'s transformer (or ``module``, another copy of it, such as a frozen
+    reference) over the members of ``group`` (None: the default group) along its tokens;
+    every member must call this, then run the same passes."""
     plan = adapter.sequence_plan
     if plan is None:
         raise DigenError(f"{adapter.name} has no sequence plan: it cannot run sequence-parallel.")
-    sp = SequenceParallel(adapter.transformer, plan, group)
+    sp = SequenceParallel(module if module is not None else adapter.transformer, plan, group)
     if sp.size > 1:
         sp.install()
     return sp

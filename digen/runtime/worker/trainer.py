@@ -133,6 +133,9 @@ class TrainerActor(PolicyActor):
         row is the sample one copy of the policy would draw for it."""
         if not self.sharded:
             return super()._sample(keys, prompt)
+        if self._by_sequence:  # every member samples every row, with its share of the tokens
+            made = super()._sample(keys, prompt)
+            return made if self.rank == 0 else dataclasses.replace(made, pixels=None)
         (rows,) = lockstep_chunks(len(keys), self.world, self.rank, len(keys))
         made = super()._sample([keys[i] for i in rows or [0]], prompt)
         n = len(keys)
@@ -207,9 +210,16 @@ class TrainerActor(PolicyActor):
         self.store.lend()
 
     def statistics(self) -> dict[str, Any]:
-        """The worker's (:meth:`PolicyActor.statistics`), and how many full copies of the
-        model it keeps between steps (sharded: trainer 0's gathered one, what it serves)."""
-        return {**super().statistics(), "full_copies": sum(map(bool, (self._full, self._full_old)))}
+        """The worker's (:meth:`PolicyActor.statistics`), how many full copies of the model
+        it keeps between steps (sharded: trainer 0's gathered one, what it serves), and the
+        share of the tokens it held (below 1 with sequence parallelism)."""
+        sp = self.policy.sequence
+        return {
+            **super().statistics(),
+            "full_copies": sum(map(bool, (self._full, self._full_old))),
+            # sequence parallel: the share of the spanning attentions' tokens this member held
+            "token_share": sp.tokens_here / sp.tokens if sp is not None and sp.tokens else 1.0,
+        }
 
     def trainable_state(self) -> dict[str, torch.Tensor] | None:
         """Name -> CPU copy of the trained weights: trainer 0's (sharded trainers all call
@@ -267,6 +277,8 @@ class TrainerActor(PolicyActor):
         size = self.cfg.train.micro_batch_size
         tsp = self.cfg.runtime.schedule.tsp_degree
         members, me = (self.world, self.rank) if self.sharded else (1, 0)
+        if self._by_sequence:  # the members act as one, each with its share of the tokens
+            members, me = 1, 0
         by_terms = members > 1 and self.cfg.runtime.placement.shard_deal == ShardDeal.TERMS
         if by_terms:
             k = len(
@@ -312,7 +324,15 @@ class TrainerActor(PolicyActor):
                     got = self.policy.accumulate(part, scale, tsp)
                 if chunk is not None:
                     stats.add(got)
+        if self._by_sequence and self.rank != 0:
+            stats = LossStats()  # the group's stats are member 0's (each member has them all)
         return self.timed(stats, t0)
+
+    @property
+    def _by_sequence(self) -> bool:
+        """Sharded trainers that split each sample's tokens over the members
+        (``runtime.placement.shard_deal: sequence``)."""
+        return self.sharded and self.cfg.runtime.placement.shard_deal == ShardDeal.SEQUENCE
 
     def _fetch(self, requests: Sequence[UpdateRequest], rows: Sequence[tuple[int, int]]) -> Any:
         """The rollout rows ``(request, row of its micro-batch)`` of an update, in that order
