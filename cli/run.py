@@ -423,7 +423,8 @@ def _run_torchrun(cfg, out_dir, quiet, sample_every, dated=False):
         with external_launch(ExternalLaunch(address, port, world)):
             return run_async(runner.run())
     spec = WorkerSpec(
-        role_for_rank(rank, rt.generators, rt.trainers), threads=rt.placement.threads_per_worker
+        role_for_rank(rank, rt.generators, rt.trainers, rt.placement.generator_group),
+        threads=rt.placement.threads_per_worker,
     )
     serve_worker(spec, rank, world, address, port, rpc_timeout_s=rt.transport.rpc_timeout_s)
     return None

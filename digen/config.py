@@ -791,6 +791,10 @@ class PlacementConfig:
     """hsdp: trainers per sharding group (the GPUs of a node); None = the visible GPUs, at most the trainers. Must divide the trainer count."""
     shard_deal: ShardDeal = ShardDeal.TERMS
     """fsdp / hsdp trainers of a disaggregated run: what an update deals over them: terms (each member trains (sample, timestep) pairs, as a timestep batch against the same gathered layers, so a micro-batch smaller than the group keeps every member busy), samples (each member trains whole samples, every trained timestep of each), or sequence (every member trains every term with its share of each sample's tokens: Ulysses sequence parallelism, for samples too long for one device; the group also samples so when it assists generation). Colocated workers train the samples they made."""
+    generator_sequence: int = 1
+    """Devices each generator samples one micro-batch on together, each holding its share of every sample's tokens (Ulysses sequence parallelism: for samples too long, or too slow, for one device). A generator is then this many processes (times 2 with generator_cfg); the run has runtime.generators of them."""
+    generator_cfg: bool = False
+    """Each generator runs the two branches of classifier-free guidance on two devices at once (CFG parallelism; needs rollout.guidance_scale > 1), times generator_sequence devices each."""
     generator_devices: Devices = None
     """Devices of the generator pool (e.g. [cuda:0, cuda:1] or "cuda:0,cuda:1"; a bare cuda is cuda:0); worker i takes entry i mod len. None: model.device, and with model.device = cuda the visible GPUs split between the pools."""
     trainer_devices: Devices = None
@@ -810,6 +814,12 @@ class PlacementConfig:
         """The trainers shard one model (fsdp / hsdp): they move in lockstep, as one."""
         return self.trainer_parallel in SHARDED_PARALLEL
 
+    @property
+    def generator_group(self) -> int:
+        """The processes (devices) of one generator: ``generator_sequence``, twice that
+        with ``generator_cfg``."""
+        return self.generator_sequence * (2 if self.generator_cfg else 1)
+
     def _check_values(self, p: str) -> None:
         if self.shard_size is not None:
             _at_least(p, "shard_size", self.shard_size, 1)
@@ -825,6 +835,7 @@ class PlacementConfig:
             if devices:  # a bare cuda in a device list is the first GPU, as torch reads it
                 setattr(self, f"{pool}_devices", ["cuda:0" if d == "cuda" else d for d in devices])
         _at_least(p, "threads_per_worker", self.threads_per_worker, 1)
+        _at_least(p, "generator_sequence", self.generator_sequence, 1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -983,6 +994,23 @@ class RuntimeConfig:
                 f"{_key(p, 'placement.trainer_parallel')}=fsdp or hsdp"
             )
             raise _bad(_key(p, "schedule.group_updates"), self.schedule.group_updates, why)
+        if self.placement.generator_group > 1:
+            grouped = "a generator of several devices"
+            if self.mode != Mode.DISAGGREGATED:
+                why = f"{grouped} is a disaggregated run's: set {_key(p, 'mode')}=disaggregated"
+                raise _bad(
+                    _key(p, "placement.generator_sequence"), self.placement.generator_sequence, why
+                )
+            if elastic.respawn_generators or elastic.accept_generators:
+                why = f"{grouped} cannot be started again or join: set {_key(p, 'elastic.respawn_generators')} and {_key(p, 'elastic.accept_generators')} to false"
+                raise _bad(
+                    _key(p, "placement.generator_sequence"), self.placement.generator_sequence, why
+                )
+            if self.transport.weight_sync == WeightSync.BROADCAST:
+                why = f"{grouped} pulls its weights: set {_key(p, 'transport.weight_sync')}=rpc"
+                raise _bad(
+                    _key(p, "placement.generator_sequence"), self.placement.generator_sequence, why
+                )
         if self.placement.shard_deal == ShardDeal.SEQUENCE and not sharded:
             why = (
                 "it splits the tokens over sharded trainers: set "
@@ -1204,6 +1232,13 @@ def _check_cross(cfg: DigenConfig) -> None:
             "GRPO-Guard normalises the ratio of Flow-GRPO's sde step, so it needs an "
             f"algorithm that trains transitions and rollout.sde_type = 'sde' (not "
             f"{algo.name} with {rollout.sde_type!r})",
+        )
+
+    if cfg.runtime.placement.generator_cfg and rollout.guidance_scale <= 1.0:
+        raise _bad(
+            "runtime.placement.generator_cfg",
+            True,
+            "CFG parallelism runs the two branches of guidance: set rollout.guidance_scale > 1",
         )
 
     if algo.best_of_n > rollout.n:

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from digen.sched.names import Pool, index_of, pool_of, worker_name
+from digen.sched.names import Pool, index_of, member_name, member_of, pool_of, worker_name
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
@@ -52,6 +52,7 @@ __all__ = [
     "peak_memory_gb",
     "placed_here",
     "pool_devices",
+    "pool_index",
     "wire_device",
     "worker_device",
 ]
@@ -111,7 +112,7 @@ def pool_devices(cfg: DigenConfig, pool: Pool | str, visible_gpus: int | None = 
         raise RuntimeError("model.device is cuda but no GPU is visible to this process")
     if visible_gpus == 1:
         return ["cuda:0"]
-    g, t = rt.generators, rt.trainers
+    g, t = rt.generators * rt.placement.generator_group, rt.trainers
     split = min(max(1, round(visible_gpus * g / (g + t))), visible_gpus - 1)
     ids = range(split) if pool == Pool.GENERATOR else range(split, visible_gpus)
     return [f"cuda:{i}" for i in ids]
@@ -150,19 +151,33 @@ def placed_here(
 
     cfg = cfg if isinstance(cfg, DigenConfig) else load_config(base=dict(cfg))
     env = os.environ if env is None else env
-    device = env.get(DEVICE_ENV) or worker_device(cfg, pool_of(worker), index_of(worker), env=env)
+    device = env.get(DEVICE_ENV) or worker_device(cfg, *pool_index(cfg, worker), env=env)
     return socket.gethostname(), device
+
+
+def pool_index(cfg: DigenConfig, worker: str) -> tuple[str, int]:
+    """``(pool, index)`` of a worker's process among its pool's processes, which take the
+    pool's devices in turn: a generator of ``g`` devices (``generator_group``) is processes
+    ``g i .. g i + g - 1``, its members (:func:`~digen.sched.names.member_name`) in order."""
+    lead, member = member_of(worker)
+    pool, index = pool_of(lead), max(index_of(lead), 0)
+    if pool == Pool.GENERATOR:
+        return pool, index * cfg.runtime.placement.generator_group + member
+    return pool, index
 
 
 def all_devices(cfg: DigenConfig, visible_gpus: int | None = None) -> dict[str, str]:
     """Every worker's device, by worker name."""
     out = {}
-    for pool, count in (
-        (Pool.GENERATOR, cfg.runtime.generators),
-        (Pool.TRAINER, cfg.runtime.trainers),
-    ):
-        for i in range(count):
-            out[worker_name(pool, i)] = worker_device(cfg, pool, i, visible_gpus=visible_gpus)
+    group = cfg.runtime.placement.generator_group
+    for i in range(cfg.runtime.generators):
+        for m in range(group):  # a generator's processes, when it runs on several devices
+            name = member_name(worker_name(Pool.GENERATOR, i), m)
+            out[name] = worker_device(cfg, Pool.GENERATOR, i * group + m, visible_gpus=visible_gpus)
+    for i in range(cfg.runtime.trainers):
+        out[worker_name(Pool.TRAINER, i)] = worker_device(
+            cfg, Pool.TRAINER, i, visible_gpus=visible_gpus
+        )
     return out
 
 
@@ -246,8 +261,8 @@ def run_groups(
     """The process groups of a disaggregated run, from every worker's device
     (:func:`all_devices`, or as the workers found them: :func:`placed_here`) and, where they
     span several machines, every worker's machine: the trainers' group (data-parallel, or
-    their device mesh) when there are several, and the weight-broadcast group of trainer 0
-    and the generators."""
+    their device mesh) when there are several, each generator's group when it runs on
+    several devices, and the weight-broadcast group of trainer 0 and the generators."""
     rt = cfg.runtime
     hosts = dict(hosts or {})
     sharded = rt.placement.sharded
@@ -256,6 +271,12 @@ def run_groups(
     if len(trainers) > 1:
         group = Group(f"trainers' {rt.placement.trainer_parallel} group", trainers, sharded, hosts)
         groups.append(group)
+    if rt.placement.generator_group > 1:  # each generator's devices split its samples
+        for i in range(rt.generators):
+            lead = worker_name(Pool.GENERATOR, i)
+            names = [member_name(lead, m) for m in range(rt.placement.generator_group)]
+            members = {w: devices[w] for w in names if w in devices}
+            groups.append(Group(f"{lead}'s sequence/CFG group", members, hosts=hosts))
     if rt.transport.weight_sync == "broadcast":
         lead = worker_name(Pool.TRAINER, 0)
         members = {lead: devices[lead]}

@@ -9,7 +9,17 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
-__all__ = ["DRIVER", "Pool", "TaskKind", "index_of", "pool_of", "worker_name", "worker_names"]
+__all__ = [
+    "DRIVER",
+    "Pool",
+    "TaskKind",
+    "index_of",
+    "member_name",
+    "member_of",
+    "pool_of",
+    "worker_name",
+    "worker_names",
+]
 
 
 class TaskKind(StrEnum):
@@ -71,3 +81,20 @@ def index_of(worker: str) -> int:
     """The worker's index within its pool (``"trainer-2" -> 2``; -1 for ``"driver"``)."""
     m = _NAME_RE.match(worker)
     return int(m[2]) if m else -1
+
+
+def member_name(worker: str, member: int) -> str:
+    """The process of member ``member`` of a worker that runs on several devices (a
+    generator of ``runtime.placement.generator_sequence`` devices): member 0 is the worker
+    itself, the others ``"generator-0:1"``, ``"generator-0:2"``, ... A member is no worker of
+    a pool (:func:`pool_of` and :func:`index_of` see no index in it): the schedule knows the
+    worker only."""
+    return worker if member == 0 else f"{worker}:{member}"
+
+
+def member_of(name: str) -> tuple[str, int]:
+    """``(worker, member)`` of a process's name: the inverse of :func:`member_name`."""
+    worker, dot, member = name.rpartition(":")
+    if dot and member.isdigit() and _NAME_RE.match(worker):
+        return worker, int(member)
+    return name, 0

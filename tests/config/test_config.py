@@ -485,6 +485,37 @@ BAD = [
         "runtime.schedule.group_updates",
         "True",
     ),
+    # tokens split over sharded trainers of a disaggregated run only
+    (
+        ["runtime.mode=disaggregated", "runtime.trainers=2"]
+        + ["runtime.placement.shard_deal=sequence"],
+        "runtime.placement.shard_deal",
+        "'sequence'",
+    ),
+    # a generator of several devices: disaggregated, never restarted or joining, pulling
+    (["runtime.placement.generator_sequence=2"], "runtime.placement.generator_sequence", "2"),
+    (
+        ["runtime.mode=disaggregated", "runtime.placement.generator_sequence=0"],
+        "runtime.placement.generator_sequence",
+        "0",
+    ),
+    (
+        ["runtime.mode=disaggregated", "runtime.placement.generator_sequence=2"]
+        + ["runtime.elastic.respawn_generators=true"],
+        "runtime.placement.generator_sequence",
+        "2",
+    ),
+    (
+        ["runtime.mode=disaggregated", "runtime.placement.generator_sequence=2"]
+        + ["runtime.transport.weight_sync=broadcast"],
+        "runtime.placement.generator_sequence",
+        "2",
+    ),
+    (
+        ["runtime.mode=disaggregated", "runtime.placement.generator_cfg=true"],
+        "runtime.placement.generator_cfg",
+        "True",
+    ),  # no guidance to split
     (
         ["runtime.elastic.on_generator_loss=fail", "runtime.elastic.respawn_generators=true"],
         "runtime.elastic.respawn_generators",

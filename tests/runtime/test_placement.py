@@ -14,6 +14,7 @@ from digen.runtime.placement import (
     device_maps,
     group_backend,
     pool_devices,
+    pool_index,
     run_groups,
     wire_device,
     worker_device,
@@ -44,6 +45,34 @@ def test_explicit_pool_devices_and_round_robin() -> None:
         "trainer-0": "cuda:2",
         "trainer-1": "cuda:2",
     }
+
+
+def test_a_generator_of_several_devices_takes_one_per_process() -> None:
+    """Generators of 2 x 2 devices (sequence x CFG): each generator's processes take the
+    pool's devices in turn, named after it; the bare-cuda split counts processes, and each
+    generator's processes form a group of their own."""
+    cfg = _cfg(
+        "model.device=cuda",
+        "runtime.generators=2",
+        "runtime.placement.generator_sequence=2",
+        "runtime.placement.generator_cfg=true",
+        "rollout.guidance_scale=4.5",
+    )
+    devices = all_devices(cfg, visible_gpus=9)
+    assert devices == {
+        **{f"generator-0{s}": f"cuda:{i}" for i, s in enumerate(["", ":1", ":2", ":3"])},
+        **{f"generator-1{s}": f"cuda:{4 + i}" for i, s in enumerate(["", ":1", ":2", ":3"])},
+        "trainer-0": "cuda:8",
+    }
+    assert pool_index(cfg, "generator-1:2") == ("generator", 6)
+    assert pool_index(cfg, "trainer-0") == ("trainer", 0)
+    groups = {g.name: g.members for g in run_groups(cfg, devices)}
+    assert list(groups["generator-1's sequence/CFG group"]) == [
+        "generator-1",
+        "generator-1:1",
+        "generator-1:2",
+        "generator-1:3",
+    ]
 
 
 @pytest.mark.parametrize(

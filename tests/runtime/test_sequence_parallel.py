@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import SMOOTH_REWARD, assert_trained_alike, free_port, tiny_config
 
+from digen.config import DigenConfig
 from digen.registry.models import MODEL_NAMES
 
 ROUNDING = 4.0
@@ -84,3 +85,69 @@ def test_split_pass_equals_one_device(tmp_path: Path, world: int, cfg: int) -> N
         else:
             assert got["spanned"] == 0, model
         assert got["saved"]["split"] < got["saved"]["one"], model
+
+
+def _trained(cfg: DigenConfig) -> tuple[dict, list[dict]]:
+    """Train one step of ``cfg``: the trained weights, and every process of generator 0's
+    statistics."""
+    import asyncio
+
+    from digen.prompts import PromptSet
+    from digen.runtime.driver.loop import Driver
+    from digen.sched.trace import Trace
+
+    async def run() -> tuple[dict, list[dict]]:
+        async with Driver(cfg, None, PromptSet.builtin(), Trace()) as driver:
+            await driver.run(1)
+            actor = driver.gens[0].actor
+            members = getattr(actor, "handles", [actor])
+            stats = await asyncio.gather(*(h.call("statistics") for h in members))
+            state = await driver.trainers[0].trainable_state()
+        return state, list(stats)
+
+    return asyncio.run(run())
+
+
+RUN = [
+    "steps=1",
+    "rollout.n=4",
+    "train.micro_batch_size=2",
+    "rollout.num_inference_steps=4",
+    "runtime.schedule.tag=none",
+    SMOOTH_REWARD,
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "sequence", "cfg"),
+    [("flux", 2, False), ("sd3", 1, True), ("wan", 2, True)],
+    ids=["flux-sp2", "sd3-cfg2", "wan-cfg2xsp2"],
+)
+def test_a_generator_on_several_devices_trains_as_one(
+    tmp_path: Path, model: str, sequence: int, cfg: bool
+) -> None:
+    """A generator of ``sequence`` (x 2 with CFG parallelism) processes, each computing its
+    share of every sample, makes what one process makes: the step trains the same weights
+    (within rounding: the samples may differ in their last bits, so the reward is a smooth
+    one). Every process held its share of the tokens of every spanning attention, and with
+    CFG parallelism the first half ran the prompt's branch, the second the negative's."""
+    guided = ["rollout.guidance_scale=4.5"] if cfg else []
+    one = tiny_config(model, "flowgrpo", [*RUN, *guided], mode="disaggregated")
+    split = [f"runtime.placement.generator_sequence={sequence}"]
+    split += [f"runtime.placement.generator_cfg={str(cfg).lower()}"]
+    many = tiny_config(model, "flowgrpo", [*RUN, *guided, *split], mode="disaggregated")
+    want, _ = _trained(one)
+    got, stats = _trained(many)
+    assert_trained_alike(got, want)
+    assert len(stats) == sequence * (2 if cfg else 1)
+    branches = [s["guidance_branch"] for s in stats]
+    assert branches == ([0] * sequence + [1] * sequence if cfg else [None] * sequence)
+    shares = [s["token_share"] for s in stats]
+    if sequence == 1:
+        assert shares == [1.0] * len(stats)
+    else:  # each branch's members held their pieces of the tokens, the first the larger
+        for branch in range(len(stats) // sequence):
+            mine = shares[branch * sequence : (branch + 1) * sequence]
+            assert all(0 < x < 1 for x in mine) and abs(sum(mine) - 1) < 1e-9, shares
+            assert mine[0] >= 1 / sequence, shares

@@ -40,6 +40,16 @@ def test_ranks_map_to_driver_then_generators_then_trainers() -> None:
     ]
     with pytest.raises(ValueError, match="rank 6 has no role"):
         role_for_rank(6, generators=3, trainers=2)
+    # generators of 2 devices: each generator's processes in turn, then the trainers
+    roles = [role_for_rank(r, generators=2, trainers=1, group=2) for r in range(6)]
+    assert roles == [
+        "driver",
+        "generator-0",
+        "generator-0:1",
+        "generator-1",
+        "generator-1:1",
+        "trainer-0",
+    ]
 
 
 def test_rendezvous_is_master_addr_at_master_port_plus_one() -> None:

@@ -42,7 +42,7 @@ from digen.runtime.transport.actors import (
 from digen.runtime.transport.forkserver import PRELOAD, WORKER_ENV
 from digen.runtime.transport.groups import listen
 from digen.runtime.transport.sockets import local_address_toward
-from digen.sched.names import Pool, worker_names
+from digen.sched.names import Pool, member_name, worker_names
 
 __all__ = ["Cluster", "ShardedTrainers"]
 
@@ -75,6 +75,12 @@ class Cluster:
         self.rewards = None if rewards is None else list(rewards)
         rt = cfg.runtime
         self.gen_names = list(worker_names(Pool.GENERATOR, rt.generators))
+        group = rt.placement.generator_group
+        self.gen_members = {
+            name: [member_name(name, m) for m in range(group)] for name in self.gen_names
+        }
+        """Each generator's processes: itself, and its members where it runs on several
+        devices (``runtime.placement.generator_sequence`` / ``generator_cfg``)."""
         self.trainer_names = list(worker_names(Pool.TRAINER, rt.trainers))
         elastic = rt.elastic.respawn_generators or rt.elastic.accept_generators
         self.launched = active_launch() is not None
@@ -100,7 +106,7 @@ class Cluster:
                     env=env,
                     device_maps=maps.get(name, {}),
                 )
-                for name in self.gen_names + self.trainer_names
+                for name in self._processes()
             ],
             address=rt.transport.address,
             port=rt.transport.port,
@@ -131,7 +137,7 @@ class Cluster:
         cfg_dict = config_to_dict(self.cfg)
         rt = self.cfg.runtime
         if self.launched:  # the ranks' own nodes and GPUs (the driver's LOCAL_RANK is its own)
-            names = self.gen_names + self.trainer_names
+            names = self._processes()
             places = await asyncio.gather(
                 *(self.system.run(n, placed_here, cfg_dict, n) for n in names)
             )
@@ -152,10 +158,7 @@ class Cluster:
         where = {"devices": self.devices, "direct": self.direct, "hosts": self.hosts}
         self._built = (cfg_dict, where)
         self.gens = [
-            GeneratorHandle(
-                self.system.actor(name, GENERATOR, cfg_dict, self.rewards, name, **where)
-            )
-            for name in self.gen_names
+            GeneratorHandle(await self._generator(name, cfg_dict, where)) for name in self.gen_names
         ]
         if rt.schedule.score_overlap:  # the rewards beside each generator, on a thread of their own
             self.scorers = [
@@ -188,6 +191,27 @@ class Cluster:
 
     async def stop(self) -> None:
         await self.system.stop()
+
+    def _processes(self) -> list[str]:
+        """Every worker process: the generators' (their members after each), the trainers'."""
+        return [m for name in self.gen_names for m in self.gen_members[name]] + self.trainer_names
+
+    async def _generator(self, name: str, cfg_dict: dict, where: dict) -> Any:
+        """Generator ``name``'s actor: one process's, or where it runs on several devices
+        its members' as one (:class:`GeneratorGroup`), their sequence/CFG groups formed."""
+        members = [
+            self.system.actor(m, GENERATOR, cfg_dict, self.rewards, m, **where)
+            for m in self.gen_members.get(name, [name])
+        ]
+        if len(members) == 1:
+            return members[0]
+        # the group's store is on the first member's machine, on a port it holds free
+        host = await self.system.run(name, local_address_toward, self.system.address)
+        port = await self.system.run(name, listen, host)
+        await asyncio.gather(
+            *(a.call("join_generation_group", port, r, host) for r, a in enumerate(members))
+        )
+        return GeneratorGroup(members)
 
     async def respawn_generator(self, i: int) -> None:
         """Start lost generator ``i`` again (``runtime.elastic.respawn_generators``): a new process
@@ -439,19 +463,56 @@ class ShardedTrainers:
         if method not in self._EVERY_MEMBER:
             return await self.handles[0].call(method, *args)
         results = await asyncio.gather(*(h.call(method, *args) for h in self.handles))
-        if not isinstance(results[0], TimedResult):
-            return results[0]
-        value = results[0].value
+        value = None
         if method in ("update", "update_group"):  # every member's terms, in member order
             value = LossStats()
             for r in results:
                 value.add(r.value)
-        return TimedResult(
-            value,
-            min(r.t0 for r in results),
-            max(r.t1 for r in results),
-            max(r.memory_gb for r in results),
-        )
+        return _one_span(results, value)
+
+
+class GeneratorGroup:
+    """A generator that runs on several devices (sequence and CFG parallelism), called as
+    one generator under its first member's name.
+
+    The calls that run the model or change its weights go to every member at once, with
+    the same arguments (each computes its share of every sample); the rest (scoring, the
+    micro-batches it holds, its pixels) go to the first member, which alone keeps what the
+    group made. A call's span runs from the first member's start to the last one's end.
+    """
+
+    _EVERY_MEMBER = (
+        "generate",
+        "evaluate",
+        "pull_weights",
+        "pull_eval_weights",
+        "drop_eval_weights",
+        "ping",
+    )
+
+    def __init__(self, members: Sequence[ActorHandle]) -> None:
+        self.handles = list(members)
+        self.worker = self.handles[0].worker
+        self.members = [h.worker for h in self.handles]
+
+    async def call(self, method: str, /, *args: Any) -> Any:
+        if method not in self._EVERY_MEMBER:
+            return await self.handles[0].call(method, *args)
+        results = await asyncio.gather(*(h.call(method, *args) for h in self.handles))
+        return _one_span(results)
+
+
+def _one_span(results: Sequence[Any], value: Any = None) -> Any:
+    """The first member's result; for timed ones, spanning every member's (``value`` in
+    place of the first member's, where given)."""
+    if not isinstance(results[0], TimedResult):
+        return results[0]
+    return TimedResult(
+        results[0].value if value is None else value,
+        min(r.t0 for r in results),
+        max(r.t1 for r in results),
+        max(r.memory_gb for r in results),
+    )
 
 
 def _whereabouts() -> dict[str, Any]:

@@ -242,7 +242,7 @@ class Driver(ClusterBackend):
                     else:
                         await self.work.score(i, made)  # where its pixels are
         except WorkerDied as died:
-            if died.worker != self.gens[i].worker:
+            if died.worker not in self.gens[i].members:  # (any process of a generator)
                 raise
             await self.recovery.lose(i, died, running)
 

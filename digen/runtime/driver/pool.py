@@ -78,9 +78,12 @@ class GeneratorPool:
         return self.cluster.gens
 
     def index(self, worker: str) -> int | None:
-        """The pool index of generator ``worker`` (None: not one of the pool's)."""
-        names = [g.worker for g in self.actors]
-        return names.index(worker) if worker in names else None
+        """The pool index of generator ``worker``, or of the generator it is a process of
+        (a generator of several devices is lost with any of them); None: not the pool's."""
+        for i, g in enumerate(self.actors):
+            if worker in g.members:
+                return i
+        return None
 
     def holder_lost(self, holder: str) -> bool:
         """Whether ``holder`` is a generator the run has lost (what it holds is gone)."""

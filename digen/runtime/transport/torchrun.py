@@ -1,7 +1,8 @@
 """Runs started by ``torchrun``: every rank runs ``digen run``; which role each takes, and
 where digen's RPC world meets, from the variables torchrun sets.
 
-Rank 0 is the driver, ranks ``1..G`` the generators, then the trainers
+Rank 0 is the driver, ranks ``1..G`` the generators (``G x`` the processes of one where a
+generator runs on several devices), then the trainers
 (:func:`role_for_rank`); the world must be exactly that size. The rendezvous is at
 ``MASTER_ADDR`` on ``MASTER_PORT + 1`` (torchrun's own store holds ``MASTER_PORT``), or on
 :data:`RPC_PORT_ENV` when set (docs/RUNTIME.md, "Multi-node with torchrun").
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from digen.errors import DigenError
-from digen.sched.names import DRIVER, Pool, worker_name
+from digen.sched.names import DRIVER, Pool, member_name, worker_name
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
@@ -24,20 +25,24 @@ RPC_PORT_ENV = "DIGEN_RPC_PORT"
 """Under torchrun: the port of digen's RPC rendezvous; default ``MASTER_PORT + 1``."""
 
 
-def role_for_rank(rank: int, generators: int, trainers: int) -> str:
-    """The role of a torchrun rank: 0 is the driver, 1..G the generators, then the trainers.
+def role_for_rank(rank: int, generators: int, trainers: int, group: int = 1) -> str:
+    """The role of a torchrun rank: 0 is the driver, then the generators' processes
+    (``group`` each: a generator of several devices, its members in turn), then the trainers.
 
-    ``role_for_rank(2, 2, 1) == "generator-1"``; ``role_for_rank(3, 2, 1) == "trainer-0"``.
+    ``role_for_rank(2, 2, 1) == "generator-1"``; ``role_for_rank(3, 2, 1) == "trainer-0"``;
+    ``role_for_rank(2, 1, 1, group=2) == "generator-0:1"``.
     """
+    processes = generators * group
     if rank == 0:
         return DRIVER
-    if 1 <= rank <= generators:
-        return worker_name(Pool.GENERATOR, rank - 1)
-    if generators < rank <= generators + trainers:
-        return worker_name(Pool.TRAINER, rank - 1 - generators)
+    if 1 <= rank <= processes:
+        i, m = divmod(rank - 1, group)
+        return member_name(worker_name(Pool.GENERATOR, i), m)
+    if processes < rank <= processes + trainers:
+        return worker_name(Pool.TRAINER, rank - 1 - processes)
     raise ValueError(
-        f"rank {rank} has no role: ranks run from 0 to {generators + trainers} with "
-        f"{generators} generators and {trainers} trainers."
+        f"rank {rank} has no role: ranks run from 0 to {processes + trainers} with "
+        f"{processes} generator processes and {trainers} trainers."
     )
 
 
@@ -65,12 +70,15 @@ def torchrun_world(env: Mapping[str, str], cfg: DigenConfig) -> tuple[int, int, 
             f"a torchrun launch runs the disaggregated runtime; runtime.mode is '{rt.mode}', "
             "so add --mode disaggregated."
         )
-    need = 1 + rt.generators + rt.trainers
+    group = rt.placement.generator_group
+    need = 1 + rt.generators * group + rt.trainers
     if world != need:
+        each = f"{group} per generator" if group > 1 else "one per generator"
         raise DigenError(
             f"torchrun started WORLD_SIZE={world} processes but runtime.generators="
-            f"{rt.generators} and runtime.trainers={rt.trainers} need 1 + {rt.generators} + "
-            f"{rt.trainers} = {need} (one driver, one per generator, one per trainer)."
+            f"{rt.generators} and runtime.trainers={rt.trainers} need 1 + "
+            f"{rt.generators * group} + {rt.trainers} = {need} (one driver, {each}, one per "
+            "trainer)."
         )
     if not 0 <= rank < world:
         raise DigenError(f"RANK={rank} is outside 0..{world - 1}.")

@@ -50,6 +50,7 @@ from digen.models.parallel import Cut, SequencePlan
 
 __all__ = [
     "CfgBranch",
+    "process_group",
     "SequenceParallel",
     "apply_cfg_parallel",
     "apply_sequence_parallel",
@@ -80,8 +81,15 @@ def _name_matches(want: str, have: str) -> bool:
 # --- moving tensors between the members ---------------------------------------------------
 
 
+def process_group(group: Any = None) -> dist.ProcessGroup:
+    """``group``, or the default group for None. Groups are used through their own methods,
+    so one made outside the default group's world (:func:`~digen.runtime.transport.groups.make_group`)
+    serves as well as one made by ``torch.distributed.new_group``."""
+    return dist.distributed_c10d._get_default_group() if group is None else group
+
+
 def _all_to_all(
-    sends: list[torch.Tensor], shapes: list[tuple[int, ...]], group: dist.ProcessGroup | None
+    sends: list[torch.Tensor], shapes: list[tuple[int, ...]], group: dist.ProcessGroup
 ) -> list[torch.Tensor]:
     """Member ``j`` gets ``sends[j]``; returns what each member sent here, shaped ``shapes``."""
     dtype, device = sends[0].dtype, sends[0].device
@@ -90,7 +98,7 @@ def _all_to_all(
     out_bytes = [math.prod(shape) * size for shape in shapes]
     out = torch.empty(sum(out_bytes), dtype=torch.uint8, device=device)
     in_bytes = [s.numel() * size for s in sends]
-    dist.all_to_all_single(out, flat, out_bytes, in_bytes, group=group)
+    group.alltoall_base(out, flat, out_bytes, in_bytes).wait()
     parts = out.split(out_bytes)
     return [p.view(dtype).view(shape) for p, shape in zip(parts, shapes)]
 
@@ -99,7 +107,7 @@ def _all_to_all(
 class _Layout:
     """One attention call's split: tokens per member (``seq``), heads per member."""
 
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup
     rank: int
     seq: tuple[int, ...]
     heads: tuple[int, ...]
@@ -189,9 +197,9 @@ class SequenceParallel:
     def __init__(self, transformer: torch.nn.Module, plan: SequencePlan, group: Any) -> None:
         self.transformer = transformer
         self.plan = plan
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        self.group = process_group(group)
+        self.rank = self.group.rank()
+        self.size = self.group.size()
         self.lengths: dict[str, int] = {}
         #: attention calls that spanned the group, and the tokens this member's share of them
         #: held (against the whole sequence's)
@@ -483,9 +491,10 @@ class _Exchange(torch.autograd.Function):
 
 def apply_cfg_parallel(adapter: DiffusionAdapter, group: Any) -> CfgBranch:
     """Run ``adapter``'s guidance with its two branches on the two members of ``group``."""
-    if dist.get_world_size(group) != 2:
+    group = process_group(group)
+    if group.size() != 2:
         raise DigenError("CFG parallelism needs a group of exactly 2 devices.")
-    branch = CfgBranch(group, dist.get_rank(group))
+    branch = CfgBranch(group, group.rank())
     adapter.guidance_branch = branch
     return branch
 
