@@ -177,6 +177,13 @@ class ShardDeal(StrEnum):
     SEQUENCE = "sequence"
 
 
+class TrainerSampling(StrEnum):
+    """``runtime.placement.trainer_sampling``."""
+
+    ROWS = "rows"
+    SEQUENCE = "sequence"
+
+
 SHARDED_PARALLEL = frozenset({TrainerParallel.FSDP, TrainerParallel.HSDP})
 """The ``runtime.placement.trainer_parallel`` values whose trainers shard one model (and
 move as one)."""
@@ -370,6 +377,7 @@ _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
 _CHOICES: tuple[type[StrEnum], ...] = (
     Dtype, CpsLogprob, Solver, TimeInput, AdvNorm, AdvStd, KlType, RewardWeighting, LrSchedule,
     NonfinitePolicy, GradOrder, RewardErrorPolicy, Mode, TrainerParallel, ShardDeal,
+    TrainerSampling,
     MicrobatchAxis, WeightSync, GeneratorLoss, StalenessSchedule, TagPolicyName,
 )  # fmt: skip
 """The settings' sets of values: a field annotated with one (or with ``<it> | None``) takes
@@ -791,6 +799,8 @@ class PlacementConfig:
     """hsdp: trainers per sharding group (the GPUs of a node); None = the visible GPUs, at most the trainers. Must divide the trainer count."""
     shard_deal: ShardDeal = ShardDeal.TERMS
     """fsdp / hsdp trainers of a disaggregated run: what an update deals over them: terms (each member trains (sample, timestep) pairs, as a timestep batch against the same gathered layers, so a micro-batch smaller than the group keeps every member busy), samples (each member trains whole samples, every trained timestep of each), or sequence (every member trains every term with its share of each sample's tokens: Ulysses sequence parallelism, for samples too long for one device; the group also samples so when it assists generation). Colocated workers train the samples they made."""
+    trainer_sampling: TrainerSampling = TrainerSampling.ROWS
+    """fsdp / hsdp trainers of a disaggregated run, sampling a TAG micro-batch: rows (dealt over the members, each sampling its own; a micro-batch of fewer samples than members leaves some idle) or sequence (every member samples every row with its share of the tokens: sequence parallelism, every member busy however small the micro-batch). shard_deal=sequence samples so too."""
     generator_sequence: int = 1
     """Devices each generator samples one micro-batch on together, each holding its share of every sample's tokens (Ulysses sequence parallelism: for samples too long, or too slow, for one device). A generator is then this many processes (times 2 with generator_cfg); the run has runtime.generators of them."""
     generator_cfg: bool = False
@@ -1011,6 +1021,13 @@ class RuntimeConfig:
                 raise _bad(
                     _key(p, "placement.generator_sequence"), self.placement.generator_sequence, why
                 )
+        if self.placement.trainer_sampling == TrainerSampling.SEQUENCE and not sharded:
+            why = (
+                "it splits the tokens over sharded trainers: set "
+                f"{_key(p, 'mode')}=disaggregated, {_key(p, 'trainers')} > 1 and "
+                f"{_key(p, 'placement.trainer_parallel')}=fsdp or hsdp"
+            )
+            raise _bad(_key(p, "placement.trainer_sampling"), self.placement.trainer_sampling, why)
         if self.placement.shard_deal == ShardDeal.SEQUENCE and not sharded:
             why = (
                 "it splits the tokens over sharded trainers: set "

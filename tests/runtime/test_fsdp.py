@@ -487,15 +487,19 @@ def test_sharded_nft_trainer_0_keeps_one_full_copy(tmp_path: Path, dtype: str) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("algo", "full"), [("flowgrpo", False), ("nft", True)])
+@pytest.mark.parametrize(
+    ("algo", "full", "deal"),
+    [("flowgrpo", False, "sequence"), ("nft", True, "sequence"), ("flowgrpo", True, "terms")],
+)
 def test_sequence_parallel_trainers_train_as_the_colocated_trainer(
-    tmp_path: Path, algo: str, full: bool
+    tmp_path: Path, algo: str, full: bool, deal: str
 ) -> None:
     """``runtime.placement.shard_deal=sequence``: 2 FSDP trainers run every term of every
     update with half of each sample's tokens (Ulysses), and sample their TAG micro-batch so
-    too; the step ends with the colocated trainer's weights (rounding apart: the samples
-    may differ in their last bits, so the reward is a smooth one). Each member held about
-    half of the tokens of the attention it ran."""
+    too; with ``shard_deal=terms`` and ``trainer_sampling=sequence`` only the sampling is
+    split so. Either way the step ends with the colocated trainer's weights (rounding
+    apart: the samples may differ in their last bits, so the reward is a smooth one). Each
+    member held about half of the tokens of the attention it ran."""
     import asyncio
 
     from digen.prompts import PromptSet
@@ -510,7 +514,8 @@ def test_sequence_parallel_trainers_train_as_the_colocated_trainer(
     finally:
         torch.set_num_threads(threads)
     extra = ["runtime.trainers=2", "runtime.placement.trainer_parallel=fsdp"]
-    extra += ["runtime.placement.shard_deal=sequence", "runtime.schedule.tag=static"]
+    extra += [f"runtime.placement.shard_deal={deal}", "runtime.schedule.tag=static"]
+    extra += ["runtime.placement.trainer_sampling=sequence"]
     extra += ["runtime.schedule.tag_k=1"]
     cfg = tiny_config("flux", algo, [*over, *extra], mode="disaggregated")
 

@@ -25,7 +25,7 @@ from digen.algos.base import TrainChunk
 from digen.algos.rollout import Rollout, SamplerSpec, sample_rollout, score_step
 from digen.algos.train_step import mini_batches
 from digen.checkpoint import publish, staging_for
-from digen.config import DigenConfig, ShardDeal
+from digen.config import DigenConfig, ShardDeal, TrainerSampling
 from digen.errors import NonFiniteError
 from digen.models import DiffusionAdapter, PromptEmbeds, load_adapter
 from digen.models.lora import adapters_disabled, apply_lora, enable_full_finetune
@@ -113,7 +113,8 @@ class Policy:
                 )
         self.sharded = mesh is not None
         self.sequence: Any = None
-        """Sharded with ``shard_deal: sequence``: the transformer's sequence parallelism
+        """Sharded with ``shard_deal`` or ``trainer_sampling`` ``sequence``: the
+        transformer's sequence parallelism
         (:class:`~digen.runtime.worker.sequence.SequenceParallel`), None otherwise."""
         if trainable:
             transformer = self.adapter.transformer
@@ -132,12 +133,16 @@ class Policy:
                     if module is not None:
                         shard_and_load(module, mesh, self.adapter.dtype, m.device, saved)
                 self.params = map_params(transformer, names)()
-                if cfg.runtime.placement.shard_deal == ShardDeal.SEQUENCE:
+                placement = cfg.runtime.placement
+                by_sequence = placement.shard_deal == ShardDeal.SEQUENCE
+                if by_sequence or placement.trainer_sampling == TrainerSampling.SEQUENCE:
                     from digen.runtime.worker.sequence import apply_sequence_parallel
 
-                    # every member runs every term with its share of the tokens
+                    # every member runs every row with its share of the tokens: in every
+                    # pass, or (switched on around it) when sampling
                     self.sequence = apply_sequence_parallel(self.adapter, None, transformer)
-                    if self.reference is not None:
+                    self.sequence.active = by_sequence
+                    if self.reference is not None and by_sequence:
                         apply_sequence_parallel(self.adapter, None, self.reference)
             self.optimizer = torch.optim.AdamW(
                 self.params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8

@@ -201,6 +201,9 @@ class SequenceParallel:
         self.rank = self.group.rank()
         self.size = self.group.size()
         self.lengths: dict[str, int] = {}
+        self.active = True
+        """Off: the hooks let every pass through whole, as one device computes it (sharded
+        trainers that split only their sampling switch it around each use)."""
         #: attention calls that spanned the group, and the tokens this member's share of them
         #: held (against the whole sequence's)
         self.spanned = self.tokens_here = self.tokens = 0
@@ -319,7 +322,9 @@ class SequenceParallel:
         (last,) = _matching(self.plan.gather, modules) or [None]
         if last is None:
             raise DigenError(f"the sequence plan gathers at '{self.plan.gather}', no module.")
-        handle = modules[last].register_forward_hook(lambda m, a, out: self.gather(out))
+        handle = modules[last].register_forward_hook(
+            lambda m, a, out: self.gather(out) if self.active else None
+        )
         self._undo.append(handle.remove)
         for pattern in self.plan.attention:
             for name in _matching(pattern, modules):
@@ -338,7 +343,9 @@ class SequenceParallel:
         # a stream is measured by its one-stream cuts, so those come first
         order = sorted(named.items(), key=lambda item: len(item[1].streams))
 
-        def hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if not self.active:
+                return None
             if starts:
                 self.lengths = {}
             bound = signature.bind(*args, **kwargs)
@@ -352,6 +359,8 @@ class SequenceParallel:
 
     def _on_outputs(self, module: torch.nn.Module, indexed: Mapping[int, Cut]) -> None:
         def hook(mod: torch.nn.Module, args: tuple, out: Any) -> Any:
+            if not self.active:
+                return None
             items = list(out)
             for i, cut in indexed.items():
                 items[i] = self.cut(items[i], cut)
@@ -382,6 +391,8 @@ class _SpanningProcessor:
         self.__call__ = functools.wraps(inner.__call__)(lambda *a, **k: self._call(*a, **k))
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.owner.active:
+            return self.inner(*args, **kwargs)
         token = _SPANNING.set(self.owner)
         try:
             return self.inner(*args, **kwargs)

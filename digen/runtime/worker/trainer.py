@@ -126,15 +126,21 @@ class TrainerActor(PolicyActor):
         return not self.sharded or self.rank == 0
 
     def _sample(self, keys: list[SampleKey], prompt: str) -> Generated:
-        """Sharded (TAG): the rows are dealt over the members as an update's are, each
-        sampling every ``T``-th key (a member short of keys samples one only to keep in
+        """Sharded (TAG): every member samples every row with its share of the tokens
+        (``trainer_sampling`` or ``shard_deal`` ``sequence``); else the rows are dealt over
+        the members as an update's are, each sampling every ``T``-th key (a member short of keys samples one only to keep in
         step), then put back together: every member keeps the whole rollout (each trains
         its own rows of it), trainer 0 the pixels too. Each key's noise is its own, so a
         row is the sample one copy of the policy would draw for it."""
         if not self.sharded:
             return super()._sample(keys, prompt)
-        if self._by_sequence:  # every member samples every row, with its share of the tokens
-            made = super()._sample(keys, prompt)
+        sp = self.policy.sequence
+        if sp is not None:  # every member samples every row, with its share of the tokens
+            was, sp.active = sp.active, True
+            try:
+                made = super()._sample(keys, prompt)
+            finally:
+                sp.active = was
             return made if self.rank == 0 else dataclasses.replace(made, pixels=None)
         (rows,) = lockstep_chunks(len(keys), self.world, self.rank, len(keys))
         made = super()._sample([keys[i] for i in rows or [0]], prompt)
