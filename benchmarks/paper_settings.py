@@ -261,7 +261,7 @@ def _split(
     tcss: bool,
     grouped: bool = False,
 ) -> float:
-    strategy, costs, slots, _ = split_costs(w, hw, half, half, tsp=tsp)
+    strategy, costs, slots, _, *_ = split_costs(w, hw, half, half, tsp=tsp)
     group = {}
     if grouped and strategy == "fsdp trainers" and w.mbs_per_group > 1:
         # a group's micro-batches as one update
@@ -336,7 +336,7 @@ def project(
             raise SystemExit(f"error: {name} fits at no micro-batch size in {s.name}")
         row[name], row[f"{name} size"], row[f"{name} how"] = best
     w = workload(s, r, steps, fraction, half, row["digen size"], lora)
-    _, _, _, terms = split_costs(w, hw, half, half, tsp=True)
+    _, _, _, terms, *_ = split_costs(w, hw, half, half, tsp=True)
     row["weight sync"] = terms.get("weight sync", 0.0)
     ranked, _ = plan(w, None if hetero else devices, hw, steps=4, staleness_ratio=0.5)
     row["planner"] = f"{ranked[0].label} ({ranked[0].step_time:.1f} s)"

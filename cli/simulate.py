@@ -170,11 +170,18 @@ _OPTIONS = [
     ),
     _option(
         "--shard-deal",
-        type=click.Choice(["terms", "samples"]),
+        type=click.Choice(["terms", "samples", "sequence"]),
         default="terms",
         show_default=True,
         help="With --recommend: what sharded trainers deal over their members "
         "(runtime.placement.shard_deal).",
+    ),
+    _option(
+        "--guided",
+        is_flag=True,
+        default=False,
+        help="With --recommend: sampling runs both branches of classifier-free guidance "
+        "(rollout.guidance_scale > 1), which a generator may put on two devices.",
     ),
     _option(
         "--samples-per-microbatch",
@@ -253,6 +260,7 @@ _JOBS: dict[str, tuple[str, ...]] = {
         "tsp-degree",
         "trained-timesteps",
         "shard-deal",
+        "guided",
         "samples-per-microbatch",
         "by",
         "generator-price",
@@ -389,6 +397,7 @@ def _simulate(
     tsp_degree: int,
     trained_timesteps: int,
     shard_deal: str,
+    guided: bool,
     samples_per_microbatch: int,
     by: str,
     plot_path: Path | None,
@@ -476,6 +485,7 @@ def _simulate(
             tsp_degree=tsp_degree,
             timesteps=trained_timesteps,
             shard_deal=shard_deal,
+            guided=guided,
             samples=samples_per_microbatch,
             by=by,
             prices=(generator_price, trainer_price),
@@ -523,6 +533,7 @@ def _recommend(
     tsp_degree: int,
     timesteps: int,
     shard_deal: str,
+    guided: bool,
     samples: int,
     by: str,
     prices: tuple[float, float],
@@ -571,6 +582,7 @@ def _recommend(
         passes=passes,
         timesteps=timesteps,
         shard_deal=shard_deal,
+        guided=guided,
         model=model,
     )
     n = hw.generators + hw.trainers if hw is not None and hw.generators else devices

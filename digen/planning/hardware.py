@@ -56,6 +56,7 @@ __all__ = [
     "Hardware",
     "ModelSize",
     "RECOMPUTE",
+    "SAMPLING_BYTES",
     "activation_bytes",
     "allgather_s",
     "allreduce_s",
@@ -66,10 +67,13 @@ __all__ = [
     "overlapped",
     "reward_bytes",
     "sampling_copy_bytes",
+    "sample_tokens",
+    "sampling_activation_bytes",
     "sharded_sampling_s",
     "TRAINED_BYTES",
     "train_state_bytes",
     "weakest",
+    "ulysses_s",
     "weight_sync_s",
 ]
 
@@ -211,6 +215,16 @@ class ModelSize:
         return self.trained < self.params
 
 
+def sample_tokens(height: int, width: int, frames: int | None = None, text: int = 0) -> int:
+    """The tokens one sample's denoiser pass attends over, as the five backbones make them:
+    16 pixels a token each way (an 8x VAE, 2x2 patches), a quarter of the frames plus the
+    first for video, and the prompt's ``text`` tokens."""
+    tokens = (height // 16) * (width // 16)
+    if frames and frames > 1:
+        tokens *= (frames - 1) // 4 + 1
+    return tokens + text
+
+
 def train_state_bytes(model: ModelSize, shards: int = 1) -> float:
     """Bytes of training state on one of ``shards`` devices that shard it (FSDP): frozen
     weights at :data:`FROZEN_BYTES`, trained ones at :data:`TRAINED_BYTES`."""
@@ -240,16 +254,29 @@ RECOMPUTE = 4 / 3
 runs again in the backward (a forward is about a third of a forward and backward)."""
 
 
-def activation_bytes(model: ModelSize, rows: int, *, checkpointing: bool) -> float:
+SAMPLING_BYTES = 24
+"""Bytes a block holds per token and hidden unit at its peak in a sampling (gradient-free)
+forward pass, bf16, one block at a time: its input and residual stream, q, k, v and the
+attention's output, and the MLP's 4x-wide hidden (2 bytes x about 12)."""
+
+
+def activation_bytes(model: ModelSize, rows: int, *, checkpointing: bool, degree: int = 1) -> float:
     """Bytes of activations one training forward/backward pass of ``rows`` rows keeps on a
-    device (rows: the pass's terms, samples x TSP degree; a row is ``model.tokens`` long):
-    every block's (``rows x tokens x hidden x blocks x`` :data:`ACTIVATION_BYTES`), or with
-    per-block checkpointing each block's input in bf16 and one block's whole while it is
+    device (rows: the pass's terms, samples x TSP degree; a row is ``model.tokens`` long,
+    ``1 / degree`` of it on each device of a sequence-parallel group): every block's
+    (``rows x tokens x hidden x blocks x`` :data:`ACTIVATION_BYTES`), or with per-block
+    checkpointing each block's input in bf16 and one block's whole while it is
     recomputed. 0 when the token count is not known."""
-    per_block = rows * model.tokens * model.hidden
+    per_block = rows * -(-model.tokens // degree) * model.hidden
     if checkpointing:
         return per_block * (model.blocks * FROZEN_BYTES + ACTIVATION_BYTES)
     return per_block * model.blocks * ACTIVATION_BYTES
+
+
+def sampling_activation_bytes(model: ModelSize, rows: int, degree: int = 1) -> float:
+    """Bytes one sampling pass of ``rows`` rows holds at its peak on a device of a
+    sequence-parallel group of ``degree`` (:data:`SAMPLING_BYTES`); 0 with tokens unknown."""
+    return rows * -(-model.tokens // degree) * model.hidden * SAMPLING_BYTES
 
 
 # -- the terms ------------------------------------------------------------------------------
@@ -282,6 +309,21 @@ def fsdp_update_s(model: ModelSize, devices: int, link_gb_s: float) -> float:
     return 2 * allgather_s(weights, devices, link_gb_s) + allgather_s(
         model.trained * GRAD_BYTES, devices, link_gb_s
     )
+
+
+def ulysses_s(
+    model: ModelSize, rows: int, degree: int, link_gb_s: float, *, backward: bool = False
+) -> float:
+    """Seconds of one pass's all-to-alls on a device of a sequence-parallel group of
+    ``degree`` (Ulysses): every block's attention trades its q, k and v for a share of the
+    heads over all tokens and trades the output back, four all-to-alls of the device's
+    ``rows x tokens / degree x hidden`` bf16 values, each sending ``(degree - 1) / degree``
+    of them; a backward pass trades as many gradients again."""
+    if degree <= 1:
+        return 0.0
+    local = rows * -(-model.tokens // degree) * model.hidden * FROZEN_BYTES
+    per_pass = model.blocks * 4 * local * (degree - 1) / degree / (link_gb_s * GB)
+    return per_pass * (2 if backward else 1)
 
 
 def overlapped(compute_s: float, comm_s: float) -> float:

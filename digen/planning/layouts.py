@@ -39,7 +39,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from digen.errors import DigenError
 from digen.planning.hardware import (
@@ -56,9 +56,11 @@ from digen.planning.hardware import (
     offload_reload_s,
     overlapped,
     reward_bytes,
+    sampling_activation_bytes,
     sampling_copy_bytes,
     sharded_sampling_s,
     train_state_bytes,
+    ulysses_s,
     weakest,
     weight_sync_s,
 )
@@ -73,6 +75,7 @@ __all__ = [
     "SPLIT",
     "Candidate",
     "DoesNotFit",
+    "SplitCosts",
     "Workload",
     "by_cost",
     "best_colocated",
@@ -87,6 +90,10 @@ __all__ = [
 ]
 
 COLOCATED, SPLIT = "colocated", "split"
+SHARD_DEALS = ("terms", "samples", "sequence")
+"""What sharded trainers may deal over their members (``runtime.placement.shard_deal``)."""
+SEQUENCE_DEGREES = (1, 2, 4, 8)
+"""Devices a generator may split its samples' tokens over (sequence parallelism)."""
 _POLICY_RANK = {"none": 0, "static": 1, "bts": 2}
 COLOCATED_WORKER = "worker"
 """Colocated devices' pool name in traces (``worker-0``, ...), as the colocated runtime's."""
@@ -116,8 +123,11 @@ class Workload:
     """Samples a training forward pass holds (``train.micro_batch_size``); None: a
     micro-batch's. With TSP a pass holds ``tsp_degree`` timesteps of each."""
     shard_deal: str = "terms"
-    """What sharded trainers deal over their members: ``terms`` or ``samples``
-    (``runtime.placement.shard_deal``)."""
+    """What sharded trainers deal over their members: ``terms``, ``samples`` or
+    ``sequence`` (every term, the tokens split) (``runtime.placement.shard_deal``)."""
+    guided: bool = False
+    """Sampling runs both branches of classifier-free guidance (two rows a sample), which
+    CFG parallelism puts on two devices."""
     model: ModelSize | None = None
     """The model's sizes (GPU terms need them)."""
 
@@ -127,8 +137,10 @@ class Workload:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise DigenError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.shard_deal not in ("terms", "samples"):
-            raise DigenError(f"shard_deal must be terms or samples, got {self.shard_deal!r}")
+        if self.shard_deal not in SHARD_DEALS:
+            raise DigenError(
+                f"shard_deal must be one of {', '.join(SHARD_DEALS)}, got {self.shard_deal!r}"
+            )
         if self.update_tsp is not None and not (
             math.isfinite(self.update_tsp) and self.update_tsp >= 0
         ):
@@ -159,9 +171,13 @@ class Workload:
         whole model, and every member runs as many, in lockstep). Dealt by samples, a member
         trains ``ceil(n / T)`` of the ``n`` samples at all ``K`` trained timesteps, ``d`` of
         them a pass with TSP; dealt by terms, ``ceil(n K / T)`` (sample, timestep) pairs, a
-        pass's worth (``pass_samples x d``) at a time. One member: the whole update."""
+        pass's worth (``pass_samples x d``) at a time; with the tokens split (``sequence``)
+        every pass of the update, each with ``1 / T`` of every row's tokens. One member: the
+        whole update."""
         n, k, d = self.samples_per_microbatch, self.timesteps, self.degree(tsp)
         per_pass = self.pass_samples or n
+        if self.shard_deal == "sequence" and members > 1:
+            return 1 / members, -(-n // per_pass) * -(-k // d)
         if self.shard_deal == "terms" and members > 1:
             terms = -(-n * k // members)
             return terms / (n * k), -(-terms // (per_pass * d))
@@ -199,6 +215,16 @@ class Candidate:
     checkpointing: bool = False
     """Training recomputes each block in the backward (per-block activation
     checkpointing): the activations of a pass fit only so."""
+    generator_sequence: int = 1
+    """Split: devices of a generator that share each sample's tokens (sequence
+    parallelism); the generators are ``generators / (this x 2 with CFG)``."""
+    generator_cfg: bool = False
+    """Split: a generator's guidance branches run on two devices (CFG parallelism)."""
+    shard_deal: str = ""
+    """Split with sharded trainers: what they deal (``terms``, ``samples``, ``sequence``)."""
+    trainer_sampling: str = ""
+    """Split with sharded trainers: how they sample a TAG micro-batch (``rows`` dealt, or
+    ``sequence``: every row, the tokens split)."""
 
     @property
     def devices(self) -> int:
@@ -220,7 +246,33 @@ class Candidate:
         tcss = " + TCSS" if self.tcss else ""
         tsp = f" + TSP {self.tsp_degree}" if self.tsp else ""
         grouped = " + grouped updates" if self.grouped else ""
-        return f"{self.generators}G+{self.trainers}T {self.policy}{tsp}{grouped}{tcss}"
+        ways = [
+            w
+            for w, on in (
+                ("CFG 2", self.generator_cfg),
+                (f"SP {self.generator_sequence}", self.generator_sequence > 1),
+            )
+            if on
+        ]
+        each = f" ({' x '.join(ways)})" if ways else ""
+        return f"{self.generators}G{each}+{self.trainers}T {self.policy}{tsp}{grouped}{tcss}"
+
+    @property
+    def how(self) -> str:
+        """How the model sits: ``fsdp trainers, tokens split, checkpointed``, ..."""
+        parts = [self.strategy or "-"]
+        if self.shard_deal == "sequence":
+            parts.append("tokens split")
+        elif self.trainer_sampling == "sequence":
+            parts.append("tokens split to sample")
+        if self.checkpointing:
+            parts.append("checkpointed")
+        return ", ".join(parts)
+
+    @property
+    def generator_group(self) -> int:
+        """Devices a generator runs on."""
+        return self.generator_sequence * (2 if self.generator_cfg else 1)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -316,12 +368,19 @@ def _room(d: Device) -> str:
 
 
 def _training_fit(
-    work: Workload, device: Device, beside: float, *, tsp: bool, who: str, what: str = ""
+    work: Workload,
+    device: Device,
+    beside: float,
+    *,
+    tsp: bool,
+    who: str,
+    what: str = "",
+    degree: int = 1,
 ) -> bool:
     """Whether a training pass's activations (:func:`activation_bytes`) fit on ``device``
     beside ``beside`` bytes of training state only with per-block checkpointing (tried
-    second). Raises :class:`DoesNotFit`: ``who`` ``what`` when the state alone does not
-    fit, else naming the activations. With the model's token count unknown: False where the
+    second), ``degree`` devices sharing each row's tokens. Raises :class:`DoesNotFit`:
+    ``who`` ``what`` when the state alone does not fit, else naming the activations. With the model's token count unknown: False where the
     state fits."""
     assert work.model is not None
     if not device.fits(beside):  # the state itself, before any activation
@@ -329,11 +388,12 @@ def _training_fit(
     rows = work.pass_rows(tsp=tsp)
     act = 0.0
     for checkpointing in (False, True):
-        act = activation_bytes(work.model, rows, checkpointing=checkpointing)
+        act = activation_bytes(work.model, rows, checkpointing=checkpointing, degree=degree)
         if device.fits(beside + act):
             return checkpointing
+    split = f" ({degree} devices sharing its tokens)" if degree > 1 else ""
     raise DoesNotFit(
-        f"{who}: a training pass of {rows} row(s) of {work.model.tokens} tokens keeps "
+        f"{who}: a training pass{split} of {rows} row(s) of {work.model.tokens} tokens keeps "
         f"{_gb(act)} of activations even checkpointed a block at a time, beside "
         f"{_gb(beside)} of training state ({_room(device)})"
     )
@@ -428,18 +488,53 @@ def colocated_costs(
     return out
 
 
+class SplitCosts(NamedTuple):
+    """What a split layout costs (:func:`split_costs`)."""
+
+    strategy: str
+    """How the trainers hold the model: ``replicated`` or ``fsdp trainers`` (empty without
+    GPU terms)."""
+    costs: Costs
+    """Per micro-batch, on one generator (of its devices) and one trainer slot."""
+    slots: int
+    """Trainer slots: the trainers, or 1 for sharded ones (they move as one)."""
+    terms: dict[str, float]
+    """Seconds a step of each GPU term."""
+    shard_deal: str = ""
+    """Sharded trainers: what an update deals over them (the work's, or ``sequence`` where
+    only a split of the tokens makes its pass fit)."""
+    trainer_sampling: str = ""
+    """Sharded trainers: how a TAG micro-batch is sampled, the faster of ``rows`` dealt and
+    ``sequence`` (the tokens split)."""
+
+
 def split_costs(
-    work: Workload, hw: Hardware | None, generators: int, trainers: int, *, tsp: bool
-) -> tuple[str, Costs, int, dict[str, float]]:
-    """The split's ``(strategy, per-micro-batch costs, trainer slots, terms a step)``; raises :class:`DoesNotFit` when a pool cannot hold its part."""
+    work: Workload,
+    hw: Hardware | None,
+    generators: int,
+    trainers: int,
+    *,
+    tsp: bool,
+    sequence: int = 1,
+    cfg: bool = False,
+) -> SplitCosts:
+    """The split's costs with generators of ``sequence`` devices sharing each sample's
+    tokens (times 2 with ``cfg``, each device one branch of guidance); raises
+    :class:`DoesNotFit` when a pool cannot hold its part."""
     base = dataclasses.replace(work.costs, update=work.update(tsp))
     if hw is None or work.model is None:
-        return "", base, trainers, {}
+        return SplitCosts("", base, trainers, {})
     m, g, t = work.model, hw.generator, hw.trainer
     gs, ts = hw.speed(g), hw.speed(t)
-    need = sampling_copy_bytes(m) + reward_bytes(m)
+    n = work.samples_per_microbatch
+    # a generator device: a full copy, the reward model and one sampling pass of its rows
+    branches = 2 if work.guided and not cfg else 1
+    act = sampling_activation_bytes(m, n * branches, sequence)
+    need = sampling_copy_bytes(m) + reward_bytes(m) + act
     if not g.fits(need):
-        raise DoesNotFit(f"a {g.kind} generator cannot hold the model ({_gb(need)}; {_room(g)})")
+        each = f" sharing tokens over {sequence}" if sequence > 1 else ""
+        what = "the model and a sampling pass" if act else "the model"
+        raise DoesNotFit(f"a {g.kind} generator{each} cannot hold {what} ({_gb(need)}; {_room(g)})")
     # what is trained reaches the generators in bf16
     sync = weight_sync_s(
         m.trained * FROZEN_BYTES,
@@ -447,8 +542,10 @@ def split_costs(
         bucket_mb=hw.bucket_mb,
         latency_s=hw.sync_latency_s,
     )
+    split_gen = work.passes * ulysses_s(m, n * branches, sequence, g.link_gb_s)
+    group = sequence * (2 if cfg else 1)
     costs = {
-        "gen": base.gen / gs,
+        "gen": base.gen / gs / group + split_gen,
         "score": base.score / gs,
         "gen_tag": base.gen_tag / ts,
         "update": base.update / ts,
@@ -456,6 +553,8 @@ def split_costs(
         "sync": sync,
     }
     terms = {"weight sync": sync}
+    if split_gen:
+        terms["sequence all-to-all"] = split_gen * work.microbatches / (generators / group)
     try:
         ckpt = _training_fit(work, t, train_state_bytes(m), tsp=tsp, who="")
     except DoesNotFit:
@@ -466,29 +565,50 @@ def split_costs(
         terms["gradient all-reduce"] = grads
         terms.update(_recompute(costs["update"], work.microbatches / trainers, ckpt))
         costs["update"] *= RECOMPUTE if ckpt else 1.0
-        return "replicated", Costs(**costs), trainers, terms
+        return SplitCosts("replicated", Costs(**costs), trainers, terms)
     shard = train_state_bytes(m, trainers)
-    ckpt = _training_fit(
-        work,
-        t,
-        shard,
-        tsp=tsp,
-        who=f"{trainers} {t.kind} trainer(s)",
-        what="cannot hold the training state even sharded",
-    )
+    who = f"{trainers} {t.kind} trainer(s)"
+    deal = work.shard_deal
+    try:
+        ckpt = _training_fit(
+            work,
+            t,
+            shard,
+            tsp=tsp,
+            who=who,
+            what="cannot hold the training state even sharded",
+            degree=trainers if deal == "sequence" else 1,
+        )
+    except DoesNotFit:
+        if deal == "sequence" or not t.fits(shard) or trainers < 2:
+            raise
+        # a pass of whole rows does not fit: every member takes every term, its tokens split
+        deal, work = "sequence", dataclasses.replace(work, shard_deal="sequence")
+        ckpt = _training_fit(work, t, shard, tsp=tsp, who=who, degree=trainers)
     # one lockstep slot: a micro-batch's terms (or samples) are dealt over the trainers,
-    # each pass of each member gathering the whole model (Workload.trained_share); a TAG
-    # generation deals its samples, so a micro-batch smaller than the group leaves some idle
+    # each pass of each member gathering the whole model (Workload.trained_share)
     share, passes = work.trained_share(trainers, tsp=tsp)
     fsdp = passes * fsdp_update_s(m, trainers, t.link_gb_s)
-    gathers = sharded_sampling_s(m, trainers, t.link_gb_s, work.passes)
-    n = work.samples_per_microbatch
+    if deal == "sequence":  # and each pass trades its tokens' attention, both ways
+        rows = work.pass_rows(tsp=tsp)
+        fsdp += passes * ulysses_s(m, rows, trainers, t.link_gb_s, backward=True)
     terms.update(_recompute(costs["update"] * share, work.microbatches, ckpt))
     costs["update"] *= RECOMPUTE if ckpt else 1.0
     costs["update"] = costs["update"] * share + fsdp
-    costs["gen_tag"] = overlapped(costs["gen_tag"] * -(-n // trainers) / n, gathers)
     terms["fsdp update"] = fsdp * work.microbatches
-    return "fsdp trainers", Costs(**costs), 1, terms
+    # TAG on the slot samples with the sharded weights: rows dealt (a micro-batch smaller
+    # than the group leaves some members idle) or every row with the tokens split
+    gathers = sharded_sampling_s(m, trainers, t.link_gb_s, work.passes)
+    tag_rows = n * (2 if work.guided else 1)
+    by_rows = costs["gen_tag"] * -(-n // trainers) / n
+    by_tokens = costs["gen_tag"] / trainers + work.passes * ulysses_s(
+        m, tag_rows, trainers, t.link_gb_s
+    )
+    known = m.tokens > 0  # what the all-to-alls cost needs the tokens
+    sampling = "sequence" if deal == "sequence" or (known and by_tokens < by_rows) else "rows"
+    tag = by_tokens if sampling == "sequence" else by_rows
+    costs["gen_tag"] = overlapped(tag, gathers)
+    return SplitCosts("fsdp trainers", Costs(**costs), 1, terms, deal, sampling)
 
 
 def _recompute(update_s: float, updates: float, checkpointing: bool) -> dict[str, float]:
@@ -507,6 +627,9 @@ def grouped_update(
     t = hw.trainer
     per_microbatch = work.update(tsp) / hw.speed(t) * (RECOMPUTE if checkpointing else 1.0)
     fsdp = fsdp_update_s(work.model, trainers, t.link_gb_s)
+    if work.shard_deal == "sequence":  # each pass trades its tokens' attention, both ways
+        rows = work.pass_rows(tsp=tsp)
+        fsdp += ulysses_s(work.model, rows, trainers, t.link_gb_s, backward=True)
     n = work.samples_per_microbatch
 
     def update_of(count: int) -> float:
@@ -653,67 +776,95 @@ def plan(
 
     for g, t in split_list if splits else []:
         done: list[Candidate] = []
-        # with TSP where it was timed, else (its passes' activations too large) without
-        fitted, why = None, []
-        for tsp in [True, False] if work.update_tsp is not None else [False]:
-            try:
-                fitted = tsp, *split_costs(work, hardware, g, t, tsp=tsp)
-                break
-            except DoesNotFit as exc:
-                why.append(f"{g}G+{t}T{' + TSP' if tsp else ''}: {exc}")
-        if fitted is None:  # what stops it without TSP says it all
-            skipped.append(why[-1])
-            continue
-        skipped += why  # TSP's passes did not fit: it runs without
-        tsp, strategy, costs, slots, terms = fitted
-        k = slots if static_k is None else static_k
-        stale = [(True, max_staleness, staleness_ratio)] if tcss else []
-        # sharded trainers may take a group's micro-batches as one update
-        grouping = [(False, costs)]
-        if strategy == "fsdp trainers" and work.mbs_per_group > 1:
-            assert hardware is not None
-            update_of = grouped_update(
-                work, hardware, t, tsp=tsp, checkpointing="recompute" in terms
-            )
-            grouping.append((True, with_grouped_updates(costs, update_of, work.mbs_per_group)))
-        for grouped, priced in grouping:
-            for with_tcss, w, r in [(False, 0, 0.0), *stale]:
-                for name, policy in _policies(k, node_limit):
-                    res = simulate(
-                        priced,
-                        work.microbatches,
-                        g,
-                        slots,
-                        policy,
-                        steps=steps,
-                        mbs_per_group=work.mbs_per_group,
-                        max_staleness=w,
-                        staleness_ratio=r,
-                        score_overlap=score_overlap,
-                        group_updates=grouped,
+        for sequence, cfg in _generator_groups(work, hardware, g):
+            group = sequence * (2 if cfg else 1)
+            # with TSP where it was timed, else (its passes' activations too large) without
+            fitted, why = None, []
+            for tsp in [True, False] if work.update_tsp is not None else [False]:
+                try:
+                    fitted = (
+                        tsp,
+                        split_costs(work, hardware, g, t, tsp=tsp, sequence=sequence, cfg=cfg),
                     )
-                    done.append(
-                        Candidate(
-                            layout=SPLIT,
-                            generators=g,
-                            trainers=t,
-                            policy=name,
-                            tcss=with_tcss,
-                            tsp=tsp,
-                            step_time=_mean_step(res),
-                            price_h=_price(hardware, prices, g, t, False),
-                            strategy=strategy,
-                            terms=terms,
-                            grouped=grouped,
-                            checkpointing="recompute" in terms,
-                            **common,
+                    break
+                except DoesNotFit as exc:
+                    why.append(f"{g}G+{t}T{' + TSP' if tsp else ''}: {exc}")
+            if fitted is None:  # what stops it without TSP says it all
+                if group == 1:
+                    skipped.append(why[-1])
+                continue
+            if group == 1:
+                skipped += why  # TSP's passes did not fit: it runs without
+            tsp, split = fitted
+            k = split.slots if static_k is None else static_k
+            stale = [(True, max_staleness, staleness_ratio)] if tcss else []
+            # sharded trainers may take a group's micro-batches as one update
+            grouping = [(False, split.costs)]
+            if split.strategy == "fsdp trainers" and work.mbs_per_group > 1:
+                assert hardware is not None
+                dealt = dataclasses.replace(work, shard_deal=split.shard_deal)
+                update_of = grouped_update(
+                    dealt, hardware, t, tsp=tsp, checkpointing="recompute" in split.terms
+                )
+                grouped_costs = with_grouped_updates(split.costs, update_of, work.mbs_per_group)
+                grouping.append((True, grouped_costs))
+            for grouped, priced in grouping:
+                for with_tcss, w, r in [(False, 0, 0.0), *stale]:
+                    for name, policy in _policies(k, node_limit):
+                        res = simulate(
+                            priced,
+                            work.microbatches,
+                            g // group,
+                            split.slots,
+                            policy,
+                            steps=steps,
+                            mbs_per_group=work.mbs_per_group,
+                            max_staleness=w,
+                            staleness_ratio=r,
+                            score_overlap=score_overlap,
+                            group_updates=grouped,
                         )
-                    )
+                        done.append(
+                            Candidate(
+                                layout=SPLIT,
+                                generators=g,
+                                trainers=t,
+                                policy=name,
+                                tcss=with_tcss,
+                                tsp=tsp,
+                                step_time=_mean_step(res),
+                                price_h=_price(hardware, prices, g, t, False),
+                                strategy=split.strategy,
+                                terms=split.terms,
+                                grouped=grouped,
+                                checkpointing="recompute" in split.terms,
+                                generator_sequence=sequence,
+                                generator_cfg=cfg,
+                                shard_deal=split.shard_deal,
+                                trainer_sampling=split.trainer_sampling,
+                                **common,
+                            )
+                        )
         if on_split is not None:
             on_split(g, t, done)
         cands += done
     cands.sort(key=_rank_key)
     return cands, skipped
+
+
+def _generator_groups(work: Workload, hw: Hardware | None, g: int) -> list[tuple[int, bool]]:
+    """The ways ``g`` generator devices may form generators: ``(sequence degree, CFG)``,
+    one device each first; several a generator only with the GPU terms and the tokens
+    known (what their all-to-alls cost), in groups that divide ``g``."""
+    ways = [(1, False)]
+    if hw is None or work.model is None or work.model.tokens <= 0:
+        return ways
+    for cfg in (False, True) if work.guided else (False,):
+        for sequence in SEQUENCE_DEGREES:
+            group = sequence * (2 if cfg else 1)
+            if group > 1 and g % group == 0:
+                ways.append((sequence, cfg))
+    return ways
 
 
 def _rank_key(c: Candidate) -> tuple:
@@ -722,6 +873,7 @@ def _rank_key(c: Candidate) -> tuple:
         c.layout != COLOCATED,
         c.tcss,
         c.grouped,
+        c.generator_group,
         _POLICY_RANK.get(c.policy.split("-")[0], -1),
         -c.generators,
     )
@@ -758,9 +910,8 @@ def format_plan(ranked: list[Candidate], skipped: list[str], *, top: int | None 
     lines = [head, rule]
     best = ranked[0].step_time if ranked else 0.0
     for i, c in enumerate(ranked[:top] if top else ranked, 1):
-        how = (c.strategy or "-") + (", checkpointed" if c.checkpointing else "")
         line = (
-            f"| {i} | {c.label} | {how} | {c.step_time:.3f} "
+            f"| {i} | {c.label} | {c.how} | {c.step_time:.3f} "
             f"| {c.step_time / best if best else 1.0:.2f}x |"
         )
         if priced:

@@ -45,6 +45,7 @@ from digen.planning.hardware import (
     Hardware,
     ModelSize,
     load_hardware,
+    sample_tokens,
     sampling_copy_bytes,
     train_state_bytes,
 )
@@ -124,7 +125,11 @@ def run_memory(cfg: DigenConfig) -> RunMemory | None:
     kinds = sorted(DEVICE_DEFAULTS, key=len, reverse=True)  # a100-40gb before a100
     kind = next((k for k in kinds if k.split("-")[0] in name), "h100")
     device = {"kind": kind, "memory_gb": props.total_memory / 1e9}
-    model = ModelSize.of(cfg.model.name, lora_rank=cfg.train.lora_rank)
+    m = cfg.model
+    tokens = 0  # a size left to the model: its activations are left to the reserve
+    if m.height and m.width:
+        tokens = sample_tokens(m.height, m.width, m.num_frames, m.max_sequence_length or 0)
+    model = ModelSize.of(m.name, lora_rank=cfg.train.lora_rank, tokens=tokens)
     return RunMemory(load_hardware({"device": device}), model)
 
 
@@ -201,6 +206,12 @@ def apply_layout(cfg: DigenConfig, c: Candidate, size: int) -> DigenConfig:
             rt["schedule"]["tag_k"] = int(k)
         if not c.tcss:
             rt["schedule"]["max_staleness"] = 0
+        rt["generators"] = c.generators // c.generator_group  # each of its devices
+        rt["placement"].update(
+            generator_sequence=c.generator_sequence, generator_cfg=c.generator_cfg
+        )
+        if c.shard_deal:
+            rt["placement"].update(shard_deal=c.shard_deal, trainer_sampling=c.trainer_sampling)
         d["train"]["num_devices"] = 1
     return load_config(base=d)
 
@@ -232,6 +243,7 @@ def rank_layouts(
         timesteps=terms_per_sample(probe, 0),
         pass_samples=probe.train.micro_batch_size,
         shard_deal=str(rt.placement.shard_deal),
+        guided=r.guidance_scale > 1,
         model=None if memory is None else memory.model,
     )
     if timed > 1:

@@ -10,6 +10,7 @@ import pytest
 from digen.planning.hardware import (
     DEVICE_DEFAULTS,
     GB,
+    SAMPLING_BYTES,
     Device,
     ModelSize,
     activation_bytes,
@@ -20,9 +21,12 @@ from digen.planning.hardware import (
     load_hardware,
     offload_reload_s,
     overlapped,
+    sample_tokens,
+    sampling_activation_bytes,
     sampling_copy_bytes,
     sharded_sampling_s,
     train_state_bytes,
+    ulysses_s,
     weakest,
     weight_sync_s,
 )
@@ -168,3 +172,18 @@ def test_a_stated_device_needs_its_figures() -> None:
     )
     assert isinstance(d.trainer, Device) and not d.trainer.default
     assert math.isclose(d.speed(d.generator), 1.0)
+
+
+def test_sequence_parallelism_shares_tokens_and_trades_them_at_attention() -> None:
+    video = ModelSize(params=13e9, blocks=60, trained=13e9, hidden=3072, tokens=3644)
+    # the paper's 352x352x25 video: 22 x 22 patches of 7 latent frames, and 256 text tokens
+    assert sample_tokens(352, 352, 25, 256) == 22 * 22 * 7 + 256 == 3644
+    assert sample_tokens(512, 512) == 1024  # an image: no frames
+    # a device of 4 keeps a quarter of each row's tokens (rounded up)
+    assert activation_bytes(video, 2, checkpointing=False, degree=4) == 2 * 911 * 3072 * 60 * 34
+    assert sampling_activation_bytes(video, 2, 4) == 2 * 911 * 3072 * SAMPLING_BYTES
+    # 4 all-to-alls a block, each sending 3/4 of the device's q (or k, v, out) in bf16
+    local = 2 * 911 * 3072 * 2
+    assert ulysses_s(video, 2, 4, 100) == pytest.approx(60 * 4 * local * 3 / 4 / (100 * GB))
+    assert ulysses_s(video, 2, 4, 100, backward=True) == 2 * ulysses_s(video, 2, 4, 100)
+    assert ulysses_s(video, 2, 1, 100) == 0.0  # one device trades nothing

@@ -17,6 +17,7 @@ from digen.planning.hardware import (
     load_hardware,
     offload_reload_s,
     sharded_sampling_s,
+    ulysses_s,
     weight_sync_s,
 )
 from digen.planning.layouts import (
@@ -104,21 +105,21 @@ def test_a_split_pays_the_weight_sync_and_runs_at_each_kind_speed() -> None:
     )
     small = ModelSize(params=1e9, blocks=10, trained=1e9)
     work = Workload(costs=COSTS, microbatches=8, passes=10, model=small)
-    strategy, c, slots, terms = split_costs(work, hw, 4, 4, tsp=False)
+    strategy, c, slots, terms, *_ = split_costs(work, hw, 4, 4, tsp=False)
     assert (strategy, slots) == ("replicated", 4)
     slow = 362 / 989  # an l40s against the h100 the costs were measured on
     assert c.gen == pytest.approx(1.0 / slow) and c.score == pytest.approx(0.1 / slow)
     assert c.update == 0.5 and c.gen_tag == 1.0
     assert c.sync == pytest.approx(weight_sync_s(2 * GB, 25)) == terms["weight sync"]
     # a fully trained 10B model does not fit one h100: the trainers shard it, as one slot
-    strategy, c, slots, _ = split_costs(
+    strategy, c, slots, _, *_ = split_costs(
         Workload(costs=COSTS, microbatches=8, passes=10, model=FULL), hw, 4, 4, tsp=False
     )
     assert (strategy, slots) == ("fsdp trainers", 1)
     # one sample a micro-batch: one trainer works it, the other three keep in step
     assert c.update == pytest.approx(0.5 + fsdp_update_s(FULL, 4, 450))
     eight = Workload(costs=COSTS, microbatches=8, samples_per_microbatch=8, passes=10, model=FULL)
-    _, c, _, _ = split_costs(eight, hw, 4, 4, tsp=False)  # 8 samples: 2 each
+    _, c, _, _, *_ = split_costs(eight, hw, 4, 4, tsp=False)  # 8 samples: 2 each
     assert c.update == pytest.approx(0.5 / 4 + fsdp_update_s(FULL, 4, 450))
     gathers = sharded_sampling_s(FULL, 4, 450, 10)
     assert c.gen_tag == pytest.approx(max(1.0 / 4, gathers))
@@ -143,12 +144,12 @@ def test_sharded_updates_deal_terms_or_samples_and_pay_the_gathers_every_pass() 
     assert dataclasses.replace(four, shard_deal="samples").trained_share(8, tsp=False) == (1 / 4, 6)
     hw = load_hardware({"device": "h100"})
     fsdp = fsdp_update_s(FULL, 4, 450)
-    _, c, slots, terms = split_costs(one, hw, 4, 4, tsp=True)
+    _, c, slots, terms, *_ = split_costs(one, hw, 4, 4, tsp=True)
     assert slots == 1 and c.update == pytest.approx(0.3 * 2 / 8 + fsdp)
     assert terms["fsdp update"] == pytest.approx(8 * fsdp)  # one pass a micro-batch
-    _, c, _, _ = split_costs(by_samples, hw, 4, 4, tsp=True)
+    _, c, _, _, *_ = split_costs(by_samples, hw, 4, 4, tsp=True)
     assert c.update == pytest.approx(0.3 + 2 * fsdp)
-    _, c, _, _ = split_costs(one, hw, 4, 4, tsp=False)
+    _, c, _, _, *_ = split_costs(one, hw, 4, 4, tsp=False)
     assert c.update == pytest.approx(0.5 * 2 / 8 + 2 * fsdp)
     # a colocated FSDP device trains its micro-batch's 8 timesteps in 2 TSP passes
     got = {s: c for s, c, _, _ in colocated_costs(one, hw, 8, tsp=True)}
@@ -190,7 +191,7 @@ def test_activations_decide_checkpointing_and_what_fits() -> None:
     got = {s: c for s, c, _, _ in colocated_costs(work, hw, 8, tsp=True)}
     assert "replicated" not in got and got["sharded sampling"].update > 0.3 * RECOMPUTE
     # a split's trainers pay the same; a one-device trainer pool cannot hold a TSP pass
-    strategy, c, _, terms = split_costs(work, hw, 4, 4, tsp=False)
+    strategy, c, _, terms, *_ = split_costs(work, hw, 4, 4, tsp=False)
     assert strategy == "replicated" and "recompute" in terms
     one = Workload(costs=COSTS, microbatches=8, update_tsp=0.3, tsp_degree=4, model=long)
     with pytest.raises(DoesNotFit, match="of activations even checkpointed"):
@@ -269,3 +270,46 @@ def test_a_ranked_split_is_what_the_simulator_gives_for_it() -> None:
 def test_plan_checks_its_devices() -> None:
     with pytest.raises(ValueError, match="devices must be an integer >= 2"):
         plan(Workload(costs=COSTS, microbatches=4), 1)
+
+
+def test_sequence_and_cfg_parallelism_in_a_split() -> None:
+    """Generators of several devices share a sample's tokens (the all-to-alls paid) and the
+    guidance branches; sharded trainers split the tokens where a pass of whole rows does
+    not fit, and sample a micro-batch smaller than their group with the tokens split."""
+    hw = load_hardware({"device": "h100"})  # 80 GB, 10 kept in reserve; NVLink 450 GB/s
+    long = ModelSize(params=13e9, blocks=60, trained=13e9, hidden=3072, tokens=119_056)
+    guided = Workload(costs=COSTS, microbatches=8, passes=10, timesteps=4, guided=True, model=long)
+    one = split_costs(guided, hw, 4, 4, tsp=False)
+    four = split_costs(guided, hw, 4, 4, tsp=False, sequence=4)
+    cfg = split_costs(guided, hw, 4, 4, tsp=False, cfg=True)
+    # a generator of 4 samples a micro-batch (2 rows with guidance) in a quarter of the
+    # time, plus each pass's all-to-alls; with CFG parallelism one branch a device
+    assert four.costs.gen == pytest.approx(1.0 / 4 + 10 * ulysses_s(long, 2, 4, 450))
+    assert cfg.costs.gen == pytest.approx(0.5) and one.costs.gen == pytest.approx(1.0)
+    # 720p video: a one-row pass keeps 746 GB, 56 GB checkpointed, beside 52 GB of shards a
+    # trainer: only 4 trainers sharing the tokens hold it (checkpointed), each trains every
+    # term with a quarter of the tokens, its passes trading them both ways
+    assert one.shard_deal == "sequence" and "recompute" in one.terms
+    share, passes = dataclasses.replace(guided, shard_deal="sequence").trained_share(4, tsp=False)
+    assert (share, passes) == (1 / 4, 4)
+    trade = ulysses_s(long, 1, 4, 450, backward=True)
+    fsdp = fsdp_update_s(long, 4, 450)
+    assert one.costs.update == pytest.approx(0.5 * RECOMPUTE / 4 + 4 * (fsdp + trade))
+    # TAG on the slot: a one-sample micro-batch sampled by all 4, its tokens split
+    assert one.trainer_sampling == "sequence"
+    gathers = sharded_sampling_s(long, 4, 450, 10)
+    tag = 1.0 / 4 + 10 * ulysses_s(long, 2, 4, 450)
+    assert one.costs.gen_tag == pytest.approx(max(tag, gathers))
+    # the plan weighs every generator group dividing the pool and applies its choice
+    ranked, _ = plan(guided, 8, hw, steps=2)
+    groups = {(c.generators, c.generator_sequence, c.generator_cfg) for c in ranked}
+    assert {(4, 1, False), (4, 2, False), (4, 4, False), (4, 1, True), (4, 2, True)} <= groups
+    assert (4, 8, False) not in groups  # 8 does not divide 4
+    cfg_four = next(c for c in ranked if c.generators == 4 and c.generator_group == 4)
+    assert "(CFG 2 x SP 2)" in cfg_four.label or "(SP 4)" in cfg_four.label
+    assert "tokens split" in format_plan(ranked, [])
+    # without the tokens, what the all-to-alls cost is unknown: one device a generator
+    short = dataclasses.replace(guided, model=dataclasses.replace(long, tokens=0))
+    assert {c.generator_group for c in plan(short, 8, hw, steps=2)[0]} == {1}
+    with pytest.raises(DigenError, match="shard_deal"):
+        Workload(costs=COSTS, microbatches=1, shard_deal="heads")
