@@ -50,6 +50,13 @@ from digen.registry.models import MODEL_NAMES
     "dealt, with the planner's prediction.",
 )
 @click.option(
+    "--sequence",
+    is_flag=True,
+    help="Measure one generator's sampling on one process, and on two sharing each sample's "
+    "tokens (sequence parallelism) or the guidance branches (CFG parallelism), with the "
+    "planner's prediction of each [--size default: 768; --quick 128].",
+)
+@click.option(
     "--json",
     "json_path",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -105,6 +112,7 @@ def bench(
     repeats: int | None,
     workers: int | None,
     sharded: bool,
+    sequence: bool,
     json_path: Path | None,
     plot_path: Path | None,
     out_dir: Path | None,
@@ -130,6 +138,23 @@ def bench(
     samples, then its (sample, timestep) terms, and the planner's prediction of the second.
     """
     quiet_imports()
+
+    if sequence:
+        if sharded or quality:
+            from digen.errors import DigenError
+
+            other = "--sharded" if sharded else "--quality"
+            raise DigenError(f"--sequence and {other} measure different things; choose one")
+        _bench_sequence(
+            model=model,
+            size=size,
+            repeats=repeats,
+            quick=quick,
+            overrides=overrides,
+            json_path=json_path,
+            quiet=quiet,
+        )
+        return
 
     if quality:
         if sharded:
@@ -165,6 +190,51 @@ def bench(
     report = b.summarise(settings, runs, command=command)
     click.echo(b.format_table(report))
     _write_report(report, json_path, plot_path, lambda path: b.plot_bench(report, runs, path), say)
+
+
+def _bench_sequence(
+    *,
+    model: str,
+    size: int | None,
+    repeats: int | None,
+    quick: bool,
+    overrides: tuple[str, ...],
+    json_path: Path | None,
+    quiet: bool,
+) -> None:
+    """``--sequence``: the arms of :mod:`digen.run.bench_sequence`, a table and the JSON."""
+    from digen.errors import DigenError
+
+    if model not in MODEL_NAMES:
+        raise DigenError(f"--model {model!r} is not a model; choose {one_of(MODEL_NAMES)}")
+    size = size if size is not None else (128 if quick else 768)
+    repeats = repeats if repeats is not None else (1 if quick else 3)
+    if size < 16 or size % 16:
+        raise DigenError(f"--size {size} is not allowed: it must be a multiple of 16")
+    if repeats < 1:
+        raise DigenError(f"--repeats {repeats} is not allowed: it must be at least 1")
+    if json_path is not None and not json_path.parent.is_dir():
+        raise DigenError(f"--json {json_path}: the directory '{json_path.parent}' does not exist")
+    from digen.run import bench_sequence as bs
+
+    settings = bs.SequenceBenchSettings(
+        model=model, size=size, repeats=repeats, overrides=tuple(overrides)
+    )
+    bs.check_settings(settings)  # a bad override fails here, before any process starts
+    quiet_progress_bars()
+
+    def say(text: str) -> None:
+        if not quiet:
+            click.echo(f"bench: {text}", err=True)
+
+    got = bs.run_sequence_bench(settings, say)
+    command = f"digen bench --sequence --model {model} --size {size} --repeats {repeats}"
+    command = " ".join([command, *(shlex.quote(o) for o in overrides)])
+    report = bs.summarise_sequence(settings, got, command=command)
+    click.echo(bs.format_sequence(report))
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        say(f"wrote {json_path}")
 
 
 _QUALITY_OPTIONS = [

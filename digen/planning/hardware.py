@@ -312,17 +312,26 @@ def fsdp_update_s(model: ModelSize, devices: int, link_gb_s: float) -> float:
 
 
 def ulysses_s(
-    model: ModelSize, rows: int, degree: int, link_gb_s: float, *, backward: bool = False
+    model: ModelSize,
+    rows: int,
+    degree: int,
+    link_gb_s: float,
+    *,
+    backward: bool = False,
+    latency_s: float = 0.0,
+    value_bytes: float = FROZEN_BYTES,
 ) -> float:
     """Seconds of one pass's all-to-alls on a device of a sequence-parallel group of
     ``degree`` (Ulysses): every block's attention trades its q, k and v for a share of the
     heads over all tokens and trades the output back, four all-to-alls of the device's
-    ``rows x tokens / degree x hidden`` bf16 values, each sending ``(degree - 1) / degree``
-    of them; a backward pass trades as many gradients again."""
+    ``rows x tokens / degree x hidden`` values (bf16: ``value_bytes``), each sending
+    ``(degree - 1) / degree`` of them and paying ``latency_s``; a backward pass trades as
+    many gradients again."""
     if degree <= 1:
         return 0.0
-    local = rows * -(-model.tokens // degree) * model.hidden * FROZEN_BYTES
-    per_pass = model.blocks * 4 * local * (degree - 1) / degree / (link_gb_s * GB)
+    local = rows * -(-model.tokens // degree) * model.hidden * value_bytes
+    moved = local * (degree - 1) / degree / (link_gb_s * GB)
+    per_pass = model.blocks * 4 * (moved + latency_s)
     return per_pass * (2 if backward else 1)
 
 

@@ -141,6 +141,42 @@ def test_bench_sharded_measures_both_deals_and_predicts_terms_from_samples(
     )
 
 
+@pytest.mark.slow
+def test_bench_sequence_measures_each_arm_and_predicts_the_split_ones(tmp_path: Path) -> None:
+    """``--sequence``: one generator's sampling on one process (all of a micro-batch, and
+    half), on two sharing its tokens and on two sharing its guidance branches; each split
+    arm's prediction is the one-process arm's time outside the transformer, the half
+    micro-batch's inside it and the traffic the planner prices."""
+    from digen.planning.hardware import ModelSize, ulysses_s
+
+    report_path = tmp_path / "sequence.json"
+    args = ["bench", "--sequence", "--quick", "--size", "32", "--quiet"]
+    res = CliRunner().invoke(main, [*args, "--json", str(report_path)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    sq = json.loads(report_path.read_text())["sequence"]
+    arms = {a["arm"]: a for a in sq["arms"]}
+    assert list(arms) == ["one", "one-half", "sequence", "cfg"]
+    assert [a["processes"] for a in arms.values()] == [1, 1, 2, 2]
+    m = sq["model"]
+    rest = arms["one"]["seconds"] - arms["one"]["inside_transformer_s"]
+    assert m["outside_transformer_s"] == pytest.approx(rest)
+    # the tiny flux: 3 attentions a pass span the group (1 double, 2 single blocks), over
+    # 2 x 2 image tokens and the prompt's
+    assert m["spanning_attention_a_pass"] == 3 and m["tokens"] > 4
+    geometry = ModelSize(params=0.0, blocks=3, trained=0.0, hidden=m["width"], tokens=m["tokens"])
+    trade = m["passes"] * ulysses_s(
+        geometry, 4, 2, m["all_to_all_gb_s"], latency_s=m["all_to_all_latency_s"], value_bytes=4
+    )
+    assert m["all_to_all_s"] == pytest.approx(trade)
+    half = arms["one-half"]["inside_transformer_s"]
+    assert arms["sequence"]["predicted_s"] == pytest.approx(rest + half + trade)
+    assert arms["cfg"]["predicted_s"] == pytest.approx(rest + half + m["exchange_s"])
+    for a in (arms["sequence"], arms["cfg"]):
+        err = (a["predicted_s"] - a["seconds"]) / a["seconds"]
+        assert a["prediction_error"] == pytest.approx(err)
+    assert "sequence-parallel, 2 processes" in res.output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -155,6 +191,10 @@ def test_bench_sharded_measures_both_deals_and_predicts_terms_from_samples(
         (["runtime.schedule.tsp_degree=0"], "runtime.schedule.tsp_degree"),
         (["--sharded", "--workers", "2"], "--workers 2 is not allowed with --sharded"),
         (["--sharded", "--quality"], "choose one"),
+        (["--sequence", "--sharded"], "choose one"),
+        (["--sequence", "--size", "40"], "--size 40"),
+        (["--sequence", "rollout.guidance_scale=0.5"], "rollout.guidance_scale"),
+        (["--sequence", "rollout.guidance_scale=1.0"], "above 1"),
     ],
 )
 def test_bad_options_are_one_sentence_and_exit_2(args: list[str], message: str) -> None:

@@ -37,6 +37,7 @@ import contextvars
 import functools
 import math
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +208,9 @@ class SequenceParallel:
         #: attention calls that spanned the group, and the tokens this member's share of them
         #: held (against the whole sequence's)
         self.spanned = self.tokens_here = self.tokens = 0
+        self.trading_s = 0.0
+        """Seconds the forward passes spent in their all-to-alls (waits for the others
+        included)."""
         self._undo: list[Callable[[], None]] = []
 
     # the pieces of this pass
@@ -287,7 +291,9 @@ class SequenceParallel:
         self.spanned += 1
         self.tokens_here += lay.seq[lay.rank]
         self.tokens += sum(lay.seq)
+        t0 = time.perf_counter()
         q, k, v = (_SeqToHeads.apply(t.contiguous(), lay) for t in (query, key, value))
+        self.trading_s += time.perf_counter() - t0
         if mask is not None:
             if mask.ndim >= 2 and mask.shape[-2] != 1:
                 raise DigenError("sequence parallelism takes attention masks over keys only.")
@@ -297,7 +303,9 @@ class SequenceParallel:
             out = out.transpose(1, 2)
         else:
             out = attention(q, k, v, mask)
+        t0 = time.perf_counter()
         out = _HeadsToSeq.apply(out.contiguous(), lay)
+        self.trading_s += time.perf_counter() - t0
         return out.transpose(1, 2) if heads_first else out
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
