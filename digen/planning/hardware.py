@@ -325,7 +325,7 @@ def ulysses_s(
     ``degree`` (Ulysses): every block's attention trades its q, k and v for a share of the
     heads over all tokens and trades the output back, four all-to-alls of the device's
     ``rows x tokens / degree x hidden`` values (bf16: ``value_bytes``), each sending
-    ``(degree - 1) / degree`` of them and paying ``latency_s``; a backward pass trades as
+    ``(degree - 1) / degree`` of them and paying ``latency_s``. A backward pass trades as
     many gradients again."""
     if degree <= 1:
         return 0.0

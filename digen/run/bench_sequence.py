@@ -94,7 +94,15 @@ def _config(s: SequenceBenchSettings) -> dict[str, Any]:
     return config_to_dict(load_config(base=preset(s.model, "flowgrpo"), overrides=over))
 
 
-def _arm(rank: int, world: int, store: str, cfg_dict: dict, arm: str, s: Any, out: str) -> None:
+def _arm(
+    rank: int,
+    world: int,
+    store: str,
+    cfg_dict: dict,
+    arm: str,
+    s: Any,
+    out: str,
+) -> None:
     """One process of an arm: sample ``repeats`` times after a warm-up; rank 0 writes the
     times (whole and inside the transformer), the model's geometry and, for the sequence
     arm, the all-to-all figures, to ``out``."""
@@ -158,7 +166,8 @@ def _arm(rank: int, world: int, store: str, cfg_dict: dict, arm: str, s: Any, ou
         report["spanning"] = sp.spanned / s.repeats / passes[0]  # attention calls a pass
         report["tokens"] = sp.tokens / sp.spanned  # the whole sequence of each
         report["trading_s"] = sp.trading_s / s.repeats  # measured, waits included
-        report["all_to_all"] = _all_to_all_figures(process_group())
+        local = report["rows"] * -(-round(report["tokens"]) // 2) * report["width"] * 4
+        report["all_to_all"] = _all_to_all_figures(process_group(), local)
     if rank == 0:
         Path(out).write_text(json.dumps(report))
     if world > 1:
@@ -166,28 +175,35 @@ def _arm(rank: int, world: int, store: str, cfg_dict: dict, arm: str, s: Any, ou
         dist.destroy_process_group()
 
 
-def _all_to_all_figures(group: Any, rounds: int = 30) -> dict[str, float]:
-    """This machine's all-to-all between the group's processes: the seconds of one on a
-    tiny buffer (its latency) and the GB/s a large one moves (what each process sends of
-    it), medians of ``rounds``."""
+def _all_to_all_figures(group: Any, nbytes: int, rounds: int = 30) -> dict[str, float]:
+    """This machine's all-to-all between the group's processes as sequence parallelism
+    makes them (its own exchange of one tensor a process, fp32), medians of ``rounds``: the
+    latency and the GB/s of the line through ``nbytes`` (an attention's q on one process)
+    and four times that."""
     import torch
 
-    def timed(nbytes: int) -> float:
-        size = group.size()
-        buf = torch.zeros(nbytes, dtype=torch.uint8)
-        out = torch.empty_like(buf)
-        split = [nbytes // size] * size
+    from digen.runtime.worker.sequence import _all_to_all
+
+    size = group.size()
+
+    def exchange(count: int) -> None:
+        piece = torch.zeros(max(count // 4 // size, 1))
+        _all_to_all([piece] * size, [tuple(piece.shape)] * size, group)
+
+    def timed(work: Any) -> float:
         got = []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            group.alltoall_base(out, buf, split, split).wait()
+            work()
             got.append(time.perf_counter() - t0)
         return statistics.median(got)
 
-    small, large = 1024, 16 * 2**20
-    latency = timed(small)
-    moved = large * (group.size() - 1) / group.size()
-    return {"latency_s": latency, "gb_s": moved / max(timed(large) - latency, 1e-9) / 1e9}
+    exchange(nbytes)  # warm-up
+    one, four = timed(lambda: exchange(nbytes)), timed(lambda: exchange(4 * nbytes))
+    moved = nbytes * (size - 1) / size  # what a process sends of it
+    per_byte = max((four - one) / (3 * moved), 1e-15)
+    latency = max(one - moved * per_byte, 0.0)
+    return {"latency_s": latency, "gb_s": 1 / per_byte / 1e9, "bytes": nbytes}
 
 
 def run_sequence_bench(s: SequenceBenchSettings, say: Any = None) -> dict[str, Any]:
