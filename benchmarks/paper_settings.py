@@ -45,6 +45,7 @@ writes the rows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -247,6 +248,7 @@ def workload(
         timesteps=trained,
         pass_samples=size,
         shard_deal=deal,
+        guided=s.guidance_passes == 2,
         model=model,
     )
 
@@ -260,24 +262,52 @@ def _split(
     policy: str,
     tcss: bool,
     grouped: bool = False,
+    parallel: bool = False,
 ) -> float:
-    strategy, costs, slots, _, *_ = split_costs(w, hw, half, half, tsp=tsp)
+    """A split's step time; ``parallel``: the fastest of its generators on one device each
+    and on several (sequence parallelism, and CFG parallelism where sampling is guided)."""
+    ways = [(1, False)]
+    if parallel:
+        for cfg in (False, True) if w.guided else (False,):
+            ways += [
+                (q, cfg) for q in (1, 2, 4, 8) if q * (1 + cfg) > 1 and half % (q * (1 + cfg)) == 0
+            ]
+    times = []
+    for sequence, cfg in ways:
+        try:
+            times.append(
+                _one_split(w, hw, half, tsp, policy, tcss, grouped, sequence, cfg, parallel)
+            )
+        except DoesNotFit:
+            if (sequence, cfg) == (1, False):
+                raise
+    return min(times)
+
+
+def _one_split(w, hw, half, tsp, policy, tcss, grouped, sequence, cfg, parallel) -> float:
+    sampling = None if parallel else "rows"  # the faster, or the rows dealt
+    split = split_costs(
+        w, hw, half, half, tsp=tsp, sequence=sequence, cfg=cfg, trainer_sampling=sampling
+    )
+    costs, slots = split.costs, split.slots
+    gens = half // (sequence * (2 if cfg else 1))
     group = {}
-    if grouped and strategy == "fsdp trainers" and w.mbs_per_group > 1:
+    if grouped and split.strategy == "fsdp trainers" and w.mbs_per_group > 1:
         # a group's micro-batches as one update
-        update_of = grouped_update(w, hw, half, tsp=tsp)
+        dealt = dataclasses.replace(w, shard_deal=split.shard_deal)
+        update_of = grouped_update(dealt, hw, half, tsp=tsp)
         costs = with_grouped_updates(costs, update_of, w.mbs_per_group)
         group = {"group_updates": True}
     if policy == "naive":
         res = simulate(
-            costs, w.microbatches, half, slots, NoTAG(), steps=4, mbs_per_group=w.microbatches
+            costs, w.microbatches, gens, slots, NoTAG(), steps=4, mbs_per_group=w.microbatches
         )
     else:
         stale = {"max_staleness": 1, "staleness_ratio": 0.5} if tcss else {}
         res = simulate(
             costs,
             w.microbatches,
-            half,
+            gens,
             slots,
             BTS(),
             steps=4,
@@ -311,8 +341,13 @@ def project(
             w, hw, devices, tsp=False, device=mixed, engine=True
         ),
         "naive": lambda w: _split(w, hw, half, tsp=False, policy="naive", tcss=False),
-        "digen": lambda w: _split(w, hw, half, tsp=True, policy="bts", tcss=False, grouped=True),
+        "digen": lambda w: _split(
+            w, hw, half, tsp=True, policy="bts", tcss=False, grouped=True, parallel=True
+        ),
         "digen+tcss": lambda w: _split(
+            w, hw, half, tsp=True, policy="bts", tcss=True, grouped=True, parallel=True
+        ),
+        "digen+tcss no sp": lambda w: _split(
             w, hw, half, tsp=True, policy="bts", tcss=True, grouped=True
         ),
         "digen+tcss by samples": lambda w: _split(w, hw, half, tsp=True, policy="bts", tcss=True),
@@ -369,11 +404,11 @@ def main() -> None:
         print(f"**{s.name}** (paper: {s.paper})\n")
         print(
             "| GPUs | steps | fraction | colocated (s) | + TSP (s) | rollout engine (s) "
-            "| naive (s) | digen (s) | + TCSS (s) | + TCSS, samples dealt (s) | digen vs colocated "
-            "| + TCSS vs colocated | + TCSS vs colocated + TSP | digen vs rollout engine "
-            "| planner's first |"
+            "| naive (s) | digen (s) | + TCSS (s) | + TCSS, no SP (s) | + TCSS, samples dealt (s) "
+            "| digen vs colocated | + TCSS vs colocated | + TCSS vs colocated + TSP "
+            "| + TCSS, no SP, vs colocated + TSP | digen vs rollout engine | planner's first |"
         )
-        print("| ---: " * 13 + "| --- |")
+        print("| ---: " * 15 + "| --- |")
         for d in s.devices:
             for steps in STEPS:
                 for f in FRACTIONS:
@@ -383,10 +418,12 @@ def main() -> None:
                     print(
                         f"| {d} | {steps} | {f} | {t['colocated']:.1f} | {t['colocated+tsp']:.1f} "
                         f"| {t['rollout engine']:.1f} | {t['naive']:.1f} | {t['digen']:.1f} "
-                        f"| {t['digen+tcss']:.1f} | {t['digen+tcss by samples']:.1f} "
+                        f"| {t['digen+tcss']:.1f} | {t['digen+tcss no sp']:.1f} "
+                        f"| {t['digen+tcss by samples']:.1f} "
                         f"| {t['colocated'] / t['digen']:.2f}x "
                         f"| {t['colocated'] / t['digen+tcss']:.2f}x "
                         f"| {t['colocated+tsp'] / t['digen+tcss']:.2f}x "
+                        f"| {t['colocated+tsp'] / t['digen+tcss no sp']:.2f}x "
                         f"| {t['rollout engine'] / t['digen']:.2f}x | {t['planner']} |"
                     )
         mine = [r_ for r_ in rows if r_["setting"] == s.name]

@@ -517,10 +517,12 @@ def split_costs(
     tsp: bool,
     sequence: int = 1,
     cfg: bool = False,
+    trainer_sampling: str | None = None,
 ) -> SplitCosts:
     """The split's costs with generators of ``sequence`` devices sharing each sample's
-    tokens (times 2 with ``cfg``, each device one branch of guidance); raises
-    :class:`DoesNotFit` when a pool cannot hold its part."""
+    tokens (times 2 with ``cfg``, each device one branch of guidance); sharded trainers
+    sample as ``trainer_sampling`` says (None: the faster way). Raises :class:`DoesNotFit`
+    when a pool cannot hold its part."""
     base = dataclasses.replace(work.costs, update=work.update(tsp))
     if hw is None or work.model is None:
         return SplitCosts("", base, trainers, {})
@@ -606,6 +608,8 @@ def split_costs(
     )
     known = m.tokens > 0  # what the all-to-alls cost needs the tokens
     sampling = "sequence" if deal == "sequence" or (known and by_tokens < by_rows) else "rows"
+    if trainer_sampling is not None and deal != "sequence":
+        sampling = trainer_sampling
     tag = by_tokens if sampling == "sequence" else by_rows
     costs["gen_tag"] = overlapped(tag, gathers)
     return SplitCosts("fsdp trainers", Costs(**costs), 1, terms, deal, sampling)
