@@ -151,3 +151,52 @@ def test_a_generator_on_several_devices_trains_as_one(
             mine = shares[branch * sequence : (branch + 1) * sequence]
             assert all(0 < x < 1 for x in mine) and abs(sum(mine) - 1) < 1e-9, shares
             assert mine[0] >= 1 / sequence, shares
+
+
+def test_pieces_cover_every_item_and_differ_by_at_most_one() -> None:
+    from digen.runtime.worker.sequence import pieces
+
+    assert pieces(5, 2) == [3, 2]
+    assert pieces(2, 4) == [1, 1, 0, 0]  # fewer heads than devices: some hold none
+    for n, k in [(7, 3), (24, 8), (38, 8), (1, 1)]:
+        got = pieces(n, k)
+        assert sum(got) == n and max(got) - min(got) <= 1 and got == sorted(got, reverse=True)
+
+
+def test_module_patterns_match_name_by_name() -> None:
+    from digen.runtime.worker.sequence import _module_matches
+
+    assert _module_matches("transformer_blocks.*", "transformer_blocks.0")
+    assert not _module_matches("transformer_blocks.*", "transformer_blocks.0.attn")
+    assert _module_matches("*transformer_blocks.*", "single_transformer_blocks.3")
+    assert _module_matches("", "") and not _module_matches("", "proj_out")
+
+
+def test_a_generators_processes_are_named_after_it_and_in_no_pool() -> None:
+    from digen.sched.names import index_of, member_name, member_of, pool_of
+
+    assert member_name("generator-3", 0) == "generator-3"
+    assert member_name("generator-3", 2) == "generator-3:2"
+    assert member_of("generator-3:2") == ("generator-3", 2)
+    assert member_of("generator-3") == ("generator-3", 0)
+    assert member_of("trainer-1") == ("trainer-1", 0)
+    assert index_of("generator-3:2") == -1 and pool_of("generator-3:2") == "generator-3:2"
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_every_backbones_plan_names_modules_its_transformer_has(model: str) -> None:
+    """A plan whose patterns match nothing (a module diffusers renamed) would leave the
+    model whole on every device: each pattern matches, the gather exactly one module, and
+    each spanning module is an attention with a processor."""
+    from digen.models import get_adapter_class
+    from digen.runtime.worker.sequence import _matching
+
+    adapter = get_adapter_class(model).tiny()
+    plan = adapter.sequence_plan
+    modules = dict(adapter.transformer.named_modules())
+    for pattern in [*plan.inputs, *plan.outputs, *plan.attention]:
+        assert _matching(pattern, modules), (model, pattern)
+    assert len(_matching(plan.gather, modules)) == 1
+    for pattern in plan.attention:
+        for name in _matching(pattern, modules):
+            assert hasattr(modules[name], "processor"), (model, name)

@@ -34,7 +34,9 @@ Tensors travel as bytes, so any dtype goes over any backend (gloo has no bf16 al
 from __future__ import annotations
 
 import contextvars
+import fnmatch
 import functools
+import inspect
 import math
 import sys
 import time
@@ -74,8 +76,6 @@ def _module_matches(pattern: str, name: str) -> bool:
 
 
 def _name_matches(want: str, have: str) -> bool:
-    import fnmatch
-
     return fnmatch.fnmatchcase(have, want)
 
 
@@ -327,10 +327,10 @@ class SequenceParallel:
         for pattern, indexed in self.plan.outputs.items():
             for name in _matching(pattern, modules):
                 self._on_outputs(modules[name], indexed)
-        (last,) = _matching(self.plan.gather, modules) or [None]
-        if last is None:
-            raise DigenError(f"the sequence plan gathers at '{self.plan.gather}', no module.")
-        handle = modules[last].register_forward_hook(
+        gathered = _matching(self.plan.gather, modules)
+        if len(gathered) != 1:
+            raise DigenError(f"the sequence plan gathers at '{self.plan.gather}', not one module.")
+        handle = modules[gathered[0]].register_forward_hook(
             lambda m, a, out: self.gather(out) if self.active else None
         )
         self._undo.append(handle.remove)
@@ -345,8 +345,6 @@ class SequenceParallel:
         self._undo.clear()
 
     def _on_inputs(self, module: torch.nn.Module, starts: bool, named: Mapping[str, Cut]) -> None:
-        import inspect
-
         signature = inspect.signature(module.forward)
         # a stream is measured by its one-stream cuts, so those come first
         order = sorted(named.items(), key=lambda item: len(item[1].streams))
