@@ -706,7 +706,12 @@ def _policies(static_k: int, node_limit: int) -> list[tuple[str, TagPolicy]]:
 
 
 def _mean_step(res: SimResult) -> float:
-    return res.makespan / len(res.step_ends)
+    """The steady step: the mean after the first, which also fills the pipeline (a run's
+    steps are many); the one step where only one was simulated."""
+    ends = res.step_ends
+    if len(ends) < 2:
+        return res.makespan / max(len(ends), 1)
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
 def _price(hw: Hardware | None, prices: tuple[float, float], g: int, t: int, colocated: bool):
