@@ -34,11 +34,15 @@ The optimizer step is memory-bound: the sharded Adam state read and written at
 - *digen*: the same even split with GAP groups, TSP 4, BTS and scoring beside generation,
   and *+ TCSS* (one version, half a step early); new weights reach the generators over the
   link between the pools every step; sharded trainers deal an update's (sample, timestep)
-  terms over their members and take a prompt group's micro-batches as one update, and
-  *samples dealt* is + TCSS dealing whole samples, one micro-batch an update, instead;
-- *planner*: what ``digen simulate recommend`` ranks first over every layout.
+  terms over their members and take a prompt group's micro-batches as one update, sample
+  TAG micro-batches with the tokens split when that is faster, and the generators run on
+  the fastest number of devices each (sequence parallelism, and CFG parallelism where
+  sampling is guided); *no SP* is + TCSS without either, and *samples dealt* is + TCSS
+  dealing whole samples, one micro-batch an update, instead;
+- *planner*: what ``digen simulate recommend`` ranks first over every layout, at the
+  micro-batch size where its first choice is fastest.
 
-Step times are the mean of a 4-step simulation. The output is markdown; ``--json FILE``
+Step times are the steady steps of a 4-step simulation (the mean after the first). The output is markdown; ``--json FILE``
 writes the rows.
 """
 
