@@ -42,8 +42,8 @@ The optimizer step is memory-bound: the sharded Adam state read and written at
 - *planner*: what ``digen simulate recommend`` ranks first over every layout, at the
   micro-batch size where its first choice is fastest.
 
-Step times are the steady steps of a 4-step simulation (the mean after the first). The output is markdown; ``--json FILE``
-writes the rows.
+Step times are the steady steps of a 4-step simulation (the mean after the first). The
+output is markdown; ``--json FILE`` writes the rows.
 """
 
 from __future__ import annotations
