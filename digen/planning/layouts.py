@@ -155,6 +155,34 @@ class Workload:
             return self.update_tsp
         return self.costs.update
 
+    def tsp_degrees(self) -> list[int]:
+        """The TSP degrees the planner weighs: the timed one, and, where the two timings
+        differ in passes (:meth:`at_degree` can model others), every power of two up to the
+        trained timesteps. None without a TSP timing."""
+        if self.update_tsp is None:
+            return []
+        k = self.timesteps
+        if k == -(-k // self.tsp_degree):
+            return [self.tsp_degree]
+        return sorted({self.tsp_degree} | {d for d in (2, 4, 8, 16) if d <= k})
+
+    def at_degree(self, degree: int) -> Workload:
+        """This workload with TSP timed at ``degree``: an update costs a fixed part a
+        forward/backward pass and a part a term, the line through the two timings (one
+        timestep a pass: ``K`` passes; ``tsp_degree`` a pass: ``ceil(K / D)``), so at degree
+        ``d`` it pays ``ceil(K / d)`` passes' fixed part and every term's. A larger degree
+        saves passes and holds more rows a pass (activations grow with it)."""
+        if degree == self.tsp_degree:
+            return self
+        k, timed = self.timesteps, self.tsp_degree
+        passes = k - -(-k // timed)
+        if self.update_tsp is None or passes == 0:
+            raise DigenError(f"TSP degree {degree} cannot be modelled from this workload's timings")
+        per_pass = (self.costs.update - self.update_tsp) / passes
+        terms = self.costs.update - k * per_pass
+        update = max(-(-k // degree) * per_pass + terms, 0.0)
+        return dataclasses.replace(self, update_tsp=update, tsp_degree=degree)
+
     def degree(self, tsp: bool) -> int:
         """Timesteps a training pass batches: the TSP degree with TSP, or when it is the
         only timing (then at the run's degree); else 1."""
@@ -759,7 +787,6 @@ def plan(
     skipped: list[str] = []
     cands: list[Candidate] = []
     tsps = [False] + ([True] if work.update_tsp is not None else [])
-    common = {"samples_per_step": work.samples, "tsp_degree": work.tsp_degree}
 
     # colocated: over every device when the pools are one kind; with two kinds, over the
     # trainers' kind alone, and over both, every device as slow and small as the weaker
@@ -774,44 +801,59 @@ def plan(
         layouts.append((total, mixed, _price(hardware, prices, g, t, False)))
     for devs, device, price in layouts:
         for tsp in tsps:
-            try:
-                best = best_colocated(
-                    work, hardware, devs, tsp=tsp, device=device, steps=steps, price_h=price
-                )
-            except DoesNotFit as exc:
-                skipped.append(f"colocated on {devs} devices: {exc}")
+            # with TSP, the fastest degree whose pass fits (its activations grow with it)
+            fits, why = [], ""
+            for w in [work.at_degree(d) for d in work.tsp_degrees()] if tsp else [work]:
+                try:
+                    fits.append(
+                        best_colocated(
+                            w, hardware, devs, tsp=tsp, device=device, steps=steps, price_h=price
+                        )
+                    )
+                except DoesNotFit as exc:
+                    why = why or str(exc)
+            if not fits:
+                skipped.append(f"colocated on {devs} devices: {why}")
                 continue
-            cands.append(best)
+            cands.append(min(fits, key=lambda c: (c.step_time, c.tsp_degree)))
 
     for g, t in split_list if splits else []:
         done: list[Candidate] = []
         for sequence, cfg in _generator_groups(work, hardware, g):
             group = sequence * (2 if cfg else 1)
             # with TSP where it was timed, else (its passes' activations too large) without
+            # with TSP where it was timed, at the degree whose update is cheapest among
+            # those whose passes fit; else (no TSP pass fits) without
             fitted, why = None, []
             for tsp in [True, False] if work.update_tsp is not None else [False]:
-                try:
-                    fitted = (
-                        tsp,
-                        split_costs(work, hardware, g, t, tsp=tsp, sequence=sequence, cfg=cfg),
-                    )
+                fits, failed = [], ""
+                for w in [work.at_degree(d) for d in work.tsp_degrees()] if tsp else [work]:
+                    try:
+                        split = split_costs(w, hardware, g, t, tsp=tsp, sequence=sequence, cfg=cfg)
+                    except DoesNotFit as exc:
+                        failed = failed or f"{g}G+{t}T{' + TSP' if tsp else ''}: {exc}"
+                        continue
+                    fits.append((split.costs.update, w.tsp_degree, w, split))
+                if not fits:
+                    why.append(failed)
+                else:
+                    _, _, chosen, split = min(fits, key=lambda f: (f[0], f[1]))
+                    fitted = tsp, split, chosen
                     break
-                except DoesNotFit as exc:
-                    why.append(f"{g}G+{t}T{' + TSP' if tsp else ''}: {exc}")
             if fitted is None:  # what stops it without TSP says it all
                 if group == 1:
                     skipped.append(why[-1])
                 continue
             if group == 1:
                 skipped += why  # TSP's passes did not fit: it runs without
-            tsp, split = fitted
+            tsp, split, at = fitted
             k = split.slots if static_k is None else static_k
             stale = [(True, max_staleness, staleness_ratio)] if tcss else []
             # sharded trainers may take a group's micro-batches as one update
             grouping = [(False, split.costs)]
             if split.strategy == "fsdp trainers" and work.mbs_per_group > 1:
                 assert hardware is not None
-                dealt = dataclasses.replace(work, shard_deal=split.shard_deal)
+                dealt = dataclasses.replace(at, shard_deal=split.shard_deal)
                 update_of = grouped_update(
                     dealt, hardware, t, tsp=tsp, checkpointing="recompute" in split.terms
                 )
@@ -851,7 +893,8 @@ def plan(
                                 generator_cfg=cfg,
                                 shard_deal=split.shard_deal,
                                 trainer_sampling=split.trainer_sampling,
-                                **common,
+                                samples_per_step=work.samples,
+                                tsp_degree=at.tsp_degree,
                             )
                         )
         if on_split is not None:

@@ -314,3 +314,30 @@ def test_sequence_and_cfg_parallelism_in_a_split() -> None:
     assert {c.generator_group for c in plan(short, 8, hw, steps=2)[0]} == {1}
     with pytest.raises(DigenError, match="shard_deal"):
         Workload(costs=COSTS, microbatches=1, shard_deal="heads")
+
+
+def test_the_planner_chooses_the_tsp_degree_whose_pass_fits() -> None:
+    """An update is a fixed cost a pass and a cost a term, fitted to the two timings; the
+    planner weighs every degree up to the trained timesteps, larger ones saving passes but
+    holding more rows a pass, and takes the fastest whose pass fits."""
+    # 8 trained timesteps: 8 passes take 0.8 s, 2 passes (TSP 4) 0.5 s: 0.05 s a pass, 0.4 of terms
+    work = Workload(costs=COSTS, microbatches=8, update_tsp=0.5, tsp_degree=4, timesteps=8)
+    base = dataclasses.replace(work, costs=dataclasses.replace(COSTS, update=0.8))
+    assert base.tsp_degrees() == [2, 4, 8]
+    assert base.at_degree(2).update_tsp == pytest.approx(4 * 0.05 + 0.4)
+    assert base.at_degree(8).update_tsp == pytest.approx(1 * 0.05 + 0.4)
+    assert base.at_degree(4) is base
+    one = dataclasses.replace(base, timesteps=1)  # one timestep: nothing to model from
+    assert one.tsp_degrees() == [4] and Workload(costs=COSTS, microbatches=1).tsp_degrees() == []
+    # on GPUs, a 100k-token row: a degree-8 pass (8 rows, 121 GB checkpointed) fits 4
+    # trainers only with the tokens split, a degree-4 one (60 GB) beside FSDP shards; the
+    # split takes the degree whose update is cheapest among those that fit
+    hw = load_hardware({"device": "h100"})
+    long = ModelSize(params=1e9, blocks=20, trained=1e9, hidden=2048, tokens=100_000)
+    gpu = dataclasses.replace(base, model=long)
+    at = {d: split_costs(gpu.at_degree(d), hw, 4, 4, tsp=True) for d in gpu.tsp_degrees()}
+    assert at[8].shard_deal == "sequence" and at[4].shard_deal == "terms"
+    cheapest = min(at, key=lambda d: (at[d].costs.update, d))
+    ranked, _ = plan(gpu, 8, hw, steps=2)
+    splits = [c for c in ranked if c.tsp and c.layout == SPLIT and c.generators == 4]
+    assert splits and {c.tsp_degree for c in splits} == {cheapest}
