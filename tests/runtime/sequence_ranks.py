@@ -1,6 +1,6 @@
 """One member of a sequence-parallel (and CFG-parallel) group, run by test_sequence_parallel.py:
 
-    python sequence_ranks.py RANK WORLD PORT OUT.json CFG MODEL [MODEL ...]
+    python sequence_ranks.py RANK WORLD PORT OUT.json CFG [--checkpointing] MODEL [MODEL ...]
 
 For each MODEL every member loads the tiny flavour twice from its saved directory, in fp32
 and in fp64, and on the same inputs (two prompts of different lengths against two empty
@@ -43,13 +43,15 @@ def saved_bytes() -> tuple[dict[int, int], torch.autograd.graph.saved_tensors_ho
     return seen, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def measure(rank: int, world: int, cfg: int, model: str, groups: tuple) -> dict:
+def measure(rank: int, world: int, cfg: int, model: str, groups: tuple, ckpt: bool) -> dict:
     from digen.models import get_adapter_class
     from digen.models.base import PromptEmbeds
     from digen.runtime.worker.sequence import apply_cfg_parallel, apply_sequence_parallel
 
     cls = get_adapter_class(model)
     a32 = cls.tiny(dtype=torch.float32)
+    if ckpt:  # every block recomputed in the backward, its all-to-alls again
+        a32.transformer.enable_gradient_checkpointing()
     a64 = cls.tiny(dtype=torch.float64)
     cond = a32.encode_prompts(["a red cube", "two small blue balls beside a green cone"])
     neg = a32.encode_prompts(["", ""])
@@ -114,7 +116,9 @@ def measure(rank: int, world: int, cfg: int, model: str, groups: tuple) -> dict:
     }
 
 
-def main(rank: int, world: int, port: int, out: str, cfg: int, models: list[str]) -> None:
+def main(
+    rank: int, world: int, port: int, out: str, cfg: int, models: list[str], ckpt: bool
+) -> None:
     from digen.runtime.worker.sequence import split_generation_group
 
     torch.set_num_threads(1)
@@ -122,7 +126,7 @@ def main(rank: int, world: int, port: int, out: str, cfg: int, models: list[str]
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     groups = split_generation_group(cfg, world // cfg)
-    report = {m: measure(rank, world, cfg, m, groups) for m in models}
+    report = {m: measure(rank, world, cfg, m, groups, ckpt) for m in models}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(report, f)
@@ -132,4 +136,5 @@ def main(rank: int, world: int, port: int, out: str, cfg: int, models: list[str]
 
 if __name__ == "__main__":
     r, w, p, o, c, *ms = sys.argv[1:]
-    main(int(r), int(w), int(p), o, int(c), ms)
+    checkpointing = bool(ms) and ms[0] == "--checkpointing"
+    main(int(r), int(w), int(p), o, int(c), ms[checkpointing:], checkpointing)

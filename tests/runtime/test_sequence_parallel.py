@@ -33,13 +33,14 @@ ROUNDING = 4.0
 U32 = torch.finfo(torch.float32).eps / 2
 
 
-def run_ranks(world: int, cfg: int, out: Path) -> dict:
+def run_ranks(world: int, cfg: int, out: Path, checkpointing: bool = False) -> dict:
     script = Path(__file__).with_name("sequence_ranks.py")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(r), str(world), str(port), str(out), str(cfg)]
+            + (["--checkpointing"] if checkpointing else [])
             + list(MODEL_NAMES),
             env=env,
             stdout=subprocess.PIPE,
@@ -60,17 +61,20 @@ def run_ranks(world: int, cfg: int, out: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world", "cfg"),
-    [(2, 1), (4, 1), (2, 2), (4, 2)],
-    ids=["sp2", "sp4", "cfg2", "cfg2xsp2"],
+    ("world", "cfg", "checkpointing"),
+    [(2, 1, False), (4, 1, False), (2, 2, False), (4, 2, False), (2, 1, True)],
+    ids=["sp2", "sp4", "cfg2", "cfg2xsp2", "sp2-checkpointed"],
 )
-def test_split_pass_equals_one_device(tmp_path: Path, world: int, cfg: int) -> None:
+def test_split_pass_equals_one_device(
+    tmp_path: Path, world: int, cfg: int, checkpointing: bool
+) -> None:
     """Velocity and gradients of every backbone split over ``world`` gloo processes (``cfg``
     guidance branches, each sequence-parallel over ``world / cfg``) equal one device's within
     the rounding bound; every member ends with the same velocity; each member held its share
     of every spanning attention's tokens and saved less for the backward pass than one
-    device does."""
-    report = run_ranks(world, cfg, tmp_path / "report.json")
+    device does. Checkpointed (every block recomputed in the backward, its all-to-alls
+    again), the same."""
+    report = run_ranks(world, cfg, tmp_path / "report.json", checkpointing)
     assert sorted(report) == sorted(MODEL_NAMES)
     sequence = world // cfg
     for model, got in report.items():
