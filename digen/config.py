@@ -1021,20 +1021,15 @@ class RuntimeConfig:
                 raise _bad(
                     _key(p, "placement.generator_sequence"), self.placement.generator_sequence, why
                 )
-        if self.placement.trainer_sampling == TrainerSampling.SEQUENCE and not sharded:
-            why = (
-                "it splits the tokens over sharded trainers: set "
-                f"{_key(p, 'mode')}=disaggregated, {_key(p, 'trainers')} > 1 and "
-                f"{_key(p, 'placement.trainer_parallel')}=fsdp or hsdp"
-            )
-            raise _bad(_key(p, "placement.trainer_sampling"), self.placement.trainer_sampling, why)
-        if self.placement.shard_deal == ShardDeal.SEQUENCE and not sharded:
-            why = (
-                "it splits the tokens over sharded trainers: set "
-                f"{_key(p, 'mode')}=disaggregated, {_key(p, 'trainers')} > 1 and "
-                f"{_key(p, 'placement.trainer_parallel')}=fsdp or hsdp"
-            )
-            raise _bad(_key(p, "placement.shard_deal"), self.placement.shard_deal, why)
+        for key in ("trainer_sampling", "shard_deal"):  # sequence: for sharded trainers
+            value = getattr(self.placement, key)
+            if value == "sequence" and not sharded:
+                why = (
+                    "it splits the tokens over sharded trainers: set "
+                    f"{_key(p, 'mode')}=disaggregated, {_key(p, 'trainers')} > 1 and "
+                    f"{_key(p, 'placement.trainer_parallel')}=fsdp or hsdp"
+                )
+                raise _bad(_key(p, f"placement.{key}"), value, why)
 
 
 _RUNTIME_SECTIONS: dict[str, type] = {

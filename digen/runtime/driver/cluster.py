@@ -432,13 +432,36 @@ class ClusterBackend:
         raise error from None
 
 
-class ShardedTrainers:
+class _Members:
+    """Several worker processes called as one worker, under the first one's name: the
+    calls in ``_EVERY_MEMBER`` go to every member at once with the same arguments, their
+    span from the first member's start to the last one's end; the rest go to the first."""
+
+    _EVERY_MEMBER: tuple[str, ...] = ()
+
+    def __init__(self, members: Sequence[ActorHandle]) -> None:
+        self.handles = list(members)
+        self.worker = self.handles[0].worker
+        self.members = [h.worker for h in self.handles]
+
+    async def call(self, method: str, /, *args: Any) -> Any:
+        if method not in self._EVERY_MEMBER:
+            return await self.handles[0].call(method, *args)
+        results = await asyncio.gather(*(h.call(method, *args) for h in self.handles))
+        return _one_span(results, self._merged(method, results))
+
+    def _merged(self, method: str, results: Sequence[Any]) -> Any:
+        """The value of an every-member call in place of the first member's (None: its)."""
+        return None
+
+
+class ShardedTrainers(_Members):
     """Sharded trainers (FSDP / HSDP) called as one trainer named ``trainer-0``.
 
     Their collectives need every member, so the calls that run the model (generate, update,
     step) go to all of them at once, with the same arguments (each trainer takes its own
     share of an update's rows); the rest go to trainer 0, which holds the full weights.
-    A call to all of them's span runs from the first member's start to the last one's end.
+    An update's value is every member's terms, in member order.
     """
 
     _EVERY_MEMBER = (
@@ -454,31 +477,22 @@ class ShardedTrainers:
         "trainable_state",
     )
 
-    def __init__(self, trainers: Sequence[ActorHandle]) -> None:
-        self.handles = list(trainers)
-        self.worker = self.handles[0].worker
-        self.members = [h.worker for h in self.handles]
-
-    async def call(self, method: str, /, *args: Any) -> Any:
-        if method not in self._EVERY_MEMBER:
-            return await self.handles[0].call(method, *args)
-        results = await asyncio.gather(*(h.call(method, *args) for h in self.handles))
-        value = None
-        if method in ("update", "update_group"):  # every member's terms, in member order
-            value = LossStats()
-            for r in results:
-                value.add(r.value)
-        return _one_span(results, value)
+    def _merged(self, method: str, results: Sequence[Any]) -> Any:
+        if method not in ("update", "update_group"):
+            return None
+        value = LossStats()
+        for r in results:
+            value.add(r.value)
+        return value
 
 
-class GeneratorGroup:
+class GeneratorGroup(_Members):
     """A generator that runs on several devices (sequence and CFG parallelism), called as
     one generator under its first member's name.
 
-    The calls that run the model or change its weights go to every member at once, with
-    the same arguments (each computes its share of every sample); the rest (scoring, the
-    micro-batches it holds, its pixels) go to the first member, which alone keeps what the
-    group made. A call's span runs from the first member's start to the last one's end.
+    The calls that run the model or change its weights go to every member (each computes
+    its share of every sample); the rest (scoring, the micro-batches it holds, its pixels)
+    go to the first member, which alone keeps what the group made.
     """
 
     _EVERY_MEMBER = (
@@ -489,17 +503,6 @@ class GeneratorGroup:
         "drop_eval_weights",
         "ping",
     )
-
-    def __init__(self, members: Sequence[ActorHandle]) -> None:
-        self.handles = list(members)
-        self.worker = self.handles[0].worker
-        self.members = [h.worker for h in self.handles]
-
-    async def call(self, method: str, /, *args: Any) -> Any:
-        if method not in self._EVERY_MEMBER:
-            return await self.handles[0].call(method, *args)
-        results = await asyncio.gather(*(h.call(method, *args) for h in self.handles))
-        return _one_span(results)
 
 
 def _one_span(results: Sequence[Any], value: Any = None) -> Any:
