@@ -1,6 +1,6 @@
 """One member of a sequence-parallel (and CFG-parallel) group, run by test_sequence_parallel.py:
 
-    python sequence_ranks.py RANK WORLD PORT OUT.json CFG [--checkpointing] MODEL [MODEL ...]
+    python sequence_ranks.py RANK WORLD PORT OUT.json CFG [--checkpointing] [--bf16] MODEL ...
 
 For each MODEL every member loads the tiny flavour twice from its saved directory, in fp32
 and in fp64, and on the same inputs (two prompts of different lengths against two empty
@@ -10,7 +10,7 @@ device would:
 - the fp32 velocity and the gradient of every transformer weight for a fixed random loss;
 - the same in fp64: the reference the fp32 results are measured against;
 
-then the fp32 velocity and gradients with the transformer split over the WORLD members
+(``--bf16``: the bf16 base a GPU run trains in place of fp32), then the same with the transformer split over the WORLD members
 (``CFG == 1``: all of them sequence-parallel; ``CFG == 2``: the two guidance branches, each
 on WORLD / 2 sequence-parallel members), the gradients summed over the members. Member 0
 writes per model, for the one-device and the split results, their L2 distances from the fp64
@@ -43,13 +43,15 @@ def saved_bytes() -> tuple[dict[int, int], torch.autograd.graph.saved_tensors_ho
     return seen, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def measure(rank: int, world: int, cfg: int, model: str, groups: tuple, ckpt: bool) -> dict:
+def measure(
+    rank: int, world: int, cfg: int, model: str, groups: tuple, ckpt: bool, dtype: torch.dtype
+) -> dict:
     from digen.models import get_adapter_class
     from digen.models.base import PromptEmbeds
     from digen.runtime.worker.sequence import apply_cfg_parallel, apply_sequence_parallel
 
     cls = get_adapter_class(model)
-    a32 = cls.tiny(dtype=torch.float32)
+    a32 = cls.tiny(dtype=dtype)
     if ckpt:  # every block recomputed in the backward, its all-to-alls again
         a32.transformer.enable_gradient_checkpointing()
     a64 = cls.tiny(dtype=torch.float64)
@@ -117,7 +119,7 @@ def measure(rank: int, world: int, cfg: int, model: str, groups: tuple, ckpt: bo
 
 
 def main(
-    rank: int, world: int, port: int, out: str, cfg: int, models: list[str], ckpt: bool
+    rank: int, world: int, port: int, out: str, cfg: int, models: list[str], flags: set[str]
 ) -> None:
     from digen.runtime.worker.sequence import split_generation_group
 
@@ -126,7 +128,8 @@ def main(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     groups = split_generation_group(cfg, world // cfg)
-    report = {m: measure(rank, world, cfg, m, groups, ckpt) for m in models}
+    ckpt, dtype = "--checkpointing" in flags, torch.bfloat16 if "--bf16" in flags else torch.float32
+    report = {m: measure(rank, world, cfg, m, groups, ckpt, dtype) for m in models}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(report, f)
@@ -135,6 +138,6 @@ def main(
 
 
 if __name__ == "__main__":
-    r, w, p, o, c, *ms = sys.argv[1:]
-    checkpointing = bool(ms) and ms[0] == "--checkpointing"
-    main(int(r), int(w), int(p), o, int(c), ms[checkpointing:], checkpointing)
+    r, w, p, o, c, *rest = sys.argv[1:]
+    flags = {a for a in rest if a.startswith("--")}
+    main(int(r), int(w), int(p), o, int(c), [a for a in rest if a not in flags], flags)

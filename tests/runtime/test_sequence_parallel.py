@@ -33,14 +33,14 @@ ROUNDING = 4.0
 U32 = torch.finfo(torch.float32).eps / 2
 
 
-def run_ranks(world: int, cfg: int, out: Path, checkpointing: bool = False) -> dict:
+def run_ranks(world: int, cfg: int, out: Path, flags: tuple[str, ...] = ()) -> dict:
     script = Path(__file__).with_name("sequence_ranks.py")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(r), str(world), str(port), str(out), str(cfg)]
-            + (["--checkpointing"] if checkpointing else [])
+            + list(flags)
             + list(MODEL_NAMES),
             env=env,
             stdout=subprocess.PIPE,
@@ -61,20 +61,27 @@ def run_ranks(world: int, cfg: int, out: Path, checkpointing: bool = False) -> d
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world", "cfg", "checkpointing"),
-    [(2, 1, False), (4, 1, False), (2, 2, False), (4, 2, False), (2, 1, True)],
-    ids=["sp2", "sp4", "cfg2", "cfg2xsp2", "sp2-checkpointed"],
+    ("world", "cfg", "flags"),
+    [
+        (2, 1, ()),
+        (4, 1, ()),
+        (2, 2, ()),
+        (4, 2, ()),
+        (2, 1, ("--checkpointing",)),
+        (4, 2, ("--bf16",)),
+    ],
+    ids=["sp2", "sp4", "cfg2", "cfg2xsp2", "sp2-checkpointed", "cfg2xsp2-bf16"],
 )
 def test_split_pass_equals_one_device(
-    tmp_path: Path, world: int, cfg: int, checkpointing: bool
+    tmp_path: Path, world: int, cfg: int, flags: tuple[str, ...]
 ) -> None:
     """Velocity and gradients of every backbone split over ``world`` gloo processes (``cfg``
     guidance branches, each sequence-parallel over ``world / cfg``) equal one device's within
     the rounding bound; every member ends with the same velocity; each member held its share
     of every spanning attention's tokens and saved less for the backward pass than one
     device does. Checkpointed (every block recomputed in the backward, its all-to-alls
-    again), the same."""
-    report = run_ranks(world, cfg, tmp_path / "report.json", checkpointing)
+    again), the same; in bf16 (a GPU run's base) against one device's bf16 result."""
+    report = run_ranks(world, cfg, tmp_path / "report.json", flags)
     assert sorted(report) == sorted(MODEL_NAMES)
     sequence = world // cfg
     for model, got in report.items():
