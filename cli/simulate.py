@@ -629,12 +629,15 @@ def _split_done():
     def report(generators: int, trainers: int, done: list[Any]) -> None:
         nonlocal last
         now = time.perf_counter()
-        best = min(done, key=lambda c: c.step_time)
-        click.echo(
-            f"G={generators} T={trainers}: best {best.label} at "
-            f"{best.step_time:.3f} s a step ({now - last:.1f} s to simulate)",
-            err=True,
-        )
+        if not done:  # the table's "left out" says why
+            click.echo(f"G={generators} T={trainers}: does not fit", err=True)
+        else:
+            best = min(done, key=lambda c: c.step_time)
+            click.echo(
+                f"G={generators} T={trainers}: best {best.label} at "
+                f"{best.step_time:.3f} s a step ({now - last:.1f} s to simulate)",
+                err=True,
+            )
         last = now
 
     return report

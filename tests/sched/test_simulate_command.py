@@ -66,6 +66,11 @@ def test_recommend_on_gpus_prices_and_leaves_out_what_does_not_fit(tmp_path: Pat
     res = _run(*args, "--model", "hunyuanvideo")
     assert res.exit_code == 0, res.output
     assert "left out: 2G+2T: a l4 generator cannot hold the model (26 GB" in res.stdout
+    # with its progress shown, a split that fits nowhere is a line of its own, not a crash
+    shown = _run(*args[:-1], "--model", "hunyuanvideo")
+    assert shown.exit_code == 0, shown.output
+    assert shown.stderr.splitlines()[1:] == ["G=2 T=2: does not fit"]
+    assert shown.stdout == res.stdout
     assert "| 1 | colocated on 2 devices |" in res.stdout and "per 1k samples" in res.stdout
     # on l40s (48 GB) it fits: the split is ranked too, and --by cost puts the cheapest first
     hw.write_text(
