@@ -14,7 +14,8 @@ tokens^2 x hidden`` a denoiser pass (the paper's resolution, 16 px to a token, a
 frames, 256 text tokens), times the passes (sampling steps, twice with separate guidance
 passes), at :data:`MFU` of the device's dense bf16 throughput. The other costs keep the
 profile's *ratios* to generation: an update per trained timestep against one denoiser pass,
-TSP's saving at degree 4, scoring. A CPU profile's ratios are a CPU's; the output says which
+TSP's saving at degree 4 (other degrees on the line through the two timings, as the planner
+models them), scoring. A CPU profile's ratios are a CPU's; the output says which
 profile it used. Training passes keep their activations (the setting's tokens, at
 :data:`~digen.planning.hardware.ACTIVATION_BYTES` a token and hidden unit a block), and a
 layout whose pass does not fit otherwise checkpoints every block and pays the recompute.
@@ -26,12 +27,14 @@ The optimizer step is memory-bound: the sharded Adam state read and written at
 - *colocated*: every device samples then trains its 32 / D samples, FSDP over all devices
   when the training state does not fit one, sampling the cheapest way that fits (a gathered
   copy, sampling from the shards, or offloading the training state);
-- *colocated + TSP*: the same with digen's TSP (degree 4);
+- *colocated + TSP*: the same with digen's TSP, at the degree that is fastest and fits
+  (4, or a power of two up to the trained timesteps: its activations grow with it);
 - *rollout engine*: colocation with a separate sampling engine holding its own copy, which
   swaps with the training state through host memory when both do not fit (veRL-Omni's
   design with vLLM-Omni and FSDP);
 - *naive*: half the devices generate, half train, the whole batch before any update;
-- *digen*: the same even split with GAP groups, TSP 4, BTS and scoring beside generation,
+- *digen*: the same even split with GAP groups, TSP (at the degree whose update is cheapest
+  and fits, as the planner chooses), BTS and scoring beside generation,
   and *+ TCSS* (one version, half a step early); new weights reach the generators over the
   link between the pools every step; sharded trainers deal an update's (sample, timestep)
   terms over their members and take a prompt group's micro-batches as one update, sample
@@ -267,8 +270,8 @@ def _split(
     tcss: bool,
     grouped: bool = False,
     parallel: bool = False,
-) -> float:
-    """A split's step time; ``parallel``: the fastest of its generators on one device each
+) -> tuple[float, int]:
+    """A split's step time and TSP degree; ``parallel``: the fastest of its generators on one device each
     and on several (sequence parallelism, and CFG parallelism where sampling is guided)."""
     ways = [(1, False)]
     if parallel:
@@ -276,7 +279,7 @@ def _split(
             ways += [
                 (q, cfg) for q in (1, 2, 4, 8) if q * (1 + cfg) > 1 and half % (q * (1 + cfg)) == 0
             ]
-    times = []
+    times: list[tuple[float, int]] = []
     for sequence, cfg in ways:
         try:
             times.append(
@@ -288,11 +291,43 @@ def _split(
     return min(times)
 
 
-def _one_split(w, hw, half, tsp, policy, tcss, grouped, sequence, cfg, parallel) -> float:
+def _at_degrees(w: Workload, tsp: bool) -> list[Workload]:
+    """With TSP, the workload at every degree the planner weighs (the timed 4 and the powers
+    of two up to the trained timesteps, RUNTIME.md); without, itself."""
+    return [w.at_degree(d) for d in w.tsp_degrees()] if tsp else [w]
+
+
+def _colocated(w: Workload, hw: Hardware, devices: int, *, tsp: bool, **kw: Any) -> Any:
+    """The fastest colocated layout over the TSP degrees whose passes fit."""
+    fits = []
+    for at in _at_degrees(w, tsp):
+        try:
+            fits.append(best_colocated(at, hw, devices, tsp=tsp, **kw))
+        except DoesNotFit as exc:
+            why = exc
+    if not fits:
+        raise why
+    return min(fits, key=lambda c: (c.step_time, c.tsp_degree))
+
+
+def _one_split(
+    w, hw, half, tsp, policy, tcss, grouped, sequence, cfg, parallel
+) -> tuple[float, int]:
     sampling = None if parallel else "rows"  # the faster, or the rows dealt
-    split = split_costs(
-        w, hw, half, half, tsp=tsp, sequence=sequence, cfg=cfg, trainer_sampling=sampling
-    )
+    # as the planner does: the TSP degree whose update is cheapest among those that fit
+    fits = []
+    for at in _at_degrees(w, tsp):
+        try:
+            split = split_costs(
+                at, hw, half, half, tsp=tsp, sequence=sequence, cfg=cfg, trainer_sampling=sampling
+            )
+        except DoesNotFit as exc:
+            why = exc
+            continue
+        fits.append((split.costs.update, at.tsp_degree, at, split))
+    if not fits:
+        raise why
+    _, degree, w, split = min(fits, key=lambda f: (f[0], f[1]))
     costs, slots = split.costs, split.slots
     gens = half // (sequence * (2 if cfg else 1))
     group = {}
@@ -320,7 +355,7 @@ def _one_split(w, hw, half, tsp, policy, tcss, grouped, sequence, cfg, parallel)
             **stale,
             **group,
         )
-    return _mean(res)
+    return _mean(res), degree if tsp else 1
 
 
 def project(
@@ -339,9 +374,9 @@ def project(
     )
     mixed = weakest(hw.generator, hw.trainer) if hetero else None
     layouts: dict[str, Any] = {
-        "colocated": lambda w: best_colocated(w, hw, devices, tsp=False, device=mixed),
-        "colocated+tsp": lambda w: best_colocated(w, hw, devices, tsp=True, device=mixed),
-        "rollout engine": lambda w: best_colocated(
+        "colocated": lambda w: _colocated(w, hw, devices, tsp=False, device=mixed),
+        "colocated+tsp": lambda w: _colocated(w, hw, devices, tsp=True, device=mixed),
+        "rollout engine": lambda w: _colocated(
             w, hw, devices, tsp=False, device=mixed, engine=True
         ),
         "naive": lambda w: _split(w, hw, half, tsp=False, policy="naive", tcss=False),
@@ -365,15 +400,16 @@ def project(
                 got = run(workload(s, r, steps, fraction, half, size, lora, deal))
             except DoesNotFit:  # this micro-batch's training pass does not fit
                 continue
-            t = got if isinstance(got, float) else got.step_time
+            if isinstance(got, tuple):  # a split's (step time, TSP degree)
+                (t, degree), how = got, ""
+            else:
+                t, degree, how = got.step_time, got.tsp_degree, got.strategy
+                how += ", checkpointed" if got.checkpointing else ""
             if best is None or t < best[0]:
-                how = "" if isinstance(got, float) else got.strategy
-                if not isinstance(got, float) and got.checkpointing:
-                    how += ", checkpointed"
-                best = (t, size, how)
+                best = (t, size, how, degree)
         if best is None:
             raise SystemExit(f"error: {name} fits at no micro-batch size in {s.name}")
-        row[name], row[f"{name} size"], row[f"{name} how"] = best
+        row[name], row[f"{name} size"], row[f"{name} how"], row[f"{name} tsp"] = best
     w = workload(s, r, steps, fraction, half, row["digen size"], lora)
     _, _, _, terms, *_ = split_costs(w, hw, half, half, tsp=True)
     row["weight sync"] = terms.get("weight sync", 0.0)
@@ -443,9 +479,13 @@ def main() -> None:
         eng = sorted({r_["rollout engine how"] for r_ in mine})
         sizes = sorted({r_["digen size"] for r_ in mine})
         sync = max(r_["weight sync"] for r_ in mine)
+        degrees = {
+            k: sorted({r_[f"{k} tsp"] for r_ in mine}) for k in ("colocated+tsp", "digen+tcss")
+        }
         print(
             f"\ncolocated: {', '.join(how)}; the engine: {', '.join(eng)}; digen's "
-            f"micro-batches: {sizes} samples; weight sync up to {sync:.2f} s a step\n"
+            f"micro-batches: {sizes} samples; weight sync up to {sync:.2f} s a step; TSP "
+            f"degrees: colocated {degrees['colocated+tsp']}, digen {degrees['digen+tcss']}\n"
         )
     if args.json:
         args.json.write_text(json.dumps({"where": r["where"], "rows": rows}, indent=2) + "\n")
