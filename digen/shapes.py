@@ -37,19 +37,25 @@ two objects of a two-object caption are different shapes; those of a position or
 attribution caption differ in shape and in colour. Counts run to four (GenEval's counting
 asks for 2-4), which 32 px still holds.
 
-**Requirements** (:func:`check`), GenEval's, one per thing a caption names:
+**Requirements** (:func:`check`), by GenEval's rule: each object a caption names stands for
+the most confident objects of its shape (:func:`detections`; confidence is how well an
+outline fits), as many as it names, and everything else is judged on those alone:
 
-- each named shape: at least one object of that shape (any colour);
-- each named colour: at least one object of that shape has that colour;
+- each named shape: at least one object of that shape;
+- each named colour: the shape's chosen object has that colour (an extra square of another
+  colour that fits its outline better, or as well and larger, makes "a red square" fail);
 - a count n: exactly n objects of that shape (other shapes do not matter);
-- a relation ``A rel B``: some object matching A and some matching B (shape and colour) are
-  in that relation, by GenEval's rule on their boxes (:func:`relation_holds`).
+- a relation ``A rel B``: the chosen A and the chosen B are in that relation, by GenEval's
+  rule on their boxes (:func:`relation_holds`), so a second A on the wrong side fails it
+  when it is the one chosen.
 
-So "a red square to the left of a yellow triangle" has five requirements (a square, a red
-one, a triangle, a yellow one, the relation); "three circles" two (a circle, exactly three);
-"a circle" one. Objects a caption does not name are allowed; an image meets its caption when
-every requirement holds (GenEval's strict score), and the fraction that hold is the partial
-credit the RL reward gives.
+So "a red square to the left of a yellow triangle" has five requirements (a square, the
+square is red, a triangle, the triangle is yellow, the relation); "three circles" two (a
+circle, exactly three); "a circle" one. An image meets its caption when every requirement
+holds, which is GenEval's verdict exactly (its script judges colour and position on the most
+confident detections, and a missing or miscoloured reference object fails the relation);
+the fraction that hold is the partial credit the RL reward gives, read off the same chosen
+objects. Objects a caption does not name are otherwise allowed, as in GenEval.
 
 **Pretraining scenes** (:func:`scene_for`): exactly the caption's objects, no others, so a
 caption describes its whole image; objects whose colour the caption leaves open get a random
@@ -114,6 +120,7 @@ __all__ = [
     "all_specs",
     "caption",
     "check",
+    "detections",
     "geometry",
     "is_held_out",
     "parse",
@@ -433,7 +440,8 @@ def all_specs() -> Iterator[CaptionSpec]:
 
 
 class Placed(Protocol):
-    """What :func:`check` reads of an object: a scene's or one read off an image."""
+    """What :func:`check` reads of an object: a scene's or one read off an image (which also
+    has ``iou``, its outline's fit, and ``area``: :func:`detections`)."""
 
     @property
     def shape(self) -> str | None: ...
@@ -476,30 +484,54 @@ def relation_holds(
     return (shrunk_x * dx + shrunk_y * dy) / length > 0.5
 
 
+def detections(objects: Sequence[Placed], shape: str) -> list[Placed]:
+    """The objects read as ``shape``, most confident first, as a detector lists a class.
+
+    An object's confidence here is how well its outline fits the shape: its ``iou`` with the
+    shape's outline where a reader measured one (:class:`digen.rewards.shapes.FoundObject`),
+    and 1 for a scene's objects, which are the outline itself. Equal fits go to the larger
+    object (its ``area`` where read, else its box), then to the one that comes first.
+    """
+    found = [o for o in objects if o.shape == shape]
+    return sorted(found, key=lambda o: (-_fit(o), -_area(o)))  # stable: then the given order
+
+
+def _fit(o: Placed) -> float:
+    return float(getattr(o, "iou", 1.0))
+
+
+def _area(o: Placed) -> float:
+    return float(getattr(o, "area", o.width * o.height))
+
+
 def check(spec: CaptionSpec, objects: Sequence[Placed]) -> tuple[Requirement, ...]:
-    """Each requirement of ``spec`` (module docstring) and whether ``objects`` meet it."""
+    """Each requirement of ``spec`` and whether ``objects`` meet it, by GenEval's rule
+    (the module docstring): each named object stands for the most confident
+    :func:`detections` of its shape, as many as the caption names, and colour and relation
+    are judged on those alone."""
     out = []
-    matches = []  # per named object: the objects of its shape and colour
+    chosen = []  # per named object: the detections that stand for it
     for want in spec.objects:
-        shaped = [o for o in objects if o.shape == want.shape]
-        out.append(Requirement(f"a {want.shape}", bool(shaped)))
+        found = detections(objects, want.shape)
+        named = found[: want.count]
+        out.append(Requirement(f"a {want.shape}", bool(found)))
         if want.colour is not None:
-            shaped = [o for o in shaped if o.colour == want.colour]
-            out.append(Requirement(f"a {want.colour} {want.shape}", bool(shaped)))
+            coloured = bool(named) and all(o.colour == want.colour for o in named)
+            out.append(Requirement(f"the {want.shape} is {want.colour}", coloured))
         if want.count > 1:
             out.append(
                 Requirement(
-                    f"exactly {COUNT_WORDS[want.count]} {want.shape}s", len(shaped) == want.count
+                    f"exactly {COUNT_WORDS[want.count]} {want.shape}s", len(found) == want.count
                 )
             )
-        matches.append(shaped)
+        chosen.append(named)
     if spec.relation is not None:
         a, b = spec.objects
-        held = any(relation_holds(p, q, spec.relation) for p in matches[0] for q in matches[1])
+        held = all(relation_holds(p, q, spec.relation) for p in chosen[0] for q in chosen[1])
         what = (
             f"the {a.colour} {a.shape} {RELATIONS[spec.relation].phrase} the {b.colour} {b.shape}"
         )
-        out.append(Requirement(what, held))
+        out.append(Requirement(what, bool(chosen[0]) and bool(chosen[1]) and bool(held)))
     return tuple(out)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, replace
 from importlib import resources
 from types import SimpleNamespace
 
@@ -24,6 +25,7 @@ from digen.shapes import (
     balanced,
     caption,
     check,
+    detections,
     geometry,
     is_held_out,
     parse,
@@ -201,9 +203,9 @@ def test_requirements_by_hand() -> None:
     met = check(spec, [red_square, yellow_triangle])
     assert [r.what for r in met] == [
         "a square",
-        "a red square",
+        "the square is red",
         "a triangle",
-        "a yellow triangle",
+        "the triangle is yellow",
         "the red square to the left of the yellow triangle",
     ]
     assert all(r.met for r in met)
@@ -216,6 +218,54 @@ def test_requirements_by_hand() -> None:
     ]
     assert [r.met for r in check(parse("a blue square"), [red_square])] == [True, False]
     assert [r.met for r in check(parse("a circle"), [red_square, yellow_triangle])] == [False]
+
+
+@dataclass(frozen=True)
+class Read:
+    """An object as a reader reports it: a scene object with its outline's fit and area."""
+
+    shape: str
+    colour: str
+    x: float
+    y: float
+    iou: float
+    area: float
+    width: float = 8
+    height: float = 8
+
+
+def test_named_objects_are_the_most_confident_detections_as_in_geneval() -> None:
+    # GenEval judges colour and position on the most confident detections of each class,
+    # as many as the prompt names; here confidence is the outline's fit, then the size
+    red, blue = SceneObject("square", "red", 2, 2, 8), SceneObject("square", "blue", 20, 2, 10)
+    assert detections([red, blue], "square") == [blue, red]  # as good a fit, and larger
+    met = [r.met for r in check(parse("a red square"), [red, blue])]
+    assert met == [True, False]  # the larger blue square stands for "a square"
+    small_blue = SceneObject("square", "blue", 20, 2, 8)
+    assert [r.met for r in check(parse("a red square"), [red, small_blue])] == [True, True]
+    # the better fit is chosen before the larger one, whatever their order
+    ragged = Read("square", "blue", 20, 4, iou=0.7, area=90)
+    clean = Read("square", "red", 4, 4, iou=0.9, area=50)
+    for objects in ([ragged, clean], [clean, ragged]):
+        assert detections(objects, "square") == [clean, ragged]
+        assert all(r.met for r in check(parse("a red square"), objects))
+    # a relation holds between the chosen objects only: A drawn twice, the larger copy on
+    # the wrong side of B, fails however well the smaller copy is placed
+    triangle = SceneObject("triangle", "yellow", 12, 12, 8)
+    left_small = SceneObject("square", "red", 1, 12, 8)
+    right_large = SceneObject("square", "red", 22, 11, 9)
+    spec = parse("a red square to the left of a yellow triangle")
+    assert all(r.met for r in check(spec, [left_small, triangle]))
+    both = check(spec, [left_small, triangle, right_large])
+    assert [r.met for r in both] == [True, True, True, True, False]
+    # a reference object of the wrong colour still stands for its shape: the relation is
+    # judged (partial credit reads the same objects) and the verdict fails on the colour
+    blue_triangle = replace(triangle, colour="blue")
+    assert [r.met for r in check(spec, [left_small, blue_triangle])] == [True] * 3 + [False, True]
+    # counting looks at every detection of the shape, whatever its colour
+    circles = [SceneObject("circle", c, 2 + 10 * i, 2, 8) for i, c in enumerate(PALETTE)]
+    assert [r.met for r in check(parse("three circles"), circles[:3])] == [True, True]
+    assert [r.met for r in check(parse("three circles"), circles)] == [True, False]
 
 
 # --------------------------------------------------------------------------- scenes

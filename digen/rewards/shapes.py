@@ -14,9 +14,10 @@ It reads only the image and its caption, in four steps:
   other component keeps its colour but has no shape, and meets no requirement;
 * its box and centre, which position captions compare.
 
-The caption's requirements are then checked on those objects, by the rules of
-:func:`digen.shapes.check`: strict (1.0 when every requirement holds, else 0.0: GenEval's
-score) or partial (the fraction that hold). A video's score is the mean over its frames.
+The caption's requirements are then checked on those objects by GenEval's rule
+(:func:`digen.shapes.check`): each named object is the most confident detection of its shape,
+confidence being the outline's overlap (``iou``), then the area; strict (1.0 when every
+requirement holds, else 0.0: GenEval's score) or partial (the fraction that hold). A video's score is the mean over its frames.
 Sizes follow the image's side, so any resolution from 32 px reads the same.
 
 Name the reward ``shapes`` (short for ``digen.rewards.shapes:ShapesReward``); its options are

@@ -200,7 +200,7 @@ ONE_THING_WRONG = {
     ("color_attr", "shape"): 2 / 4,
     ("color_attr", "colour"): 2 / 4,
     ("position", "shape"): 2 / 5,  # the first object and so the relation are missing
-    ("position", "colour"): 2 / 5,  # both shapes right, both colours wrong, so no relation
+    ("position", "colour"): 3 / 5,  # both shapes right and placed right, both colours wrong
     ("position", "sides"): 4 / 5,
 }
 
@@ -219,6 +219,32 @@ def test_one_thing_wrong_scores_zero_strict_and_its_share_of_partial(resolution:
     assert [s.strict for s in scores] == [0.0] * len(scores)
     # strictly between 0 and 1 wherever a requirement other than the broken one remains
     assert [s.partial for s in scores] == pytest.approx(expected)
+
+
+def test_an_extra_object_fails_the_caption_when_it_is_the_one_read_as_named() -> None:
+    # GenEval's rule on drawn images: the larger of two equally clean squares stands for "a
+    # square", so an extra one of another colour fails "a red square" when it is larger and
+    # not when it is smaller; likewise a second copy of A on the wrong side of B
+    frames, prompts, expected = [], [], []
+    for shape in SHAPES:
+        for colour, other in zip(PALETTE, [*list(PALETTE)[1:], next(iter(PALETTE))]):
+            for extra_size, ok in ((22, 0.0), (16, 1.0)):
+                named = SceneObject(shape, colour, 4, 20, 18)
+                extra = SceneObject(shape, other, 36, 20, extra_size)
+                frames.append(render(Scene(64, (named, extra))))
+                prompts.append(f"a {colour} {shape}")
+                expected.append(ok)
+    for a, b in (("square", "triangle"), ("circle", "square"), ("triangle", "circle")):
+        prompt = f"a red {a} to the left of a blue {b}"
+        b_obj = SceneObject(b, "blue", 24, 24, 16)
+        left = SceneObject(a, "red", 2, 24, 16)
+        for right_size, ok in ((20, 0.0), (12, 1.0)):  # the right-hand copy chosen when larger
+            right = SceneObject(a, "red", 42, 22, right_size)
+            frames.append(render(Scene(64, (left, b_obj, right))))
+            prompts.append(prompt)
+            expected.append(ok)
+    scores = evaluate(batch(*frames), prompts)
+    assert [s.strict for s in scores] == expected
 
 
 def noisy(frame: np.ndarray, rng: np.random.Generator, sigma: float) -> np.ndarray:
