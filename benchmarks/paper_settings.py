@@ -291,16 +291,10 @@ def _split(
     return min(times)
 
 
-def _at_degrees(w: Workload, tsp: bool) -> list[Workload]:
-    """With TSP, the workload at every degree the planner weighs (the timed 4 and the powers
-    of two up to the trained timesteps, RUNTIME.md); without, itself."""
-    return [w.at_degree(d) for d in w.tsp_degrees()] if tsp else [w]
-
-
 def _colocated(w: Workload, hw: Hardware, devices: int, *, tsp: bool, **kw: Any) -> Any:
     """The fastest colocated layout over the TSP degrees whose passes fit."""
     fits = []
-    for at in _at_degrees(w, tsp):
+    for at in w.at_degrees(tsp):
         try:
             fits.append(best_colocated(at, hw, devices, tsp=tsp, **kw))
         except DoesNotFit as exc:
@@ -316,7 +310,7 @@ def _one_split(
     sampling = None if parallel else "rows"  # the faster, or the rows dealt
     # as the planner does: the TSP degree whose update is cheapest among those that fit
     fits = []
-    for at in _at_degrees(w, tsp):
+    for at in w.at_degrees(tsp):
         try:
             split = split_costs(
                 at, hw, half, half, tsp=tsp, sequence=sequence, cfg=cfg, trainer_sampling=sampling

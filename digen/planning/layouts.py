@@ -183,6 +183,11 @@ class Workload:
         update = max(-(-k // degree) * per_pass + terms, 0.0)
         return dataclasses.replace(self, update_tsp=update, tsp_degree=degree)
 
+    def at_degrees(self, tsp: bool) -> list[Workload]:
+        """With TSP, this workload at every degree the planner weighs
+        (:meth:`tsp_degrees`); without, itself."""
+        return [self.at_degree(d) for d in self.tsp_degrees()] if tsp else [self]
+
     def degree(self, tsp: bool) -> int:
         """Timesteps a training pass batches: the TSP degree with TSP, or when it is the
         only timing (then at the run's degree); else 1."""
@@ -803,7 +808,7 @@ def plan(
         for tsp in tsps:
             # with TSP, the fastest degree whose pass fits (its activations grow with it)
             fits, why = [], ""
-            for w in [work.at_degree(d) for d in work.tsp_degrees()] if tsp else [work]:
+            for w in work.at_degrees(tsp):
                 try:
                     fits.append(
                         best_colocated(
@@ -827,7 +832,7 @@ def plan(
             fitted, why = None, []
             for tsp in [True, False] if work.update_tsp is not None else [False]:
                 fits, failed = [], ""
-                for w in [work.at_degree(d) for d in work.tsp_degrees()] if tsp else [work]:
+                for w in work.at_degrees(tsp):
                     try:
                         split = split_costs(w, hardware, g, t, tsp=tsp, sequence=sequence, cfg=cfg)
                     except DoesNotFit as exc:
