@@ -129,6 +129,7 @@ __all__ = [
     "scene_for",
     "shape_mask",
     "split_prompts",
+    "vocabulary",
 ]
 
 # --------------------------------------------------------------------------- vocabulary
@@ -412,6 +413,13 @@ def parse(text: str) -> CaptionSpec:
         raise ValueError(
             f"caption {text!r} is not a caption of the shapes world: {problem}."
         ) from None
+
+
+@lru_cache(maxsize=1)
+def vocabulary() -> tuple[str, ...]:
+    """Every word the world's captions use, sorted: what a word-level tokenizer of the
+    ``shapes`` flavour knows."""
+    return tuple(sorted({w for spec in all_specs() for w in caption(spec).split()}))
 
 
 def all_specs() -> Iterator[CaptionSpec]:

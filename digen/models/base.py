@@ -116,12 +116,18 @@ def make_byte_tokenizer(
     extra_special_tokens: Sequence[str] = (),
     add_bos: bool = False,
     add_eos: bool = True,
+    words: Sequence[str] | None = None,
 ):
     """An offline byte-level tokenizer: 256 byte tokens + special tokens, no merges.
 
     Any text tokenizes, nothing is downloaded, and the result saves as ``tokenizer.json`` and
     reloads with ``PreTrainedTokenizerFast.from_pretrained``. Tiny flavours use it in place of
     the real CLIP / T5 / Llama / Qwen tokenizers.
+
+    With ``words``, a word-level tokenizer instead: one token per word of that closed
+    vocabulary (split on spaces and punctuation), any other word ``unk_token``. For a world
+    whose captions use a few dozen words (the shapes world), so that a small text encoder
+    sees a caption as its words, not as the bytes it has to group into them first.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -129,11 +135,17 @@ def make_byte_tokenizer(
     specials = [t for t in (pad_token, unk_token, bos_token, eos_token) if t is not None]
     specials += [t for t in extra_special_tokens if t not in specials]
     vocab: dict[str, int] = {tok: i for i, tok in enumerate(specials)}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk_token))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
+    if words is None:
+        for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+            vocab.setdefault(ch, len(vocab))
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk_token))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        for word in words:
+            vocab.setdefault(word, len(vocab))
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk_token))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
     single = " ".join(
         ([bos_token] if add_bos and bos_token else [])
         + ["$A"]

@@ -62,11 +62,13 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     return x.reshape(b, c, height, width)
 
 
-def _text_components(*, width: int, clip_length: int, t5_length: int) -> dict[str, Any]:
+def _text_components(
+    *, width: int, clip_length: int, t5_length: int, words: Sequence[str] | None = None
+) -> dict[str, Any]:
     """CLIP (pooled) and T5 stand-ins ``width`` wide, taking ``clip_length`` and ``t5_length``
-    tokens."""
-    tokenizer = tiny_clip_tokenizer(clip_length)
-    tokenizer_2 = make_byte_tokenizer(model_max_length=t5_length, eos_token="</s>")
+    tokens (of bytes, or of ``words`` when given)."""
+    tokenizer = tiny_clip_tokenizer(clip_length, words)
+    tokenizer_2 = make_byte_tokenizer(model_max_length=t5_length, eos_token="</s>", words=words)
     return {
         "tokenizer": tokenizer,
         "text_encoder": tiny_clip_text(tokenizer, width),
@@ -170,6 +172,7 @@ class FluxAdapter(DiffusionAdapter):
         text_length: int = 50,
         shift: float = 1.0,
         downsample: int = 2,
+        words: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """Random-init FLUX.1 sized for the shapes world (:mod:`digen.shapes`) at 32 px: what
         :mod:`digen.run.shapes_pretrain` trains into the ``shapes`` flavour.
@@ -179,7 +182,8 @@ class FluxAdapter(DiffusionAdapter):
         into tokens of 12 channels (256 at 32 px; 64 with ``downsample=2``), so colours come
         out exact and nothing but the transformer and text encoders has to learn. Captions of
         the world are at most 48 bytes, so 50 text tokens hold each with CLIP's start and
-        end tokens. No guidance embedding
+        end tokens; with ``words`` (the world's vocabulary, :func:`digen.shapes.vocabulary`)
+        the tokenizers are word-level and 16 tokens hold a caption. No guidance embedding
         (the model is not guidance-distilled; classifier-free guidance works instead, as it is
         trained with dropped captions). The scheduler has a fixed ``shift`` (no dynamic
         shifting: one resolution), the one training draws its sigmas with.
@@ -188,7 +192,9 @@ class FluxAdapter(DiffusionAdapter):
             raise ValueError(f"width {width} must split into {heads} heads of a multiple of 4.")
         head = width // heads
         spatial = 3 * head // 16 * 2  # RoPE dims per image axis (even); the rest for axis 0
-        text = _text_components(width=text_width, clip_length=text_length, t5_length=text_length)
+        text = _text_components(
+            width=text_width, clip_length=text_length, t5_length=text_length, words=words
+        )
         transformer = FluxTransformer2DModel(
             patch_size=1,
             in_channels=3 * 4,  # 2x2-packed RGB

@@ -42,12 +42,18 @@ _PIPELINE_MAX_SEQUENCE_LENGTH = 256
 
 
 def _text_components(
-    *, clip_widths: tuple[int, int], t5_width: int, clip_length: int, t5_length: int
+    *,
+    clip_widths: tuple[int, int],
+    t5_width: int,
+    clip_length: int,
+    t5_length: int,
+    words: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """CLIP-L, CLIP-G (both with projections) and T5 stand-ins of the given widths, taking
-    ``clip_length`` and ``t5_length`` tokens."""
-    tokenizer, tokenizer_2 = tiny_clip_tokenizer(clip_length), tiny_clip_tokenizer(clip_length)
-    tokenizer_3 = make_byte_tokenizer(model_max_length=t5_length, eos_token="</s>")
+    ``clip_length`` and ``t5_length`` tokens (of bytes, or of ``words`` when given)."""
+    tokenizer = tiny_clip_tokenizer(clip_length, words)
+    tokenizer_2 = tiny_clip_tokenizer(clip_length, words)
+    tokenizer_3 = make_byte_tokenizer(model_max_length=t5_length, eos_token="</s>", words=words)
     clip_l, clip_g = clip_widths
     return {
         "tokenizer": tokenizer,
@@ -133,6 +139,7 @@ class SD3Adapter(DiffusionAdapter):
         text_length: int = 50,
         shift: float = 1.0,
         downsample: int = 2,
+        words: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """Random-init SD3.5 sized for the shapes world (:mod:`digen.shapes`) at 32 px: what
         :mod:`digen.run.shapes_pretrain` trains into SD3's ``shapes`` flavour, the same world
@@ -144,7 +151,8 @@ class SD3Adapter(DiffusionAdapter):
         ``width`` wide; CLIP-L and CLIP-G stand-ins half of ``text_width`` each (their
         concatenated hidden states are T5's width, so the pipeline pads nothing) and a T5
         ``text_width`` wide, each taking ``text_length`` tokens (captions of the world are at
-        most 48 bytes). A fixed ``shift``, the one training draws its sigmas with.
+        most 48 bytes; with ``words``, the world's vocabulary, the tokenizers are word-level and
+        16 tokens hold a caption). A fixed ``shift``, the one training draws its sigmas with.
         """
         if width % heads:
             raise ValueError(f"width {width} must split into {heads} heads.")
@@ -154,6 +162,7 @@ class SD3Adapter(DiffusionAdapter):
             t5_width=text_width,
             clip_length=text_length,
             t5_length=text_length,
+            words=words,
         )
         side = 32 // downsample  # the latent's side at 32 px
         transformer = SD3Transformer2DModel(

@@ -8,6 +8,7 @@ the image VAE comes at toy size and at the real FLUX.1 / SD3 size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,13 +25,15 @@ __all__ = [
 ]
 
 
-def tiny_clip_tokenizer(max_length: int = 32) -> Any:
-    """A byte tokenizer with CLIP's start / end-of-text tokens around every prompt."""
+def tiny_clip_tokenizer(max_length: int = 32, words: Sequence[str] | None = None) -> Any:
+    """A byte tokenizer (a word-level one over ``words`` when given) with CLIP's start /
+    end-of-text tokens around every prompt."""
     return make_byte_tokenizer(
         model_max_length=max_length,
         bos_token="<|startoftext|>",
         eos_token="<|endoftext|>",
         add_bos=True,
+        words=words,
     )
 
 

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from digen.shapes import CATEGORIES, parse, render, scene_for, split_prompts
+from digen.shapes import CATEGORIES, parse, render, scene_for, split_prompts, vocabulary
 
 __all__ = [
     "Recipe",
@@ -103,6 +103,10 @@ class Recipe:
     layers: int = 4
     """sd3: joint blocks."""
     text_width: int = 64
+    tokens: str = "bytes"
+    """The text encoders' tokens: ``bytes`` (any text; 50 tokens hold a caption) or
+    ``words`` (the world's vocabulary, :func:`~digen.shapes.vocabulary`, one token a word;
+    16 tokens)."""
     downsample: int = 2
     """The VAE's down-sampling (1 or 2): the model works on 32 x 32 or 16 x 16 latents (64
     tokens rather than 256: about 2.8x more steps in the same time, which matters more than
@@ -125,6 +129,8 @@ class Recipe:
             raise ValueError("batch, lr and shift must be positive.")
         if self.model not in ("flux", "sd3"):
             raise ValueError(f"model {self.model!r}: choose flux or sd3.")
+        if self.tokens not in ("bytes", "words"):
+            raise ValueError(f"tokens {self.tokens!r}: choose bytes or words.")
 
     def model_kwargs(self) -> dict[str, Any]:
         """What the backbone's ``build_shapes_components`` takes."""
@@ -140,6 +146,7 @@ class Recipe:
             "text_width": self.text_width,
             "shift": self.shift,
             "downsample": self.downsample,
+            **({"words": vocabulary(), "text_length": 16} if self.tokens == "words" else {}),
         }
 
 
@@ -258,13 +265,48 @@ def save_grid(path: Path, pixels: torch.Tensor, columns: int = 16) -> None:
     Image.fromarray(canvas).save(path)
 
 
-def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]:
+CHECKPOINT = "checkpoint.pt"
+"""The file in ``out`` a run in pieces goes on from: live and EMA weights, the optimizer,
+every random stream and the step; removed when the run completes."""
+
+
+EXIT_STOPPED = 75
+"""The command's exit status when a piece stopped before the end (EX_TEMPFAIL: run it again)."""
+
+
+class Stopped(Exception):
+    """A piece ended (``piece_minutes`` spent) with its checkpoint saved."""
+
+
+def pretrain(
+    recipe: Recipe,
+    out: Path,
+    log: Any = sys.stderr,
+    *,
+    resume: bool = False,
+    checkpoint_every: int = 500,
+    piece_minutes: float = 0.0,
+) -> dict[str, Any]:
     """Train from ``recipe`` and save the EMA pipeline to ``out``; returns the last
-    evaluation. ``out`` also gets ``recipe.json``, ``log.jsonl`` and evaluation grids."""
+    evaluation. ``out`` also gets ``recipe.json``, ``log.jsonl`` and evaluation grids.
+
+    A long run goes in pieces: every ``checkpoint_every`` steps (and when a piece has trained
+    ``piece_minutes``, which then raises :class:`Stopped`) the state is saved to
+    ``out/checkpoint.pt``, and ``resume=True`` goes on from it (or starts, when there is
+    none yet, so every piece is the same command). A run resumed any number of
+    times ends with the same weights as one that was never stopped (the same steps, batches,
+    noise and optimizer state), so the seed alone still reproduces it."""
     from digen.models import get_adapter_class
     from digen.models.base import _save_whatever_the_rank
 
     out.mkdir(parents=True, exist_ok=True)
+    checkpoint = out / CHECKPOINT
+    if checkpoint.exists() and not resume:
+        raise ValueError(
+            f"{out} holds a checkpoint of an unfinished run; pass --resume to go on from it, "
+            f"or choose another --out."
+        )
+    resume = resume and checkpoint.exists()
     torch.manual_seed(recipe.seed)
     cls = get_adapter_class(recipe.model)
     pipe = cls.pipeline_class(**cls.build_shapes_components(**recipe.model_kwargs()))
@@ -290,16 +332,60 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
     noise_gen = torch.Generator().manual_seed(recipe.seed + 1)
     drop_gen = np.random.default_rng(recipe.seed + 2)
     shift_factor, scaling = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
-    log_file = (out / "log.jsonl").open("w")
+    total = recipe.steps or 10**9  # fixed once the first steps have been timed
+    start, train_seconds, wall_before, losses = time.perf_counter(), 0.0, 0.0, []
+    last_eval: dict[str, Any] = {}
+    step, pieces = 0, []
+    if resume:
+        state = torch.load(checkpoint, weights_only=False)
+        if state["recipe"] != dataclasses.asdict(recipe):
+            changed = sorted(
+                k for k, v in state["recipe"].items() if dataclasses.asdict(recipe).get(k) != v
+            )
+            raise ValueError(
+                f"the checkpoint in {out} is of another recipe ({', '.join(changed)} differ); "
+                f"resume with the flags it was started with."
+            )
+        with torch.no_grad():
+            for p, saved in zip(params, state["params"], strict=True):
+                p.copy_(saved)
+            for e, saved in zip(ema, state["ema"], strict=True):
+                e.copy_(saved)
+        opt.load_state_dict(state["optimizer"])
+        data.rng.bit_generator.state = state["data_rng"]
+        drop_gen.bit_generator.state = state["drop_rng"]
+        noise_gen.set_state(state["noise_rng"])
+        step, total, train_seconds = state["step"], state["total"], state["train_seconds"]
+        wall_before = state["wall_seconds"]
+        losses, last_eval, pieces = state["losses"], state["last_eval"], state["pieces"]
+    log_file = (out / "log.jsonl").open("a" if resume else "w")
+    piece_start = train_seconds
 
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps(row), file=log_file, flush=True)
         print(json.dumps(row), file=log, flush=True)
 
-    total = recipe.steps or 10**9  # fixed once the first steps have been timed
-    start, train_seconds, losses = time.perf_counter(), 0.0, []
-    last_eval: dict[str, Any] = {}
-    step = 0
+    def save_checkpoint() -> None:
+        state = {
+            "recipe": dataclasses.asdict(recipe),
+            "params": [p.detach() for p in params],
+            "ema": ema,
+            "optimizer": opt.state_dict(),
+            "data_rng": data.rng.bit_generator.state,
+            "drop_rng": drop_gen.bit_generator.state,
+            "noise_rng": noise_gen.get_state(),
+            "step": step,
+            "total": total,
+            "train_seconds": train_seconds,
+            "wall_seconds": wall_before + time.perf_counter() - start,
+            "losses": losses[-50:],
+            "last_eval": last_eval,
+            "pieces": [*pieces, round((train_seconds - piece_start) / 60, 2)],
+        }
+        torch.save(state, checkpoint.with_suffix(".tmp"))
+        checkpoint.with_suffix(".tmp").replace(checkpoint)  # never a half-written checkpoint
+
+    emit({"event": "resumed" if resume else "started", "step": step, "steps": total})
     while step < total:
         t0 = time.perf_counter()
         for group in opt.param_groups:
@@ -350,6 +436,18 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
                 save_grid(out / f"eval-{name}-{step:06d}.png", pixels, recipe.eval_per_category)
             last_eval = {"step": step, **{f"{k}": v for k, v in results.items()}}
             emit({**last_eval, "eval_minutes": round((time.perf_counter() - t_eval) / 60, 2)})
+        if step < total:
+            piece_over = piece_minutes > 0 and train_seconds - piece_start >= piece_minutes * 60
+            if piece_over or (checkpoint_every and step % checkpoint_every == 0):
+                save_checkpoint()
+            if piece_over:
+                emit({"event": "stopped", "step": step, "steps": total})
+                log_file.close()
+                raise Stopped(
+                    f"stopped at step {step} of {total} with a checkpoint in {checkpoint}; "
+                    f"run the same command with --resume to go on."
+                )
+    pieces = [*pieces, round((train_seconds - piece_start) / 60, 2)]
     final = dataclasses.replace(recipe, steps=total)
     shipped = compare_to_shipped(out, recipe.model, list(named))
     if shipped is not None:
@@ -361,7 +459,8 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
                 "threads": torch.get_num_threads(),
                 "parameters": n_params,
                 "train_minutes": round(train_seconds / 60, 2),
-                "wall_minutes": round((time.perf_counter() - start) / 60, 2),
+                "wall_minutes": round((wall_before + time.perf_counter() - start) / 60, 2),
+                "pieces": pieces,
                 "final_loss": float(np.mean(losses[-50:])),
                 "eval": last_eval,
                 "shipped": shipped,
@@ -371,6 +470,7 @@ def pretrain(recipe: Recipe, out: Path, log: Any = sys.stderr) -> dict[str, Any]
         + "\n"
     )
     log_file.close()
+    checkpoint.unlink(missing_ok=True)
     return last_eval
 
 
@@ -447,6 +547,25 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, type=Path, help="the pipeline directory to write")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the checkpoint in --out, if it holds one (else start): the same "
+        "command runs every piece of a long run",
+    )
+    ap.add_argument(
+        "--piece-minutes",
+        type=float,
+        default=0.0,
+        help="stop after this many minutes of training, with a checkpoint, and exit with "
+        f"status {EXIT_STOPPED}; 0: train to the end",
+    )
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=500,
+        help="save a checkpoint every this many steps (a killed run loses at most these)",
+    )
+    ap.add_argument(
         "--evaluate-only",
         action="store_true",
         help="evaluate the pipeline already in --out with the --eval-* settings; no training",
@@ -457,7 +576,7 @@ def _parser() -> argparse.ArgumentParser:
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type]
-            choices = ("flux", "sd3") if f.name == "model" else None
+            choices = {"model": ("flux", "sd3"), "tokens": ("bytes", "words")}.get(f.name)
             ap.add_argument(
                 flag, type=kind, default=f.default, choices=choices, help=(f.__doc__ or None)
             )
@@ -467,10 +586,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = vars(_parser().parse_args(argv))
     out, threads, only = args.pop("out"), args.pop("threads"), args.pop("evaluate_only")
+    pieces = {k: args.pop(k) for k in ("resume", "piece_minutes", "checkpoint_every")}
     torch.set_num_threads(threads)
     recipe = Recipe(**args)
     if not only:
-        pretrain(recipe, out)
+        try:
+            pretrain(recipe, out, **pieces)
+        except Stopped as stop:
+            print(stop, file=sys.stderr)
+            sys.exit(EXIT_STOPPED)
+        except ValueError as bad:
+            print(f"error: {bad}", file=sys.stderr)
+            sys.exit(2)
         return
     results, images = _evaluate_as(recipe, out)
     tag = f"{recipe.eval_steps}steps-cfg{recipe.eval_guidance:g}"

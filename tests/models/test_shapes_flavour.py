@@ -22,7 +22,14 @@ from digen.errors import DigenError
 from digen.models import base as models_base
 from digen.models import get_adapter_class, load_adapter
 from digen.models.tiny import pixel_autoencoder_kl
-from digen.run.shapes_pretrain import Recipe, TrainingPairs, compare_to_shipped, pretrain
+from digen.run.shapes_pretrain import (
+    CHECKPOINT,
+    Recipe,
+    Stopped,
+    TrainingPairs,
+    compare_to_shipped,
+    pretrain,
+)
 from digen.shapes import CATEGORIES, split_prompts
 
 SMALL = {"width": 32, "heads": 2, "double_layers": 1, "single_layers": 1, "text_width": 32}
@@ -150,6 +157,73 @@ def test_pretraining_gives_the_same_weights_from_the_same_seed_and_says_so(
     assert (package / f"{model}-shapes" / "model_index.json").is_file()
     assert compare_to_shipped(tmp_path / "b", model, ["transformer"], root=package) is None
     assert compare_to_shipped(tmp_path / "b", model, ["transformer"], root=tmp_path) is None
+
+
+def test_pretraining_in_pieces_ends_with_the_weights_of_one_unbroken_run(tmp_path: Path) -> None:
+    """A run stopped after every step and resumed from its checkpoint each time ends with
+    the same weights, bit for bit, as the same recipe run straight through; its record
+    lists the pieces and the checkpoint is gone once it is complete."""
+    recipe = dataclasses.replace(
+        Recipe(steps=4, batch=4, eval_steps=1, eval_per_category=1, tokens="words"), **SMALL
+    )
+    with open(tmp_path / "a.log", "w") as log:
+        pretrain(recipe, tmp_path / "a", log=log)
+    stops = 0
+    while True:
+        try:  # any training time exceeds the piece's 1e-9 minutes: a stop after each step
+            with open(tmp_path / "b.log", "a") as log:
+                pretrain(recipe, tmp_path / "b", log=log, resume=True, piece_minutes=1e-9)
+            break
+        except Stopped:
+            stops += 1
+            assert (tmp_path / "b" / CHECKPOINT).exists()
+    assert stops == 3  # the fourth piece ends the run
+    assert not (tmp_path / "b" / CHECKPOINT).exists()
+    record = json.loads((tmp_path / "b" / "recipe.json").read_text())
+    assert len(record["pieces"]) == 4
+    for component in ("transformer", "text_encoder", "text_encoder_2"):
+        name = "diffusion_pytorch_model" if component == "transformer" else "model"
+        a = load_file(str(tmp_path / "a" / component / f"{name}.safetensors"))
+        b = load_file(str(tmp_path / "b" / component / f"{name}.safetensors"))
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], atol=0, rtol=0)
+    steps = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in steps if "event" in r] == ["started"] + ["stopped", "resumed"] * 3
+    # a checkpoint is resumed only with the recipe that made it
+    with pytest.raises(Stopped):
+        pretrain(recipe, tmp_path / "c", log=open(tmp_path / "c.log", "w"), piece_minutes=1e-9)
+    other = dataclasses.replace(recipe, lr=1e-3)
+    with pytest.raises(ValueError, match=r"another recipe \(lr differ"):
+        pretrain(other, tmp_path / "c", log=open(tmp_path / "c.log", "a"), resume=True)
+    with pytest.raises(ValueError, match="pass --resume"):
+        pretrain(recipe, tmp_path / "c", log=open(tmp_path / "c.log", "a"))
+
+
+def test_the_word_tokenizers_read_every_caption_of_the_world_as_its_words(tmp_path: Path) -> None:
+    """``tokens=words``: one token per word, every caption within the 16 tokens, and the
+    tokenizers come back the same through the saved directory."""
+    from transformers import PreTrainedTokenizerFast
+
+    from digen.shapes import all_specs, caption, vocabulary
+
+    cls = get_adapter_class("flux")
+    kwargs = Recipe(tokens="words", **SMALL).model_kwargs()
+    pipe = cls.pipeline_class(**cls.build_shapes_components(**kwargs))
+    pipe.save_pretrained(str(tmp_path / "pipe"), safe_serialization=True)
+    for name in ("tokenizer", "tokenizer_2"):
+        built = getattr(pipe, name)
+        loaded = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "pipe" / name))
+        for spec in all_specs():
+            text = caption(spec)
+            ids = built(text).input_ids
+            specials = 2 if name == "tokenizer" else 1  # CLIP: start and end; T5: end
+            assert len(ids) == len(text.split()) + specials <= 16
+            assert built.unk_token_id not in ids
+            assert loaded(text).input_ids == ids
+        words = built.convert_ids_to_tokens(built("a blue triangle").input_ids)
+        assert [w for w in words if w in vocabulary()] == ["a", "blue", "triangle"]
+        assert built("a purple hexagon").input_ids.count(built.unk_token_id) == 2
 
 
 @pytest.mark.slow
