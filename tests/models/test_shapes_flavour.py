@@ -191,13 +191,14 @@ def test_pretraining_in_pieces_ends_with_the_weights_of_one_unbroken_run(tmp_pat
     steps = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
     assert [r["event"] for r in steps if "event" in r] == ["started"] + ["stopped", "resumed"] * 3
     # a checkpoint is resumed only with the recipe that made it
-    with pytest.raises(Stopped):
-        pretrain(recipe, tmp_path / "c", log=open(tmp_path / "c.log", "w"), piece_minutes=1e-9)
     other = dataclasses.replace(recipe, lr=1e-3)
-    with pytest.raises(ValueError, match=r"another recipe \(lr differ"):
-        pretrain(other, tmp_path / "c", log=open(tmp_path / "c.log", "a"), resume=True)
-    with pytest.raises(ValueError, match="pass --resume"):
-        pretrain(recipe, tmp_path / "c", log=open(tmp_path / "c.log", "a"))
+    with open(tmp_path / "c.log", "w") as log:
+        with pytest.raises(Stopped):
+            pretrain(recipe, tmp_path / "c", log=log, piece_minutes=1e-9)
+        with pytest.raises(ValueError, match=r"another recipe \(lr differ"):
+            pretrain(other, tmp_path / "c", log=log, resume=True)
+        with pytest.raises(ValueError, match="pass --resume"):
+            pretrain(recipe, tmp_path / "c", log=log)
 
 
 def test_the_word_tokenizers_read_every_caption_of_the_world_as_its_words(tmp_path: Path) -> None:
