@@ -736,6 +736,10 @@ class EvalConfig:
     """Shapes-world prompts only: each category's prompts are taken this many times (cycled when it has fewer, evenly spaced when more; each eval.samples images), so a category with one held-out prompt weighs as much as one with 88; None: every prompt once."""
     ema: float = 0.0
     """Evaluate a moving average of the trained weights with this decay instead of the weights that sample: after optimizer step s, ema += (1 - min((1 + s) / (10 + s), ema)) (theta - ema) (DiffusionNFT evaluates one at 0.9, its preset's value); 0: evaluate the sampling weights. In [0, 1)."""
+    num_inference_steps: int | None = None
+    """Denoising steps of the evaluation's ODE sampling; None: rollout.num_inference_steps. Flow-GRPO and DiffusionNFT evaluate SD3.5-M with 40, Flow-GRPO evaluates FLUX with 28 (their presets' values)."""
+    solver: Solver | None = None
+    """How the evaluation's steps move: euler or dpm2; None: the rollout's solver (euler where it is dpm2-post, which needs a window). DiffusionNFT samples with dpm2 and evaluates with euler."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "eval")
@@ -749,6 +753,15 @@ class EvalConfig:
             _at_least(p, "per_category", self.per_category, 1)
         if not 0 <= self.ema < 1:
             raise _bad(_key(p, "ema"), self.ema, "it must be in [0, 1) (0 turns it off)")
+        if self.num_inference_steps is not None:
+            _at_least(p, "num_inference_steps", self.num_inference_steps, 1)
+        if self.solver == "dpm2-post":
+            raise _bad(
+                _key(p, "solver"),
+                self.solver,
+                "use euler or dpm2 (dpm2-post switches solver after an SDE window, and "
+                "evaluation samples without one)",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -358,6 +358,8 @@ BAD = [
     # ranges
     (["rollout.n=1"], "rollout.n", "1"),
     (["rollout.num_inference_steps=0"], "rollout.num_inference_steps", "0"),
+    (["eval.num_inference_steps=0"], "eval.num_inference_steps", "0"),
+    (["eval.solver=dpm2-post"], "eval.solver", "'dpm2-post'"),
     (["rollout.noise_level=-0.1"], "rollout.noise_level", "-0.1"),
     (["rollout.timestep_fraction=0"], "rollout.timestep_fraction", "0.0"),
     (["rollout.timestep_fraction=1.5"], "rollout.timestep_fraction", "1.5"),

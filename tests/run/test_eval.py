@@ -120,6 +120,26 @@ def test_nfts_moving_average_evaluates_the_same_in_both_modes(tmp_path: Path, dt
     assert got["sampling"][2][1] != pytest.approx(got["colocated"][2][1], rel=1e-6)
 
 
+def test_evaluation_samples_its_own_steps_with_its_own_solver() -> None:
+    """``eval.num_inference_steps`` and ``eval.solver`` (the published evaluations sample 40
+    Euler steps where training samples 10): the evaluation of a run sampling 6 dpm2 steps
+    with 4 Euler ones is that of a run sampling 4 Euler steps; unset, it is training's."""
+    from digen.runtime.worker.policy import Policy
+
+    keys, prompts = [(0, 0), (1, 0)], ["a red apple", "a blue car on a road"]
+    plain = ["eval.ema=0"]  # the weights that sample, as every copy here holds them
+
+    def images(overrides: list[str]) -> torch.Tensor:
+        policy = Policy(tiny_config("sd3", "nft", [*plain, *overrides]), trainable=False)
+        return policy.evaluate(keys, prompts)
+
+    own = images(["eval.num_inference_steps=4", "eval.solver=euler"])
+    assert torch.equal(own, images(["rollout.num_inference_steps=4", "rollout.solver=euler"]))
+    default = images([])
+    assert not torch.equal(own, default)
+    assert torch.equal(default, images(["eval.num_inference_steps=6", "eval.solver=dpm2"]))
+
+
 def _scores(categories: list[str], strict: list[float], total: list[float]) -> EvalScores:
     return EvalScores(
         total=total,

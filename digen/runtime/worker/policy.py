@@ -88,6 +88,13 @@ class Policy:
         self.version = 0
         self.algorithm = get_algorithm(cfg.algo.name)
         self.sigmas = self.adapter.sigmas(cfg.rollout.num_inference_steps, cfg.rollout.shift)
+        eval_steps = cfg.eval.num_inference_steps or cfg.rollout.num_inference_steps
+        self.eval_sigmas = (
+            self.sigmas
+            if eval_steps == cfg.rollout.num_inference_steps
+            else self.adapter.sigmas(eval_steps, cfg.rollout.shift)
+        )
+        """The evaluation's schedule: ``eval.num_inference_steps`` steps, shifted as training's."""
         self._post_cache: dict[int, torch.Tensor] = {}
         self._cond_cache: OrderedDict[str, PromptEmbeds] = OrderedDict()
         self.encoded = 0
@@ -301,16 +308,20 @@ class Policy:
         """Evaluation images: deterministic (ODE) sampling from fixed noise, one image per
         ``(prompt index, sample index)`` key (``prompts[i]`` is key i's prompt).
 
-        The weights that sample (:meth:`sampling_weights`: the old policy where the
-        algorithm keeps one, as the generators hold it), the same sigmas and guidance as
-        training, no noise after the initial latent, and a
-        noise stream of its own (:func:`~digen.seeding.eval_generator`): the same key gives
-        the same start at every evaluation, and no training sample changes. Returns
+        The weights evaluation samples with (:meth:`evaluation_weights`), the guidance of
+        training, ``eval.num_inference_steps`` steps of ``eval.solver`` (training's by
+        default) on training's schedule shifted alike, no noise after the initial latent,
+        and a noise stream of its own (:func:`~digen.seeding.eval_generator`): the same key
+        gives the same start at every evaluation, and no training sample changes. Returns
         ``uint8 [B, F, H, W, 3]`` on the CPU.
         """
-        spec = dataclasses.replace(self.sampler_spec(0), window=(), stochastic=())
-        if spec.solver == "dpm2-post":  # no window: Euler on the whole schedule
-            spec = dataclasses.replace(spec, sigmas=self.sigmas, solver="euler")
+        spec = self.sampler_spec(0)
+        solver = self.cfg.eval.solver or spec.solver
+        if solver == "dpm2-post":  # no window: Euler on the whole schedule
+            solver = "euler"
+        spec = dataclasses.replace(
+            spec, sigmas=self.eval_sigmas, window=(), stochastic=(), solver=solver
+        )
         gens = [eval_generator(self.cfg.seed, p, j) for p, j in keys]
         with torch.no_grad(), self.evaluation_weights():
             rollout = sample_rollout(
