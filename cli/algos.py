@@ -21,8 +21,9 @@ from digen.registry.models import MODEL_NAMES, get_backbone
 )
 @user_errors
 def algos(model: str) -> None:
-    """The registered algorithms: their sampling, KL convention, own settings and the
-    settings of their published preset (what --model-path starts from)."""
+    """The registered algorithms: their sampling, KL convention, own settings, the
+    settings of their published preset (what --model-path starts from) and the overrides
+    that make the published code's other per-task configs."""
     backbone = get_backbone(model)
     for name in ALGO_NAMES:
         algo = get_algorithm(name)
@@ -38,6 +39,8 @@ def algos(model: str) -> None:
         published = _dotted(algo.preset(backbone, True))
         shown = ", ".join(f"{k}={v}" for k, v in published.items())
         click.echo(f"  preset for {model} with --model-path: {shown or 'the defaults'}")
+        for task, overrides in algo.variants(backbone).items():
+            click.echo(f"  published {task} config: the preset with {' '.join(overrides)}")
 
 
 def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

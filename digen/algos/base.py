@@ -173,6 +173,12 @@ class Algorithm:
         published recipe with real weights, a laptop-sized one for the tiny flavours."""
         raise NotImplementedError
 
+    def variants(self, backbone: Backbone) -> dict[str, tuple[str, ...]]:
+        """The published code's other per-task configs for ``backbone``, by name: the
+        ``key=value`` overrides (``digen run ... KEY=VALUE``) that turn the real-weights
+        preset, which mirrors one task's config, into each (``digen algos`` lists them)."""
+        return {}
+
     # --- sampling --------------------------------------------------------------------------
 
     def noisy_steps(self, cfg: DigenConfig, step: int) -> NoisySteps:
