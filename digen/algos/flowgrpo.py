@@ -11,6 +11,12 @@ variant draws noise only inside a window of ``W`` steps whose start is drawn per
 (``rollout.sde_window_size``, ``rollout.sde_window_range``), ODE elsewhere; its ``cps``
 step (coefficients-preserving sampling) uses the log-prob ``-mean((x' - mu)^2)``
 (``rollout.cps_logprob: published``).
+
+The real-weights preset is the official config of the backbone (``config/grpo.py``:
+``geneval_sd3`` for SD3.5-M, ``pickscore_flux`` for FLUX.1-dev, ``general_ocr_wan2_1`` for
+Wan): 48 prompts x 24 samples a round and two optimizer steps of 24 prompts each, its LoRA
+and targets, and evaluation with the ODE in its ``eval_num_steps`` (40 SD3.5, 28 FLUX) Euler
+steps. What digen cannot express is listed in ``docs/TRAINING.md``.
 """
 
 from __future__ import annotations
@@ -23,15 +29,101 @@ if TYPE_CHECKING:
     from digen.config import DigenConfig
     from digen.registry.models import Backbone
 
-__all__ = ["FlowGRPO"]
+__all__ = ["FLUX_LORA_TARGETS", "SD3_LORA_TARGETS", "FlowGRPO", "lora_train", "recipe"]
 
-# Published sampling per backbone: noise level, steps, KL beta, LoRA rank / alpha.
-_RECIPE = {
-    "flux": {"noise_level": 0.9, "steps": 6, "kl": 0.0, "rank": 64, "alpha": 128.0},
-    "sd3": {"noise_level": 0.7, "steps": 10, "kl": 0.04, "rank": 32, "alpha": 64.0},
-    "wan": {"noise_level": 0.7, "steps": 10, "kl": 0.004, "rank": 32, "alpha": 64.0},
+SD3_LORA_TARGETS = (
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "attn.to_k",
+    "attn.to_out.0",
+    "attn.to_q",
+    "attn.to_v",
+)
+"""LoRA targets of the official SD3.5 scripts (``scripts/train_sd3.py``, kept by DiffusionNFT's
+``scripts/train_nft_sd3.py``): each block's joint attention, not SD3.5-M's second
+self-attention ``attn2``, which the backbone's default bare names would adapt too."""
+
+FLUX_LORA_TARGETS = (
+    "attn.to_k",
+    "attn.to_q",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
+"""LoRA targets of the official FLUX script (``scripts/train_flux.py``): attention and both
+feed-forwards, not the single blocks' ``proj_mlp`` (the backbone's default has it)."""
+
+# The official configs per backbone (``config/grpo.py``): noise level, sampling and
+# evaluation steps, KL beta, LoRA rank / alpha / targets (None: the backbone's default).
+_RECIPE: dict[str, dict[str, Any]] = {
+    # pickscore_flux (scripts/train_flux.py)
+    "flux": {
+        "noise_level": 0.9,
+        "steps": 6,
+        "eval_steps": 28,
+        "kl": 0.0,
+        "rank": 64,
+        "alpha": 128.0,
+        "targets": FLUX_LORA_TARGETS,
+    },
+    # geneval_sd3 and general_ocr_sd3 (scripts/train_sd3.py); pickscore and clipscore are
+    # variants (FlowGRPO.variants)
+    "sd3": {
+        "noise_level": 0.7,
+        "steps": 10,
+        "eval_steps": 40,
+        "kl": 0.04,
+        "rank": 32,
+        "alpha": 64.0,
+        "targets": SD3_LORA_TARGETS,
+    },
+    # general_ocr_wan2_1 (scripts/train_wan2_1.py): its targets' add_* projections are absent
+    # from a text-to-video Wan, so the backbone's default names the same layers
+    "wan": {
+        "noise_level": 0.7,
+        "steps": 20,
+        "eval_steps": 50,
+        "kl": 0.004,
+        "rank": 32,
+        "alpha": 64.0,
+        "targets": None,
+    },
 }
-_DEFAULT_RECIPE = _RECIPE["sd3"]
+_DEFAULT_RECIPE = {**_RECIPE["sd3"], "targets": None}
+"""A backbone without an official config (hunyuanvideo, qwenimage): SD3.5's numbers."""
+
+_WAN = {
+    "data": {"train_batch_size": 4},
+    "model": {"height": 240, "width": 416, "num_frames": 33},
+    "rollout": {"n": 4, "guidance_scale": 4.5},
+    "algo": {"clip_ratio": 1e-3, "adv_std": "group"},
+    "train": {"lr": 1e-4, "mini_batch_size": 2},
+}
+"""general_ocr_wan2_1's other settings: 4 videos a prompt, 2 prompts a sampling batch and 2
+batches an epoch on each GPU, an optimizer step a batch (its GPU count is not given, so one
+GPU's share), 240 x 416 x 33 at CFG 4.5, clip 1e-3, lr 1e-4, per-prompt std."""
+
+
+def lora_train(rec: dict[str, Any]) -> dict[str, Any]:
+    """The ``train`` settings of a recipe's LoRA: rank, alpha and targets where it names them."""
+    out: dict[str, Any] = {"lora_rank": rec["rank"], "lora_alpha": rec["alpha"]}
+    if rec["targets"] is not None:
+        out["lora_targets"] = list(rec["targets"])
+    return out
+
+
+def recipe(backbone: Backbone) -> dict[str, Any]:
+    """The official Flow-GRPO numbers for ``backbone`` (:data:`_RECIPE`)."""
+    return _RECIPE.get(backbone.name, _DEFAULT_RECIPE)
 
 
 class FlowGRPO(Algorithm):
@@ -89,8 +181,11 @@ class FlowGRPO(Algorithm):
                 },
                 "algo": {"clip_ratio": 1e-4, "adv_clip_max": 5.0, "kl_coef": 0.0},
             }
-        rec = _RECIPE.get(backbone.name, _DEFAULT_RECIPE)
-        return {
+        rec = recipe(backbone)
+        out: dict[str, dict[str, Any]] = {
+            # 48 prompts x 24 a round, two optimizer steps (gradient_accumulation_steps is
+            # half of num_batches_per_epoch): 24 prompts each
+            "data": {"train_batch_size": 48},
             "rollout": {
                 "n": 24,
                 "num_inference_steps": rec["steps"],
@@ -107,5 +202,19 @@ class FlowGRPO(Algorithm):
                 "kl_coef": rec["kl"],
                 "kl_type": "flowgrpo",
             },
-            "train": {"lora_rank": rec["rank"], "lora_alpha": rec["alpha"]},
+            "train": {**lora_train(rec), "mini_batch_size": 24},
+            # its eval(): the ODE (noise_level=0) in eval_num_steps Euler steps
+            "eval": {"num_inference_steps": rec["eval_steps"], "solver": "euler"},
+        }
+        if backbone.name == "wan":
+            for section, values in _WAN.items():
+                out[section] = {**out.get(section, {}), **values}
+        return out
+
+    def variants(self, backbone: Backbone) -> dict[str, tuple[str, ...]]:
+        if backbone.name != "sd3":
+            return {}
+        return {  # config/grpo.py: geneval_sd3 and general_ocr_sd3 are the preset itself
+            "pickscore": ("algo.kl_coef=0.01",),  # pickscore_sd3
+            "clipscore": ("algo.kl_coef=0.02", "rollout.same_initial_noise=true"),  # clipscore_sd3
         }

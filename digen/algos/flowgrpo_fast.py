@@ -11,13 +11,16 @@ digen's SDE window already expresses all of it (``rollout.sde_window_size`` /
 ``sde_window_range`` with :class:`~digen.algos.flowgrpo.FlowGRPO`'s noisy steps), so this file is
 the recipe alone: the same noisy steps, step math and loss as ``flowgrpo``, with the published
 settings as its preset. ``--algo flowgrpo`` with the same settings runs the same thing.
+With real weights the preset is ``geneval_sd3_fast_nocfg`` for SD3.5-M and
+``geneval_flux_fast`` for FLUX (6 steps, a window in ``[0, 3)``; FLUX's guidance is its
+embedded 3.5, with no CFG), with Flow-GRPO's batch, LoRA and evaluation.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from digen.algos.flowgrpo import FlowGRPO
+from digen.algos.flowgrpo import FlowGRPO, lora_train, recipe
 
 if TYPE_CHECKING:
     from digen.config import DigenConfig
@@ -44,7 +47,8 @@ class FlowGRPOFast(FlowGRPO):
         return super().check(cfg)
 
     def preset(self, backbone: Backbone, real_weights: bool) -> dict[str, dict[str, Any]]:
-        steps, window = (10, 3) if real_weights else (6, 2)
+        rec = recipe(backbone)
+        steps, window = (rec["steps"], 3) if real_weights else (6, 2)
         rollout = {
             "n": 24 if real_weights else 8,
             "num_inference_steps": steps,
@@ -63,6 +67,8 @@ class FlowGRPOFast(FlowGRPO):
             "kl_coef": 0.0,
         }
         out: dict[str, dict[str, Any]] = {"rollout": rollout, "algo": algo}
-        if real_weights:
-            out["train"] = {"lora_rank": 32, "lora_alpha": 64.0}
+        if real_weights:  # geneval_sd3_fast_nocfg / geneval_flux_fast: Flow-GRPO's batch
+            out["data"] = {"train_batch_size": 48}
+            out["train"] = {**lora_train(rec), "mini_batch_size": 24}
+            out["eval"] = {"num_inference_steps": rec["eval_steps"], "solver": "euler"}
         return out
