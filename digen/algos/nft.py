@@ -20,13 +20,19 @@ After each train step the old policy moves towards the trained one,
 ``old <- d old + (1 - d) theta``, with ``d = min(rate * max(g - start, 0), max)`` at ``g``
 optimizer steps so far and 0 before ``start`` (published: ``rate`` 0.001, ``max`` 0.5; for OCR
 ``start`` 75, ``rate`` 0.0075, ``max`` 0.999; ``rate`` 0 keeps old = theta after each step).
-Generators sample with the old policy: trainers serve it to them, and evaluation images
-come from it too.
+Generators sample with the old policy: trainers serve it to them. Evaluation, as the
+official script's, samples a separate moving average (0.9) of the trained weights
+(``eval.ema``) with the ODE in 40 Euler steps.
 
-What digen does differently, by choice: the noise of each trained term is seeded per
-``(seed, step, prompt, sample, timestep)`` instead of drawn from a global stream, so a run is
-the same bit for bit in either mode; evaluation uses the sampling (old) policy, where the
-official script evaluates a separate EMA (0.9) of the trained weights.
+The real-weights preset is the official SD3.5-M config ``sd3_geneval`` (``config/nft.py``;
+``sd3_pickscore`` and ``sd3_hpsv2`` are the same) with ``scripts/train_nft_sd3.py``: 48 prompts
+x 24 samples a round and one optimizer step, the sampler's transformer told
+``int(1000 sigma)`` (``rollout.time_input=int1000``; training tells it ``1000 sigma``, as the
+script does), LoRA rank 32 / alpha 64 on the joint attention. ``sd3_ocr`` and
+``sd3_multi_reward`` are :meth:`NFT.variants`. What digen does differently, by choice: the
+noise of each trained term is seeded per ``(seed, step, prompt, sample, timestep)`` instead
+of drawn from a global stream, so a run is the same bit for bit in either mode; the rest
+(bf16 against the script's fp16 autocast, ...) is listed in ``docs/TRAINING.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from digen.algos.base import Algorithm, ChunkLoss, NoisySteps, Param, TrainChunk
+from digen.algos.flowgrpo import SD3_LORA_TARGETS
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -151,24 +158,47 @@ class NFT(Algorithm):
             "kl_coef": 1e-4,
         }
         params = {"beta": 1.0, "decay_start": 0, "decay_rate": 0.001, "decay_max": 0.5}
-        evaluation = {"ema": 0.9}  # it evaluates an EMA of the trained weights
         if not real_weights:
             return {
                 "rollout": {**rollout, "n": 8, "num_inference_steps": 6},
                 "algo": {**algo, "params": params},
-                "eval": evaluation,
+                "eval": {"ema": 0.9},  # it evaluates an EMA of the trained weights
             }
-        return {  # the official SD3.5-M GenEval / PickScore recipe
-            "rollout": {**rollout, "n": 24, "num_inference_steps": 10},
+        train: dict[str, Any] = {
+            "lora_rank": 32,
+            "lora_alpha": 64.0,
+            "lr": 3e-4,
+            "weight_decay": 1e-4,
+            "max_grad_norm": 1.0,
+            "mini_batch_size": 48,  # gradient_step_per_epoch 1: one optimizer step a round
+        }
+        if backbone.name == "sd3":
+            train["lora_targets"] = list(SD3_LORA_TARGETS)
+        return {  # config/nft.py sd3_geneval with scripts/train_nft_sd3.py
+            # num_groups 48 of num_image_per_prompt 24
+            "data": {"train_batch_size": 48},
+            # the sampler tells the transformer long(1000 sigma)
+            "rollout": {**rollout, "n": 24, "num_inference_steps": 10, "time_input": "int1000"},
             "algo": {**algo, "params": params},
-            "eval": evaluation,
-            "train": {
-                "lora_rank": 32,
-                "lora_alpha": 64.0,
-                "lr": 3e-4,
-                "weight_decay": 1e-4,
-                "max_grad_norm": 1.0,
-            },
+            # eval_fn: the EMA (decay 0.9) sampled with solver "flow", deterministic, in
+            # eval_num_steps 40
+            "eval": {"ema": 0.9, "num_inference_steps": 40, "solver": "euler"},
+            "train": train,
+        }
+
+    def variants(self, backbone: Backbone) -> dict[str, tuple[str, ...]]:
+        return {  # config/nft.py
+            "ocr": (  # sd3_ocr: beta 0.1, decay_type 2, gradient_step_per_epoch 2
+                "algo.params.beta=0.1",
+                "algo.params.decay_start=75",
+                "algo.params.decay_rate=0.0075",
+                "algo.params.decay_max=0.999",
+                "train.mini_batch_size=24",
+            ),
+            "multi_reward": (  # sd3_multi_reward: 25 sampling steps, beta 0.1
+                "rollout.num_inference_steps=25",
+                "algo.params.beta=0.1",
+            ),
         }
 
     # --- training --------------------------------------------------------------------------
