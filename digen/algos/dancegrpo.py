@@ -6,7 +6,16 @@ decoded is the last step's clean prediction ``x - sigma v``, so no drawn noise r
 directly; each sample trains its own random ``timestep_fraction`` (0.6) of steps ``0 ..
 N - 2``; the samples of a group share their initial noise; advantages are per group with the
 unbiased std (+ 1e-8), clipped at 5; best-of-N (HunyuanVideo: 8 of 24) keeps the top and
-bottom halves by advantage; PPO clip 1e-4; no KL term.
+bottom halves by advantage; PPO clip 1e-4; no KL term. Its transformer is told
+``int(1000 sigma)`` (``rollout.time_input=int1000``) on sigmas with a fixed shift
+(``rollout.shift``: 3 FLUX and Wan, 5 HunyuanVideo).
+
+The real-weights presets mirror the official scripts (``scripts/finetune/``): for the image
+backbones ``finetune_flux_grpo_8gpus_lora.sh`` (16 prompts x 12 a round on 8 GPUs, an
+optimizer step per 12 samples of a GPU, so two of 8 prompts each; 12 steps, 720 px, LoRA rank
+128 / alpha 256 on ``to_q/k/v/out.0`` at lr 3e-4); for HunyuanVideo
+``finetune_hunyuan_grpo.sh``; for Wan ``finetune_wan_2_1_grpo.sh``. Those two fine-tune
+fully at lr 1e-5 where the presets keep the FLUX LoRA (``docs/TRAINING.md`` says why).
 """
 
 from __future__ import annotations
@@ -19,9 +28,53 @@ if TYPE_CHECKING:
     from digen.config import DigenConfig
     from digen.registry.models import Backbone
 
-__all__ = ["DanceGRPO"]
+__all__ = ["LORA_TARGETS", "DanceGRPO"]
 
-_ETA = {"flux": 0.3, "hunyuanvideo": 0.25}
+LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+"""LoRA targets of ``train_grpo_flux_lora.py``: every attention's query, key, value and output."""
+
+_LORA = {
+    "lora_rank": 128,
+    "lora_alpha": 256.0,
+    "lora_init": True,  # init_lora_weights=True: peft's Kaiming-uniform A
+    "lr": 3e-4,
+    "weight_decay": 1e-4,
+    "max_grad_norm": 1.0,
+}
+"""The LoRA recipe of ``finetune_flux_grpo_8gpus_lora.sh`` (on :data:`LORA_TARGETS`)."""
+
+_RECIPE: dict[str, dict[str, dict[str, Any]]] = {
+    # finetune_flux_grpo_8gpus_lora.sh: 8 GPUs x 2 prompts x 12, gradient_accumulation_steps 12
+    "flux": {
+        "data": {"train_batch_size": 16},
+        "model": {"height": 720, "width": 720},
+        "rollout": {"n": 12, "num_inference_steps": 12, "noise_level": 0.3, "shift": 3.0},
+        "train": {"mini_batch_size": 8},
+    },
+    # finetune_hunyuan_grpo.sh: 32 GPUs x 1 prompt x 24, best of 8, gradient_accumulation_steps
+    # 4 (two optimizer steps of 4 kept samples a GPU: 16 prompts' worth)
+    "hunyuanvideo": {
+        "data": {"train_batch_size": 32},
+        "model": {"height": 480, "width": 480, "num_frames": 53},
+        "rollout": {"n": 24, "num_inference_steps": 16, "noise_level": 0.25, "shift": 5.0},
+        "algo": {"best_of_n": 8},
+        "train": {"mini_batch_size": 16},
+    },
+    # finetune_wan_2_1_grpo.sh: Wan2.1-T2V-1.3B on single frames, 8 GPUs x 2 prompts x 12,
+    # gradient_accumulation_steps 24 (one optimizer step a round), CFG 5 (cfg_infer)
+    "wan": {
+        "data": {"train_batch_size": 16},
+        "model": {"height": 512, "width": 512, "num_frames": 1},
+        "rollout": {
+            "n": 12,
+            "num_inference_steps": 20,
+            "noise_level": 0.3,
+            "shift": 3.0,
+            "guidance_scale": 5.0,
+        },
+        "train": {"mini_batch_size": 16},
+    },
+}
 
 
 class DanceGRPO(Algorithm):
@@ -70,16 +123,17 @@ class DanceGRPO(Algorithm):
             rollout = {"n": 8, "num_inference_steps": 6, "noise_level": 0.3}
             rollout["timestep_fraction"] = 0.5
             return {"rollout": {**common, **rollout}, "algo": algo}
-        video = backbone.video
-        rollout = {
-            "n": 24 if video else 12,
-            "num_inference_steps": 16,
-            "noise_level": _ETA.get(backbone.name, 0.3),
-            "timestep_fraction": 0.6,
+        # a backbone without an official script of its own (sd3, qwenimage): FLUX's, at the
+        # backbone's own size and schedule
+        rec = _RECIPE.get(backbone.name)
+        if rec is None:
+            rec = {k: v for k, v in _RECIPE["flux"].items() if k != "model"}
+            rec["rollout"] = {k: v for k, v in rec["rollout"].items() if k != "shift"}
+        out: dict[str, dict[str, Any]] = {
+            "rollout": {**common, "timestep_fraction": 0.6},
+            "algo": algo,
+            "train": {**_LORA, "lora_targets": list(LORA_TARGETS)},
         }
-        if video:
-            algo["best_of_n"] = 8
-        # the published LoRA recipe (FLUX): rank 128 / alpha 256 at lr 3e-4, weight decay 1e-4
-        # (the last two are train.lr's and train.weight_decay's defaults)
-        train = {"lora_rank": 128, "lora_alpha": 256.0}
-        return {"rollout": {**common, **rollout}, "algo": algo, "train": train}
+        for section, values in rec.items():
+            out[section] = {**out.get(section, {}), **values}
+        return out
