@@ -13,6 +13,12 @@ normalised to sum 1, and its optional ``kl_coeff`` term is ``0.5 mean((logp - lo
 (``algo.old_kl_coef``, published 0). The official schedule's empty window (start ``N - 2``)
 is never made: see :meth:`MixGRPO.window_start`.
 
+The real-weights preset mirrors ``scripts/finetune/finetune_flux_grpo_MixGRPO.sh``: 32 GPUs
+of one prompt x 12 a round, 720 px, and an optimizer step per 3 samples of a GPU, so four a
+round (digen's four mini-batches of 8 whole groups, where the script's each take a quarter
+of every group). It fine-tunes fully at lr 1e-5; the preset trains a LoRA
+(``docs/TRAINING.md`` says why).
+
 This file is the example of what an algorithm is in digen: its parameters
 (``algo.params.*``), its checks, its presets, and its :class:`~digen.algos.base.NoisySteps`;
 the step math (``sde``) and the GRPO parts come from the shared base.
@@ -119,12 +125,16 @@ class MixGRPO(Algorithm):
             "reward_weighting": "advantage",
             "normalize_reward_weights": True,
         }
+        out: dict[str, dict[str, Any]] = {}
         if not real_weights:  # 6 steps: the window visits starts 0..3, moving every 3 steps
             rollout = {"n": 8, "num_inference_steps": 6, "sde_window_size": 2}
             params = {"shift_every": 3, "stride": 1, "roll_back": True}
         else:  # the paper's FLUX run; it fine-tunes fully at lr 1e-5, the preset uses LoRA
             rollout = {"n": 12, "num_inference_steps": 25, "sde_window_size": 4}
             params = {"shift_every": 25, "stride": 1, "roll_back": True}
+            # 32 GPUs x 1 prompt a round; gradient_accumulation_steps 3 of 12: 4 steps a round
+            out["data"] = {"train_batch_size": 32}
+            out["train"] = {"mini_batch_size": 8}
         rollout |= {
             "sde_type": "sde",
             "noise_level": 0.7,
@@ -133,4 +143,5 @@ class MixGRPO(Algorithm):
         }
         if real_weights and backbone.name == "flux":
             rollout["shift"] = 3.0  # its FLUX schedule: a fixed shift, not FLUX's dynamic one
-        return {"rollout": rollout, "algo": {**algo, "params": params}}
+            out["model"] = {"height": 720, "width": 720}
+        return {**out, "rollout": rollout, "algo": {**algo, "params": params}}
