@@ -185,7 +185,8 @@ def config(plan: Plan, mode: str, dtype: str, overrides: Sequence[str] = ()) -> 
         "runtime.trainers=1",
     ]
     if plan.model_path:
-        shared.append(f"model.path={plan.model_path}")
+        # the check's own batch, not the published round of 48 prompts
+        shared += [f"model.path={plan.model_path}", "data.train_batch_size=8"]
     else:
         shared.append(f"model.flavour={plan.flavour}")
     if plan.size:

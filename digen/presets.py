@@ -1,9 +1,10 @@
 """Starting configs per model x algorithm x mode: the layer under a user's own settings.
 
 Two scales. With real weights (``model.path`` set) each algorithm's preset is its published
-recipe (see the algorithm's file and the table in ``docs/TRAINING.md``), with the backbone's
-published sampling size and guidance. The tiny flavours run the same algorithms scaled down
-so a run takes a minute on a laptop CPU: fewer steps and samples, a small LoRA, a larger
+recipe (see the algorithm's file and the tables in ``docs/TRAINING.md``, which list what
+digen cannot reproduce), with the backbone's published sampling size and guidance where the
+algorithm's own config does not set them. The tiny flavours run the same algorithms scaled
+down so a run takes a minute on a laptop CPU: fewer steps and samples, a small LoRA, a larger
 learning rate so learning shows within a few dozen steps. Nothing here imports torch.
 """
 
@@ -66,12 +67,13 @@ def preset(
         if "num_frames" in recipe:
             cfg["model"]["num_frames"] = recipe["num_frames"]
         cfg["rollout"] = {"guidance_scale": recipe["guidance_scale"]}
-        cfg["data"] = {"train_batch_size": 8}
-        cfg["train"] = {  # the learning rate is train.lr's default (the published LoRA rate)
+        # each algorithm's preset sets its published batch (data.train_batch_size prompts,
+        # train.mini_batch_size of them an optimizer step) and LoRA; the learning rate is
+        # train.lr's default (the published LoRA rate) unless it says otherwise
+        cfg["train"] = {
             "lora_rank": 32,
             "lora_alpha": 64.0,
             "lora_dtype": "float32",
-            "mini_batch_size": 4,
             "micro_batch_size": 4,
         }
     else:
