@@ -14,9 +14,9 @@ step (coefficients-preserving sampling) uses the log-prob ``-mean((x' - mu)^2)``
 
 The real-weights preset is the official config of the backbone (``config/grpo.py``:
 ``geneval_sd3`` for SD3.5-M, ``pickscore_flux`` for FLUX.1-dev, ``general_ocr_wan2_1`` for
-Wan): 48 prompts x 24 samples a round and two optimizer steps of 24 prompts each, its LoRA
-and targets, and evaluation with the ODE in its ``eval_num_steps`` (40 SD3.5, 28 FLUX) Euler
-steps. What digen cannot express is listed in ``docs/TRAINING.md``.
+Wan, ``pickscore_qwenimage`` for Qwen-Image): for SD3.5 and FLUX 48 prompts x 24 samples a
+round and two optimizer steps of 24 prompts each, its LoRA and targets, and evaluation with
+the ODE in its ``eval_num_steps`` (40 SD3.5, 28 FLUX, 50 Wan and Qwen-Image) Euler steps. What digen cannot express is listed in ``docs/TRAINING.md``.
 """
 
 from __future__ import annotations
@@ -97,20 +97,41 @@ _RECIPE: dict[str, dict[str, Any]] = {
         "alpha": 64.0,
         "targets": None,
     },
+    # pickscore_qwenimage (its training script is not in the code read: SD3.5's LoRA rank on
+    # the backbone's targets)
+    "qwenimage": {
+        "noise_level": 1.2,
+        "steps": 10,
+        "eval_steps": 50,
+        "kl": 0.0,
+        "rank": 32,
+        "alpha": 64.0,
+        "targets": None,
+    },
 }
 _DEFAULT_RECIPE = {**_RECIPE["sd3"], "targets": None}
-"""A backbone without an official config (hunyuanvideo, qwenimage): SD3.5's numbers."""
+"""A backbone without an official config (hunyuanvideo): SD3.5's numbers."""
 
-_WAN = {
-    "data": {"train_batch_size": 4},
-    "model": {"height": 240, "width": 416, "num_frames": 33},
-    "rollout": {"n": 4, "guidance_scale": 4.5},
-    "algo": {"clip_ratio": 1e-3, "adv_std": "group"},
-    "train": {"lr": 1e-4, "mini_batch_size": 2},
+_SECTIONS: dict[str, dict[str, dict[str, Any]]] = {
+    # general_ocr_wan2_1: 4 videos a prompt, 2 prompts a sampling batch and 2 batches an epoch
+    # on each GPU, an optimizer step a batch (its GPU count is not given: one GPU's share),
+    # 240 x 416 x 33 at CFG 4.5, clip 1e-3, lr 1e-4, per-prompt std
+    "wan": {
+        "data": {"train_batch_size": 4},
+        "model": {"height": 240, "width": 416, "num_frames": 33},
+        "rollout": {"n": 4, "guidance_scale": 4.5},
+        "algo": {"clip_ratio": 1e-3, "adv_std": "group"},
+        "train": {"lr": 1e-4, "mini_batch_size": 2},
+    },
+    # pickscore_qwenimage: 32 prompts x 16 in two optimizer steps, noise and training in a
+    # 2-step window drawn in the first half
+    "qwenimage": {
+        "data": {"train_batch_size": 32},
+        "rollout": {"n": 16, "sde_window_size": 2, "sde_window_range": [0, 5]},
+        "train": {"mini_batch_size": 16},
+    },
 }
-"""general_ocr_wan2_1's other settings: 4 videos a prompt, 2 prompts a sampling batch and 2
-batches an epoch on each GPU, an optimizer step a batch (its GPU count is not given, so one
-GPU's share), 240 x 416 x 33 at CFG 4.5, clip 1e-3, lr 1e-4, per-prompt std."""
+"""A backbone's official settings beyond :data:`_RECIPE`'s, over the SD3.5 / FLUX batch."""
 
 
 def lora_train(rec: dict[str, Any]) -> dict[str, Any]:
@@ -206,9 +227,8 @@ class FlowGRPO(Algorithm):
             # its eval(): the ODE (noise_level=0) in eval_num_steps Euler steps
             "eval": {"num_inference_steps": rec["eval_steps"], "solver": "euler"},
         }
-        if backbone.name == "wan":
-            for section, values in _WAN.items():
-                out[section] = {**out.get(section, {}), **values}
+        for section, values in _SECTIONS.get(backbone.name, {}).items():
+            out[section] = {**out.get(section, {}), **values}
         return out
 
     def variants(self, backbone: Backbone) -> dict[str, tuple[str, ...]]:

@@ -159,6 +159,23 @@ FLOWGRPO_WAN = {
     "train.lora_alpha": 64.0,
 }
 
+# flow_grpo config/grpo.py pickscore_qwenimage
+FLOWGRPO_QWEN = {
+    "data.train_batch_size": 32,  # int(32 / (gpu_number * 4 / 16)) batches of 4 a GPU
+    "rollout.n": 16,
+    "optimizer_steps": 2,
+    "rollout.num_inference_steps": 10,
+    "rollout.noise_level": 1.2,
+    "rollout.sde_window_size": 2,
+    "rollout.sde_window_range": (0, 5),  # (0, num_steps // 2)
+    "rollout.guidance_scale": 4.0,
+    "model.dtype": "bfloat16",
+    "eval.num_inference_steps": 50,
+    "eval.ema": 0.0,  # train.ema False
+    "algo.kl_coef": 0.0,
+    "algo.adv_std": "global",
+}
+
 # flow_grpo config/grpo.py geneval_sd3_fast_nocfg, run by scripts/train_sd3_fast.py
 FAST_SD3 = {
     "data.train_batch_size": 48,
@@ -312,6 +329,7 @@ PUBLISHED: dict[tuple[str, str], dict[str, Any]] = {
     ("sd3", "flowgrpo"): FLOWGRPO_SD3,
     ("flux", "flowgrpo"): FLOWGRPO_FLUX,
     ("wan", "flowgrpo"): FLOWGRPO_WAN,
+    ("qwenimage", "flowgrpo"): FLOWGRPO_QWEN,
     ("sd3", "flowgrpo-fast"): FAST_SD3,
     ("flux", "flowgrpo-fast"): FAST_FLUX,
     ("flux", "dancegrpo"): DANCE_FLUX,
