@@ -44,12 +44,15 @@ log and in ``recipe.json`` under ``shipped``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,6 +277,23 @@ EXIT_STOPPED = 75
 """The command's exit status when a piece stopped before the end (EX_TEMPFAIL: run it again)."""
 
 
+@contextlib.contextmanager
+def _terminate_as_a_stop() -> Iterator[threading.Event]:
+    """While inside, SIGTERM (what a scheduler or a closing session sends) only sets the
+    event, which the training loop reads after each step to save a checkpoint and stop;
+    the previous handler is back on the way out. Off the main thread, where no handler
+    can be set, the event never fires."""
+    event = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield event
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: event.set())
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class Stopped(Exception):
     """A piece ended (``piece_minutes`` spent) with its checkpoint saved."""
 
@@ -291,7 +311,8 @@ def pretrain(
     evaluation. ``out`` also gets ``recipe.json``, ``log.jsonl`` and evaluation grids.
 
     A long run goes in pieces: every ``checkpoint_every`` steps (and when a piece has trained
-    ``piece_minutes``, which then raises :class:`Stopped`) the state is saved to
+    ``piece_minutes`` or the process gets SIGTERM, which then raise :class:`Stopped`) the
+    state is saved to
     ``out/checkpoint.pt``, and ``resume=True`` goes on from it (or starts, when there is
     none yet, so every piece is the same command). A run resumed any number of
     times ends with the same weights as one that was never stopped (the same steps, batches,
@@ -385,68 +406,77 @@ def pretrain(
         torch.save(state, checkpoint.with_suffix(".tmp"))
         checkpoint.with_suffix(".tmp").replace(checkpoint)  # never a half-written checkpoint
 
-    emit({"event": "resumed" if resume else "started", "step": step, "steps": total})
-    while step < total:
-        t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = recipe.lr * _lr_factor(step, recipe, total)
-        x, captions = data.batch(recipe.batch)  # [B, 3, 32, 32] in [-1, 1]
-        with torch.no_grad():  # the latent: the image, block-averaged when down-sampled
-            z = pipe.vae.encode(x).latent_dist.mode()  # [B, 3, 32 / d, 32 / d]
-        x0 = (z - shift_factor) * scaling
-        dropped = drop_gen.random(len(captions)) < recipe.text_dropout
-        captions = ["" if d else c for c, d in zip(captions, dropped)]
-        cond = adapter._encode_prompts(captions)  # with gradients: the encoders train
-        noise = torch.randn(x0.shape, generator=noise_gen)  # [B, 3, h, w]
-        sigma = sample_sigmas(
-            len(x0), noise_gen, mean=recipe.logit_mean, std=recipe.logit_std, shift=recipe.shift
-        )  # [B]
-        s = sigma.view(-1, 1, 1, 1)
-        x_t = (1 - s) * x0 + s * noise
-        v = adapter.forward_velocity(x_t, sigma, cond)  # [B, 3, h, w]
-        loss = torch.nn.functional.mse_loss(v, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        decay = min(recipe.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
-        losses.append(loss.item())
-        step += 1
-        train_seconds += time.perf_counter() - t0
-        if recipe.steps == 0 and step == 20:
-            total = max(step + 1, int(recipe.minutes * 60 / (train_seconds / step)))
-            emit({"event": "steps_chosen", "steps": total, "seconds_per_step": train_seconds / 20})
-        if step % 50 == 0 or step == total:
-            emit(
-                {
-                    "step": step,
-                    "loss": float(np.mean(losses[-50:])),
-                    "grad_norm": float(grad_norm),
-                    "lr": opt.param_groups[0]["lr"],
-                    "train_minutes": round(train_seconds / 60, 2),
-                }
-            )
-        if step == total or (recipe.eval_every and step % recipe.eval_every == 0):
-            _save(pipe, params, ema, out, _save_whatever_the_rank)
-            t_eval = time.perf_counter()
-            results, images = _evaluate_as(recipe, out)
-            for name, pixels in images.items():
-                save_grid(out / f"eval-{name}-{step:06d}.png", pixels, recipe.eval_per_category)
-            last_eval = {"step": step, **{f"{k}": v for k, v in results.items()}}
-            emit({**last_eval, "eval_minutes": round((time.perf_counter() - t_eval) / 60, 2)})
-        if step < total:
-            piece_over = piece_minutes > 0 and train_seconds - piece_start >= piece_minutes * 60
-            if piece_over or (checkpoint_every and step % checkpoint_every == 0):
-                save_checkpoint()
-            if piece_over:
-                emit({"event": "stopped", "step": step, "steps": total})
-                log_file.close()
-                raise Stopped(
-                    f"stopped at step {step} of {total} with a checkpoint in {checkpoint}; "
-                    f"run the same command with --resume to go on."
+    with _terminate_as_a_stop() as terminated:  # SIGTERM: a checkpoint, then stop
+        emit({"event": "resumed" if resume else "started", "step": step, "steps": total})
+        while step < total:
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = recipe.lr * _lr_factor(step, recipe, total)
+            x, captions = data.batch(recipe.batch)  # [B, 3, 32, 32] in [-1, 1]
+            with torch.no_grad():  # the latent: the image, block-averaged when down-sampled
+                z = pipe.vae.encode(x).latent_dist.mode()  # [B, 3, 32 / d, 32 / d]
+            x0 = (z - shift_factor) * scaling
+            dropped = drop_gen.random(len(captions)) < recipe.text_dropout
+            captions = ["" if d else c for c, d in zip(captions, dropped)]
+            cond = adapter._encode_prompts(captions)  # with gradients: the encoders train
+            noise = torch.randn(x0.shape, generator=noise_gen)  # [B, 3, h, w]
+            sigma = sample_sigmas(
+                len(x0), noise_gen, mean=recipe.logit_mean, std=recipe.logit_std, shift=recipe.shift
+            )  # [B]
+            s = sigma.view(-1, 1, 1, 1)
+            x_t = (1 - s) * x0 + s * noise
+            v = adapter.forward_velocity(x_t, sigma, cond)  # [B, 3, h, w]
+            loss = torch.nn.functional.mse_loss(v, noise - x0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            decay = min(recipe.ema, (1 + step) / (10 + step))
+            with torch.no_grad():
+                torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+            losses.append(loss.item())
+            step += 1
+            train_seconds += time.perf_counter() - t0
+            if recipe.steps == 0 and step == 20:
+                total = max(step + 1, int(recipe.minutes * 60 / (train_seconds / step)))
+                emit(
+                    {
+                        "event": "steps_chosen",
+                        "steps": total,
+                        "seconds_per_step": train_seconds / 20,
+                    }
                 )
+            if step % 50 == 0 or step == total:
+                emit(
+                    {
+                        "step": step,
+                        "loss": float(np.mean(losses[-50:])),
+                        "grad_norm": float(grad_norm),
+                        "lr": opt.param_groups[0]["lr"],
+                        "train_minutes": round(train_seconds / 60, 2),
+                    }
+                )
+            if step == total or (recipe.eval_every and step % recipe.eval_every == 0):
+                _save(pipe, params, ema, out, _save_whatever_the_rank)
+                t_eval = time.perf_counter()
+                results, images = _evaluate_as(recipe, out)
+                for name, pixels in images.items():
+                    save_grid(out / f"eval-{name}-{step:06d}.png", pixels, recipe.eval_per_category)
+                last_eval = {"step": step, **{f"{k}": v for k, v in results.items()}}
+                emit({**last_eval, "eval_minutes": round((time.perf_counter() - t_eval) / 60, 2)})
+            if step < total:
+                piece_over = piece_minutes > 0 and train_seconds - piece_start >= piece_minutes * 60
+                stop = piece_over or terminated.is_set()
+                if stop or (checkpoint_every and step % checkpoint_every == 0):
+                    save_checkpoint()
+                if stop:
+                    why = "piece_over" if piece_over else "terminated"
+                    emit({"event": "stopped", "step": step, "steps": total, "why": why})
+                    log_file.close()
+                    raise Stopped(
+                        f"stopped at step {step} of {total} with a checkpoint in {checkpoint}; "
+                        f"run the same command with --resume to go on."
+                    )
     pieces = [*pieces, round((train_seconds - piece_start) / 60, 2)]
     final = dataclasses.replace(recipe, steps=total)
     shipped = compare_to_shipped(out, recipe.model, list(named))

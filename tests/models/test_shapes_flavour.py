@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from digen.models import get_adapter_class, load_adapter
 from digen.models.tiny import pixel_autoencoder_kl
 from digen.run.shapes_pretrain import (
     CHECKPOINT,
+    EXIT_STOPPED,
     Recipe,
     Stopped,
     TrainingPairs,
@@ -199,6 +201,31 @@ def test_pretraining_in_pieces_ends_with_the_weights_of_one_unbroken_run(tmp_pat
             pretrain(other, tmp_path / "c", log=log, resume=True)
         with pytest.raises(ValueError, match="pass --resume"):
             pretrain(recipe, tmp_path / "c", log=log)
+
+
+def test_sigterm_ends_a_pretraining_piece_with_a_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM to the pretraining command (a closing session, a scheduler) saves a checkpoint
+    after the step under way and exits with the resumable status, instead of losing the steps
+    since the last checkpoint."""
+    out = tmp_path / "pipe"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
+    flags += ["--steps=100000", "--batch=2", "--tokens=words", "--checkpoint-every=0"]
+    command = [sys.executable, "-m", "digen.run.shapes_pretrain", f"--out={out}", "--threads=1"]
+    run = subprocess.Popen([*command, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert run.stdout is not None
+    for line in run.stdout:  # the handler is in place once the run says it has started
+        if b'"event": "started"' in line:
+            run.send_signal(signal.SIGTERM)
+            break
+    rest = run.stdout.read().decode()
+    assert run.wait(timeout=600) == EXIT_STOPPED, rest[-2000:]
+    assert "run the same command with --resume" in rest
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    stopped = rows[-1]
+    assert stopped["event"] == "stopped" and stopped["why"] == "terminated"
+    state = torch.load(out / CHECKPOINT, weights_only=False)
+    assert (state["step"], state["total"]) == (stopped["step"], 100000)
+    assert stopped["step"] >= 1
 
 
 def test_the_word_tokenizers_read_every_caption_of_the_world_as_its_words(tmp_path: Path) -> None:
