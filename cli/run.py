@@ -218,6 +218,23 @@ def run(
         key = "accuracy" if "eval/accuracy" in result.evals[0] else "reward_mean"
         summary[f"eval_{key}_first"] = result.evals[0][f"eval/{key}"]
         summary[f"eval_{key}_last"] = result.evals[-1][f"eval/{key}"]
+    if len(result.verdicts) >= 2 and result.verdicts[0] and result.verdicts[-1]:
+        from digen.run.paired import paired_changes
+
+        changes = paired_changes(result.verdicts[0], result.verdicts[-1])
+        every = changes.pop("all")
+        summary["eval_images_gained"], summary["eval_images_lost"] = every.gained, every.lost
+        summary["eval_rise_p"] = round(every.p, 4)  # McNemar, exact: the same images paired
+        summary["eval_by_category"] = {
+            g: {"first": c.before, "last": c.after, "gained": c.gained, "lost": c.lost, "p": c.p}
+            for g, c in changes.items()
+        }
+        if not quiet:  # one readable line per category
+            summary["eval_by_category"] = "".join(
+                f"\n    {g}: {c.before:.3f} -> {c.after:.3f} "
+                f"({c.gained} gained, {c.lost} lost; p = {c.p:.3g})"
+                for g, c in changes.items()
+            )
     click.echo(json.dumps(summary) if quiet else pretty(summary))
     if result.interrupted:
         click.echo(f"stopped early; continue with: digen run --resume {out_dir}", err=True)

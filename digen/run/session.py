@@ -34,8 +34,9 @@ from digen.checkpoint import (
 )
 from digen.config import DigenConfig, config_to_dict
 from digen.run.outputs import RunOutputs
+from digen.run.paired import PASSED_PREFIX
 from digen.run.trackers import Trackers
-from digen.runtime.metrics import eval_metrics
+from digen.runtime.metrics import eval_metrics, eval_verdicts
 from digen.runtime.notes import NotesToRunLog
 from digen.runtime.placement import peak_memory_gb
 from digen.sched.trace import Trace
@@ -76,6 +77,10 @@ class RunResult:
     evals: list[dict[str, Any]] = field(default_factory=list)
     """One row per evaluation (``eval.every``; the rows of ``eval.jsonl``), the first of the
     weights the run started from."""
+    verdicts: list[dict[str, str]] = field(default_factory=list)
+    """Beside each of ``evals``: each image's verdict per group (``0`` / ``1`` strings, as
+    :func:`~digen.runtime.metrics.eval_verdicts`; empty where the prompts have no judge),
+    which :mod:`digen.run.paired` compares."""
     peak_memory_gb: float = 0.0
     """The peak resident size of the process that ran the run (the driver), in GB, from its
     start to the final state (a full fine-tune's is read later, from the disk), before the
@@ -136,6 +141,7 @@ class RunSession:
         self.outputs = RunOutputs(self.out_dir) if self.lead else None
         self.metrics: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
+        self.verdicts: list[dict[str, str]] = []
         self.ckpt = setup.checkpoint
         self.start = self.ckpt.step if self.ckpt is not None else 0
         """The step the run starts at (a resumed run's checkpoint step)."""
@@ -214,6 +220,7 @@ class RunSession:
             stop_signal=setup.stop.reason if setup.stop.reason in ("SIGINT", "SIGTERM") else None,
             checkpoint=self.saved,
             evals=self.evals,
+            verdicts=self.verdicts,
             peak_memory_gb=peak_gb,
         )
 
@@ -336,11 +343,13 @@ class RunSession:
         if not batches:
             return {}
         row = eval_metrics(batches, version, time.perf_counter() - t)
+        verdicts = eval_verdicts(batches)
         self.evals.append(row)
+        self.verdicts.append(verdicts)
         self.trackers.log_step(version, row)
         self.log.info("eval", **row)
-        if self.outputs:
-            self.outputs.append_eval(row)
+        if self.outputs:  # the verdicts go to eval.jsonl only: they are no scalars
+            self.outputs.append_eval({**row, **{PASSED_PREFIX + g: v for g, v in verdicts.items()}})
             thumbs = torch.cat([b.thumbnails for b in batches])
             n = cfg.eval.samples
             captions = [ep.prompts[i // n] for i in range(len(thumbs))]

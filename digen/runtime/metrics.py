@@ -202,5 +202,20 @@ def eval_metrics(batches: Sequence[EvalScores], version: int, seconds: float) ->
     return row
 
 
+def eval_verdicts(batches: Sequence[EvalScores]) -> dict[str, str]:
+    """Each image's verdict, ``1`` (met its caption) or ``0``, per group in the evaluation's
+    image order: what :mod:`digen.run.paired` compares between evaluations. Empty where the
+    prompts have no judge."""
+    if not batches or any(b.passed is None for b in batches):
+        return {}
+    from digen.rewards.judge import group_order
+
+    judged = [(g, p) for b in batches for g, p in zip(b.groups or (), b.passed or ())]
+    return {
+        g: "".join("1" if p >= 0.5 else "0" for group, p in judged if group == g)
+        for g in group_order([group for group, _ in judged])
+    }
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0

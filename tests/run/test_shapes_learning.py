@@ -21,6 +21,7 @@ from cli.main import main
 from cli.run import _run_flavour
 from digen import load_config
 from digen.presets import preset
+from digen.run.paired import mcnemar_p
 from digen.shapes import CATEGORIES
 
 # Measured with this preset over 30 steps, seeds 0-4 (held-out, 32 images a category):
@@ -82,6 +83,24 @@ def test_a_bare_run_raises_held_out_accuracy_on_the_shapes_task(tmp_path: Path) 
         first["eval/accuracy"],
         last["eval/accuracy"],
     )
+    # each image's verdict, per category: the same 32 images at both ends, paired
+    gained = lost = 0
+    for c in CATEGORIES:
+        before, after = first[f"eval/passed/{c}"], last[f"eval/passed/{c}"]
+        assert len(before) == len(after) == 32
+        assert before.count("1") / 32 == first[f"eval/accuracy/{c}"]
+        assert after.count("1") / 32 == last[f"eval/accuracy/{c}"]
+        changed = [(a, b) for a, b in zip(before, after) if a != b]
+        gained += changed.count(("0", "1"))
+        lost += changed.count(("1", "0"))
+        by_category = summary["eval_by_category"][c]
+        assert (by_category["gained"], by_category["lost"]) == (
+            changed.count(("0", "1")),
+            changed.count(("1", "0")),
+        )
+    assert (summary["eval_images_gained"], summary["eval_images_lost"]) == (gained, lost)
+    assert gained - lost == round(rise * 32 * len(CATEGORIES))  # equal categories: the mean
+    assert summary["eval_rise_p"] == round(mcnemar_p(gained, lost), 4)
     # every optimizer step after a step's first trains on samples of an older policy
     assert all(m["approx_kl"] > 0 for m in read_jsonl(out / "metrics.jsonl"))
 
