@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from digen.errors import stop_if_interrupted
+from digen.run.paired import mcnemar_p
 
 __all__ = [
     "Arm",
@@ -147,12 +148,24 @@ class Curve:
     """Held-out accuracy (or evaluation reward) at each version."""
     categories: dict[str, list[float]] = field(default_factory=dict)
     """Per category, its accuracy at each version (shapes prompts)."""
+    verdicts: list[dict[str, str]] = field(default_factory=list)
+    """At each version, each image's verdict per category (``0`` / ``1`` strings,
+    :mod:`digen.run.paired`): the same images at every version and in every arm of a seed
+    (fixed evaluation noise), so rises and arms compare image by image. Empty where the
+    prompts have no judge."""
     wall_s: float = 0.0
     """The whole run, start-up and evaluations included."""
 
 
-def curve_of(arm: str, seed: int, metrics: Sequence[dict], evals: Sequence[dict]) -> Curve:
-    """The curve of a finished run from its ``metrics.jsonl`` and ``eval.jsonl`` rows."""
+def curve_of(
+    arm: str,
+    seed: int,
+    metrics: Sequence[dict],
+    evals: Sequence[dict],
+    verdicts: Sequence[dict[str, str]] = (),
+) -> Curve:
+    """The curve of a finished run from its ``metrics.jsonl`` and ``eval.jsonl`` rows (and
+    the evaluations' per-image verdicts)."""
     key = "eval/accuracy" if evals and "eval/accuracy" in evals[0] else "eval/reward_mean"
     first = metrics[0]["step"] if metrics else 0
     elapsed = [0.0]
@@ -167,6 +180,7 @@ def curve_of(arm: str, seed: int, metrics: Sequence[dict], evals: Sequence[dict]
         seconds=[elapsed[r["eval/policy_version"] - first] for r in evals],
         quality=[r[key] for r in evals],
         categories={c: [r[prefix + c] for r in evals] for c in cats},
+        verdicts=[dict(v) for v in verdicts] if all(verdicts) else [],
     )
 
 
@@ -186,7 +200,7 @@ def measure_arm(arm: Arm, cfg: Any, out_dir: Path) -> Curve:
     finally:
         torch.set_num_threads(before)
     stop_if_interrupted(result)  # a signal stops the bench, not just this run
-    out = curve_of(arm.key, cfg.seed, result.metrics, result.evals)
+    out = curve_of(arm.key, cfg.seed, result.metrics, result.evals, result.verdicts)
     out.wall_s = time.perf_counter() - t0
     return out
 
@@ -236,6 +250,49 @@ def _spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def _pooled(pairs: Sequence[tuple[dict[str, str], dict[str, str]]]) -> dict[str, dict]:
+    """Per category and ``all``: the change from each pair's first verdicts to its second,
+    the images of every pair pooled (each pair a seed: different images, each image's change
+    independent of the others' under no effect), with McNemar's exact p."""
+    if not pairs:
+        return {}
+    from digen.run.paired import paired_changes
+
+    per_pair = [paired_changes(a, b) for a, b in pairs]
+    out = {}
+    for group in per_pair[0]:
+        gained = sum(p[group].gained for p in per_pair)
+        lost = sum(p[group].lost for p in per_pair)
+        out[group] = {
+            "rise": _spread([p[group].rise for p in per_pair]),
+            "gained": gained,
+            "lost": lost,
+            "p": mcnemar_p(gained, lost),
+        }
+    return out
+
+
+def rises(runs: Sequence[Curve]) -> dict[str, dict]:
+    """Per category (and ``all``), the rise from the first evaluation to the last over
+    ``runs`` (one per seed): its median and range over the seeds, and the images gained and
+    lost with McNemar's exact p, pooled over the seeds."""
+    return _pooled([(c.verdicts[0], c.verdicts[-1]) for c in runs if c.verdicts])
+
+
+def arms_compared(a: Sequence[Curve], b: Sequence[Curve]) -> list[dict[str, dict]]:
+    """At each evaluation, arm ``b`` against arm ``a`` on the same images (the seeds both
+    ran, paired seed by seed): per category and ``all``, the difference ``b - a`` (median and
+    range over seeds) and the images only ``b`` passed (``gained``) and only ``a`` passed
+    (``lost``), pooled over the seeds, with McNemar's exact p. The test of whether one arm's
+    quality differs from the other's, evaluation by evaluation."""
+    by_seed = {c.seed: c for c in a if c.verdicts}
+    pairs = [(by_seed[c.seed], c) for c in b if c.verdicts and c.seed in by_seed]
+    if not pairs:
+        return []
+    n = min(len(x.verdicts) for p in pairs for x in p)
+    return [_pooled([(x.verdicts[i], y.verdicts[i]) for x, y in pairs]) for i in range(n)]
+
+
 def summarise_quality(s: QualitySettings, curves: Sequence[Curve], command: str = "") -> dict:
     """The report: per arm, its curves' medians and spreads, time to target and area;
     the TCSS-within-spread check; the arm reaching the target first in time."""
@@ -270,6 +327,7 @@ def summarise_quality(s: QualitySettings, curves: Sequence[Curve], command: str 
                 cat: statistics.median(c.categories[cat][-1] for c in runs)
                 for cat in runs[0].categories
             },
+            "rises": rises(runs),
             "wall_s": _spread([c.wall_s for c in runs]),
         }
     arms_ = report["arms"]
@@ -278,6 +336,16 @@ def summarise_quality(s: QualitySettings, curves: Sequence[Curve], command: str 
         report["tcss_within_on_policy_spread"] = [
             o["min"] <= t["median"] <= o["max"] for o, t in zip(on, stale, strict=True)
         ]
+    # paired tests between arms, each evaluation: TCSS against on-policy, and every other
+    # algorithm against the first
+    versus = {"tcss": "disaggregated"} | {
+        k: "colocated" for k in by_arm if k.startswith("colocated-")
+    }
+    report["compared"] = {
+        f"{k} vs {base}": arms_compared(by_arm[base], by_arm[k])
+        for k, base in versus.items()
+        if k in by_arm and base in by_arm
+    }
     # an arm counts when most of its seeds reach the target: one lucky seed is no ranking
     timed = {
         k: a["seconds_to_target"]["median"]
@@ -320,7 +388,39 @@ def format_quality(report: dict) -> str:
         )
     if report["first_to_target"]:
         lines.append(f"first to the target in training time: {report['first_to_target']}")
+    lines += _rise_table(report)
+    for name, at in report.get("compared", {}).items():
+        if not at:
+            continue
+        last = at[-1]["all"]
+        lines.append(
+            f"{name}, last evaluation: {last['rise']['median']:+.3f} median over seeds, "
+            f"{last['gained']} images only the first passes, {last['lost']} only the second "
+            f"(McNemar p = {last['p']:.3g}); p at each evaluation: "
+            + ", ".join(f"{e['all']['p']:.2g}" for e in at)
+        )
     return "\n".join(lines)
+
+
+def _rise_table(report: dict) -> list[str]:
+    """Rows: categories and ``all``; columns: arms; each cell the median rise over seeds
+    and McNemar's p of the images pooled over seeds."""
+    arms_ = [a for a in report["arms"].values() if a.get("rises")]
+    if not arms_:
+        return []
+    groups = list(arms_[0]["rises"])
+    out = [
+        "rise from the first evaluation to the last: median over seeds, McNemar p over the "
+        "seeds' images",
+        f"{'category':15}" + "".join(f" {a['name'][:22]:>22}" for a in arms_),
+    ]
+    for g in groups:
+        cells = []
+        for a in arms_:
+            r = a["rises"].get(g)
+            cells.append(f"{r['rise']['median']:+.3f} p={r['p']:.2g}" if r else "-")
+        out.append(f"{g:15}" + "".join(f" {c:>22}" for c in cells))
+    return out
 
 
 def plot_quality(report: dict, path: Path) -> None:

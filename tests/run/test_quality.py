@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from digen.run.paired import mcnemar_p
 from digen.run.quality import (
     Curve,
     QualitySettings,
@@ -77,6 +78,88 @@ def test_the_report_ranks_arms_by_time_to_target_and_checks_tcss_against_the_spr
     table = format_quality(report)
     assert "TCSS median within the on-policy seeds' range at 2 of 3 evaluations" in table
     assert "first to the target in training time: tcss" in table
+
+
+def _judged(arm: str, seed: int, verdicts: list[dict[str, str]]) -> Curve:
+    quality = [sum(v.count("1") for v in e.values()) / 8 for e in verdicts]
+    return Curve(
+        arm,
+        seed,
+        [0, 2, 4][: len(verdicts)],
+        [0.0, 1.0, 2.0][: len(verdicts)],
+        quality,
+        verdicts=verdicts,
+    )
+
+
+def test_the_report_gives_each_categorys_rise_with_its_paired_test_and_compares_arms() -> None:
+    """Per category, the rise from the first evaluation to the last (median over seeds) with
+    the images gained and lost pooled over the seeds and McNemar's p; TCSS against on-policy
+    image by image at each evaluation."""
+    s = QualitySettings(seeds=(0, 1), target=0.9, algos=("flowgrpo",))
+    curves = [
+        _judged(
+            "disaggregated",
+            0,
+            [
+                {"position": "0000", "colors": "0101"},
+                {"position": "0110", "colors": "0101"},
+                {"position": "1110", "colors": "1101"},
+            ],
+        ),
+        _judged(
+            "disaggregated",
+            1,
+            [
+                {"position": "0001", "colors": "0000"},
+                {"position": "0001", "colors": "0000"},
+                {"position": "1111", "colors": "0001"},
+            ],
+        ),
+        _judged(
+            "tcss",
+            0,
+            [
+                {"position": "0000", "colors": "0101"},
+                {"position": "0100", "colors": "0101"},
+                {"position": "1100", "colors": "0100"},
+            ],
+        ),
+        _judged(
+            "tcss",
+            1,
+            [
+                {"position": "0001", "colors": "0000"},
+                {"position": "0001", "colors": "0000"},
+                {"position": "0011", "colors": "0001"},
+            ],
+        ),
+    ]
+    report = summarise_quality(s, curves)
+    on = report["arms"]["disaggregated"]["rises"]
+    # position: seed 0 gains 3 (0000 -> 1110), seed 1 gains 3 (0001 -> 1111): none lost
+    assert (on["position"]["gained"], on["position"]["lost"]) == (6, 0)
+    assert on["position"]["p"] == mcnemar_p(6, 0) == 2 / 64
+    assert on["position"]["rise"] == {"median": 0.75, "min": 0.75, "max": 0.75}
+    assert (on["colors"]["gained"], on["colors"]["lost"]) == (2, 0)
+    assert (on["all"]["gained"], on["all"]["lost"]) == (8, 0)
+    stale = report["arms"]["tcss"]["rises"]
+    # seed 0: position 0000 -> 1100 (+2), colors 0101 -> 0100 (-1); seed 1: position +1, colors +1
+    assert (stale["position"]["gained"], stale["position"]["lost"]) == (3, 0)
+    assert (stale["colors"]["gained"], stale["colors"]["lost"]) == (1, 1)
+    assert stale["colors"]["p"] == 1.0
+    compared = report["compared"]["tcss vs disaggregated"]
+    assert len(compared) == 3
+    assert (compared[0]["all"]["gained"], compared[0]["all"]["lost"]) == (0, 0)  # same start
+    # last evaluation, tcss against on-policy: position 1100 vs 1110 (1 only on-policy),
+    # 0011 vs 1111 (2); colors 0100 vs 1101 (2), 0001 vs 0001
+    last = compared[-1]
+    assert (last["position"]["gained"], last["position"]["lost"]) == (0, 3)
+    assert (last["all"]["gained"], last["all"]["lost"]) == (0, 5)
+    assert last["all"]["p"] == mcnemar_p(0, 5)
+    table = format_quality(report)
+    assert "position" in table and f"p={mcnemar_p(6, 0):.2g}" in table
+    assert "tcss vs disaggregated, last evaluation" in table
 
 
 def test_every_arm_is_a_valid_config_on_the_same_task_and_seed() -> None:
