@@ -15,6 +15,7 @@ __all__ = [
     "derive_seed",
     "eval_generator",
     "group_generator",
+    "group_noise_generator",
     "nft_noise_generator",
     "sample_generator",
     "step_generator",
@@ -54,6 +55,16 @@ def nft_noise_generator(
     latent at one trained timestep (its own stream: it moves no sampling noise)."""
     return torch.Generator("cpu").manual_seed(
         derive_seed("forward-noise", seed, step, prompt_index, sample_index, timestep)
+    )
+
+
+def group_noise_generator(
+    seed: int, step: int, prompt_index: int, timestep: int
+) -> torch.Generator:
+    """The CPU generator of the noise a forward-process algorithm adds to every clean latent
+    of one group at one trained timestep, shared by the group (DGPO's shared noise)."""
+    return torch.Generator("cpu").manual_seed(
+        derive_seed("group-forward-noise", seed, step, prompt_index, timestep)
     )
 
 

@@ -222,25 +222,11 @@ class NFT(Algorithm):
         return torch.clamp(a / c / 2.0 + 0.5, 0, 1)
 
     def chunk_loss(self, cfg: DigenConfig, chunk: TrainChunk) -> ChunkLoss:
-        import torch
+        from digen.algos.forward import forward_terms
 
-        from digen.seeding import nft_noise_generator
-
-        policy, spec = chunk.policy, chunk.spec
-        x0 = chunk.rollout.final[chunk.rows].float()  # [R, *latent]
-        noise = torch.stack(
-            [
-                torch.randn(
-                    x0.shape[1:],
-                    generator=nft_noise_generator(cfg.seed, k.step, k.prompt, k.sample, int(i)),
-                    dtype=torch.float32,
-                )
-                for k, i in zip(chunk.keys, chunk.steps.tolist(), strict=True)
-            ]
-        ).to(x0.device)  # [R, *latent]
-        sigma = spec.sigmas.to(x0.device)[chunk.steps]  # [R]
-        t = sigma.view(-1, *([1] * (x0.ndim - 1)))  # [R, 1, ...]
-        x_t = (1 - t) * x0 + t * noise
+        policy = chunk.policy
+        f = forward_terms(cfg.seed, chunk)  # x_t = (1 - t) x0 + t eps, eps seeded per term
+        x0, x_t, sigma, t = f.x0, f.x_t, f.sigma, f.t
         v_old = policy.old_velocity(x_t, sigma, chunk.cond, chunk.neg, chunk.version)
         v_old = v_old.float().detach()  # the old policy that sampled them (TCSS: behind)
         v = policy.velocity(x_t, sigma, chunk.cond, chunk.neg).float()
