@@ -27,6 +27,7 @@ ALGORITHMS: dict[str, str] = {
     "mixgrpo": "digen.algos.mixgrpo:MixGRPO",
     "mixgrpo-flash": "digen.algos.mixgrpo_flash:MixGRPOFlash",
     "nft": "digen.algos.nft:NFT",
+    "awm": "digen.algos.awm:AWM",
 }
 """``algo.name`` -> ``module:Class`` of its :class:`~digen.algos.base.Algorithm`."""
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)

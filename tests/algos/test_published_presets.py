@@ -324,6 +324,40 @@ MIX_FLASH_FLUX = {
     "rollout.post_compress": 0.4,
 }
 
+# scxue/advantage_weighted_matching config/dgx_awm.py geneval_sd3_no_cfg_1node over
+# config/base_awm.py, run by scripts/train_sd3_awm.py
+AWM_SD3 = {
+    "data.train_batch_size": 72,  # 8 GPUs x train_batch_size 6 x 24 * 24 // 8 // 2 batches / 24
+    "rollout.n": 24,  # num_image_per_prompt
+    "optimizer_steps": 1,  # gradient_accumulation_steps spans the round ("on policy")
+    "rollout.num_inference_steps": 14,  # sample.num_steps
+    "rollout.guidance_scale": 1.0,  # no CFG; train.cfg false
+    "rollout.timestep_fraction": 0.9,  # train.timestep_fraction
+    "rollout.time_input": "sigma",  # timestep * 1000
+    "trained_timesteps": 6,  # train.train_timesteps
+    "model.height": 512,  # resolution
+    "model.width": 512,
+    "eval.num_inference_steps": 40,  # eval_num_steps, determistic
+    "eval.solver": "euler",
+    "algo.kl_coef": 0.001,  # train.beta (0.003 before the repository's last update)
+    "algo.adv_clip_max": 5.0,  # base_awm.py train.adv_clip_max
+    "algo.adv_std": "global",  # sample.global_std
+    "algo.adv_std_unbiased": False,  # stat_tracking.py: np.std
+    "algo.adv_eps": 1e-4,
+    "algo.params.weighting": "ghuber",  # train.weighting
+    "algo.params.ghuber_power": 0.25,
+    "algo.params.advantage_max": 1.0,  # train.advantage_max
+    "algo.params.time_type": "discrete_wo_init",  # time_type
+    "algo.params.kl_weight": "uniform",  # train.kl_weight
+    "train.lr": 3e-4,  # learning_rate (cosine over decay_steps 1e10: constant)
+    "train.weight_decay": 1e-4,
+    "train.max_grad_norm": 1.0,
+    "train.lora_rank": 32,
+    "train.lora_alpha": 64.0,
+    "train.lora_init": "gaussian",
+    "train.lora_targets": SD3_ATTENTION,  # lora_type "attn"
+}
+
 PUBLISHED: dict[tuple[str, str], dict[str, Any]] = {
     ("sd3", "nft"): NFT_SD3,
     ("sd3", "flowgrpo"): FLOWGRPO_SD3,
@@ -337,6 +371,7 @@ PUBLISHED: dict[tuple[str, str], dict[str, Any]] = {
     ("wan", "dancegrpo"): DANCE_WAN,
     ("flux", "mixgrpo"): MIX_FLUX,
     ("flux", "mixgrpo-flash"): MIX_FLASH_FLUX,
+    ("sd3", "awm"): AWM_SD3,
 }
 
 # (published, digen's): what the presets do instead, for the reasons docs/TRAINING.md gives
@@ -354,6 +389,10 @@ DIFFERENT: dict[tuple[str, str], dict[str, tuple[Any, Any]]] = {
     ("wan", "dancegrpo"): {"train.lora_rank": (0, 128), "train.lr": (1e-5, 3e-4)},
     ("flux", "mixgrpo"): {"train.lora_rank": (0, 32), "train.lr": (1e-5, 3e-4)},
     ("flux", "mixgrpo-flash"): {"train.lora_rank": (0, 32), "train.lr": (1e-5, 3e-4)},
+    ("sd3", "awm"): {
+        "model.dtype": ("fp16 autocast", "bfloat16"),  # base_awm.py mixed_precision
+        "rollout.solver": ("SA-Solver, stochasticity 0.4 in [0.3, 0.9]", "dpm2"),
+    },
 }
 
 
@@ -409,3 +448,11 @@ def test_the_published_per_task_configs_are_the_preset_with_their_variant() -> N
     clip = _real("sd3", "flowgrpo", grpo["clipscore"])
     assert (clip.algo.kl_coef, clip.rollout.same_initial_noise) == (0.02, True)
     assert get_algorithm("flowgrpo").variants(get_backbone("flux")) == {}
+
+    awm = get_algorithm("awm").variants(get_backbone("sd3"))
+    # advantage_weighted_matching config/dgx_awm.py ocr_sd3_no_cfg_1node: train.beta 0.003;
+    # pickscore_sd3_no_cfg_1node: 8 * 24 // 8 // 2 batches (24 prompts), beta 1e-4, discrete
+    assert _real("sd3", "awm", awm["ocr"]).algo.kl_coef == 0.003
+    pick = _real("sd3", "awm", awm["pickscore"])
+    assert (pick.data.train_batch_size, pick.algo.kl_coef) == (24, 1e-4)
+    assert (pick.algo.params["time_type"], _value(pick, "optimizer_steps")) == ("discrete", 1)
