@@ -28,6 +28,7 @@ ALGORITHMS: dict[str, str] = {
     "mixgrpo-flash": "digen.algos.mixgrpo_flash:MixGRPOFlash",
     "nft": "digen.algos.nft:NFT",
     "awm": "digen.algos.awm:AWM",
+    "dgpo": "digen.algos.dgpo:DGPO",
 }
 """``algo.name`` -> ``module:Class`` of its :class:`~digen.algos.base.Algorithm`."""
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)

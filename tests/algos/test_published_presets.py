@@ -358,6 +358,45 @@ AWM_SD3 = {
     "train.lora_targets": SD3_ATTENTION,  # lora_type "attn"
 }
 
+# Luo-Yihong/DGPO config/dgpo.py geneval_sd3_4gpu over config/base.py, run by
+# scripts/train_sd3_dgpo.py
+DGPO_SD3 = {
+    "data.train_batch_size": 8,  # num_groups
+    "rollout.n": 16,  # num_image_per_prompt
+    "optimizer_steps": 1,  # gradient_accumulation_steps: "update once per epoch"
+    "rollout.num_inference_steps": 10,  # sample.num_steps
+    "rollout.solver": "dpm2",  # DPMSolverMultistepScheduler, noise_level 0
+    "rollout.shift": 3.0,  # flow_shift
+    "rollout.guidance_scale": 4.5,  # sample.guidance_scale; training predict_v(cfg=False)
+    "rollout.time_input": "int1000",  # the scheduler's integer timesteps
+    "rollout.same_initial_noise": False,  # sample.same_latent
+    "trained_timesteps": 4,  # num_train_timesteps
+    "model.height": 512,
+    "model.width": 512,
+    "eval.num_inference_steps": 14,  # eval_num_steps
+    "eval.solver": "dpm2",
+    "algo.kl_coef": 0.02,  # train.beta
+    "algo.adv_clip_max": 5.0,
+    "algo.adv_std": "group",  # sample.global_std false
+    "algo.adv_std_unbiased": False,
+    "algo.adv_eps": 1e-4,
+    "algo.params.beta_dpo": 100.0,  # train.beta_dpo
+    "algo.params.trunc_steps": 4,
+    "algo.params.clip_range": 0.01,  # clip_range, clip_dsm
+    "algo.params.shared_noise": True,  # use_shared_noise
+    "algo.params.ema_reference": False,  # use_ema_ref
+    "algo.params.decay_start": 1,  # ema_ref decay min(0.3, 0.001 global_step)
+    "algo.params.decay_rate": 0.001,
+    "algo.params.decay_max": 0.3,
+    "train.lr": 3e-4,
+    "train.weight_decay": 1e-4,
+    "train.max_grad_norm": 1.0,
+    "train.lora_rank": 64,
+    "train.lora_alpha": 128.0,
+    "train.lora_init": "gaussian",
+    "train.lora_targets": SD3_ATTENTION,
+}
+
 PUBLISHED: dict[tuple[str, str], dict[str, Any]] = {
     ("sd3", "nft"): NFT_SD3,
     ("sd3", "flowgrpo"): FLOWGRPO_SD3,
@@ -372,6 +411,7 @@ PUBLISHED: dict[tuple[str, str], dict[str, Any]] = {
     ("flux", "mixgrpo"): MIX_FLUX,
     ("flux", "mixgrpo-flash"): MIX_FLASH_FLUX,
     ("sd3", "awm"): AWM_SD3,
+    ("sd3", "dgpo"): DGPO_SD3,
 }
 
 # (published, digen's): what the presets do instead, for the reasons docs/TRAINING.md gives
@@ -392,6 +432,9 @@ DIFFERENT: dict[tuple[str, str], dict[str, tuple[Any, Any]]] = {
     ("sd3", "awm"): {
         "model.dtype": ("fp16 autocast", "bfloat16"),  # base_awm.py mixed_precision
         "rollout.solver": ("SA-Solver, stochasticity 0.4 in [0.3, 0.9]", "dpm2"),
+    },
+    ("sd3", "dgpo"): {
+        "eval.ema": ("0.9, stepped every 8th step", 0.0),  # EMAModuleWrapper(0.9, 8)
     },
 }
 
@@ -456,3 +499,17 @@ def test_the_published_per_task_configs_are_the_preset_with_their_variant() -> N
     pick = _real("sd3", "awm", awm["pickscore"])
     assert (pick.data.train_batch_size, pick.algo.kl_coef) == (24, 1e-4)
     assert (pick.algo.params["time_type"], _value(pick, "optimizer_steps")) == ("discrete", 1)
+
+    dgpo = get_algorithm("dgpo").variants(get_backbone("sd3"))
+    # DGPO config/dgpo.py general_ocr_sd3_4gpu: global std, compressibility's trunc_steps 6
+    ocr = _real("sd3", "dgpo", dgpo["ocr"])
+    assert (ocr.algo.adv_std, ocr.algo.params["trunc_steps"], ocr.algo.kl_coef) == (
+        "global",
+        6,
+        0.02,
+    )
+    # pickscore_sd3_4gpu: 8 groups of 24, beta 0.001, beta_dpo 10, clip_range 5e-2
+    pick = _real("sd3", "dgpo", dgpo["pickscore"])
+    assert (pick.data.train_batch_size, pick.rollout.n, pick.algo.kl_coef) == (8, 24, 0.001)
+    p = pick.algo.params
+    assert (p["beta_dpo"], p["clip_range"], p["trunc_steps"]) == (10.0, 0.05, 6)
