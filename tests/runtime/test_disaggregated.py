@@ -98,6 +98,38 @@ def _assert_same_weights(a: dict, b: dict, *, exact: bool) -> None:
             ["runtime.generators=2", "runtime.schedule.tag=static", "runtime.schedule.tag_k=2"],
             True,
         ),
+        # AWM: clean latents only, sampled with the trained weights; each trained term's
+        # noise seeded by the term, so GAP, TSP and TAG change nothing: the same bits
+        (
+            "sd3",
+            "awm",
+            ["steps=2", "runtime.schedule.tsp_degree=2"],
+            ["runtime.generators=2", "runtime.schedule.tag=static", "runtime.schedule.tag_k=2"],
+            True,
+        ),
+        # DGPO: a group's terms weighed together, so whole groups everywhere (a colocated
+        # micro-batch of the group's 4, prompt-axis micro-batches); the moving-average old
+        # copy, a quarter of the way back to the first step's weights, samples the second
+        # step and anchors its clip: the same bits
+        (
+            "sd3",
+            "dgpo",
+            [
+                "steps=2",
+                "train.micro_batch_size=4",
+                "runtime.schedule.tsp_degree=2",
+                "algo.params.decay_start=0",  # lagging from the first step: d = 0.25
+                "algo.params.decay_rate=0.25",
+                "algo.params.clip_range=0.05",
+            ],
+            [
+                "runtime.generators=2",
+                "runtime.schedule.microbatch_axis=prompt",
+                "runtime.schedule.tag=static",
+                "runtime.schedule.tag_k=2",
+            ],
+            True,
+        ),
         # two data-parallel trainers, weights by broadcast, whole groups, no pipelining;
         # the colocated reference samples whole groups too (one batch shape, the same bits)
         (
