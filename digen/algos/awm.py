@@ -45,6 +45,8 @@ is the same bit for bit in either mode. ``docs/TRAINING.md`` lists the rest.
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import TYPE_CHECKING, Any
 
 from digen.algos.base import Algorithm, ChunkLoss, NoisySteps, Param, TrainChunk
@@ -88,16 +90,32 @@ def _one_of(names: tuple[str, ...]):
     return check
 
 
+def _linspace_f32(start: float, end: float, steps: int) -> list[float]:
+    """``torch.linspace(start, end, steps)`` in fp32, without torch: the first half
+    ``start + step i``, the rest ``end - step (steps - 1 - i)``, each rounded once (a fused
+    multiply-add), ``step`` rounded to fp32; equal to torch's values (tested)."""
+
+    def f32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0]
+
+    start, end = f32(start), f32(end)
+    step = f32((end - start) / (steps - 1))
+    half = steps // 2
+    return [
+        f32(start + step * i) if i < half else f32(end - step * (steps - 1 - i))
+        for i in range(steps)
+    ]
+
+
 def timestep_strata(
     num_steps: int, fraction: float, count: int, time_type: str
 ) -> list[tuple[int, int]]:
     """The ``[lower, upper)`` step-index strata one sample draws its ``count`` timesteps from
-    (one each), as the script's ``torch.linspace(...).long()`` bounds: over
-    ``[lo, int(num_steps * fraction)]`` with ``lo`` 1 (``discrete_wo_init``) or 0
-    (``discrete``); ``discrete_with_init`` is step 0, ``(0, 1)``, then ``count - 1`` strata
-    from 1. A stratum with ``upper <= lower`` is empty (:meth:`AWM.check` refuses those)."""
-    import torch
-
+    (one each), the script's ``torch.linspace(lo, int(num_steps * fraction), count +
+    1).long()`` bounds with ``lo`` 1 (``discrete_wo_init``) or 0 (``discrete``);
+    ``discrete_with_init`` is step 0, ``(0, 1)``, then ``count - 1`` strata from 1. A stratum
+    with ``upper <= lower`` is empty (:meth:`AWM.check` refuses those). No torch: config
+    checks call it."""
     top = int(num_steps * fraction)
     if time_type == "discrete_with_init":
         rest = (
@@ -105,7 +123,7 @@ def timestep_strata(
         )
         return [(0, 1), *rest]
     lo = 1 if time_type == "discrete_wo_init" else 0
-    bounds = torch.linspace(lo, top, steps=count + 1).long().tolist()
+    bounds = [math.trunc(b) for b in _linspace_f32(lo, top, count + 1)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
@@ -230,8 +248,7 @@ class AWM(Algorithm):
             "lr": 3e-4,
             "weight_decay": 1e-4,
             "max_grad_norm": 1.0,
-            "mini_batch_size": None,  # its gradient accumulation spans the round: one step
-        }
+        }  # train.mini_batch_size stays null: its gradient accumulation spans the round
         if backbone.name == "sd3":
             train["lora_targets"] = list(SD3_LORA_TARGETS)  # lora_type "attn"
         return {  # config/dgx_awm.py geneval_sd3_no_cfg_1node

@@ -39,6 +39,18 @@ def test_the_strata_are_the_scripts(time_type: str, want: list[tuple[int, int]])
     assert timestep_strata(14, 0.9, 6, time_type) == want
 
 
+def test_the_strata_bounds_are_torchs_fp32_linspace() -> None:
+    """The script's bounds are ``torch.linspace(...).long()``: fp32 rounding decides a bound
+    that falls on an integer (``linspace(0, 16, 15)[7]`` is 7.9999995, so 7)."""
+    for lo, time_type in [(0, "discrete"), (1, "discrete_wo_init")]:
+        for top in range(lo + 1, 80):
+            for count in range(1, top - lo + 1):
+                want = torch.linspace(lo, top, steps=count + 1).long().tolist()
+                got = timestep_strata(top, 1.0, count, time_type)
+                assert [a for a, _ in got] + [got[-1][1]] == want, (lo, top, count)
+    assert timestep_strata(16, 1.0, 14, "discrete")[6:8] == [(6, 7), (7, 9)]
+
+
 def test_each_sample_draws_one_timestep_per_stratum_seeded() -> None:
     cfg = tiny_config(
         "sd3", "awm", ["rollout.num_inference_steps=14", "algo.params.train_timesteps=6"]
