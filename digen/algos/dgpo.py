@@ -249,11 +249,11 @@ class DGPO(Algorithm):
             "lr": 3e-4,
             "weight_decay": 1e-4,
             "max_grad_norm": 1.0,
-            "mini_batch_size": None,  # "update once per epoch"
             "micro_batch_size": 16,  # a pass holds whole groups
         }
         if backbone.name == "sd3":
             train["lora_targets"] = list(SD3_LORA_TARGETS)
+        # train.mini_batch_size stays null: one optimizer step a round ("update once per epoch")
         return {  # config/dgpo.py geneval_sd3_4gpu with scripts/train_sd3_dgpo.py
             # num_groups 8 of num_image_per_prompt 16 (4 GPUs x 16 images x 2 batches)
             "data": {"train_batch_size": 8},
