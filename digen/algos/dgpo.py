@@ -22,7 +22,7 @@ script trains the per-sample loss
 
     loss = mean(sg(sigma(S_group)) A_i d_i) + kl_coef mean((v - v_ref)^2)
 
-(``sg``: no gradient), whose gradient is ``n / beta_dpo`` times that of the mean of ``L``
+(``sg``: no gradient), whose gradient is ``1 / beta_dpo`` times that of the mean of ``L``
 over the groups and timesteps, and digen trains that one. PPO-style clipping
 (``clip_dsm``): the ratio ``r = exp(d_old - d)`` to an "old" copy of the weights; a term with
 ``A > 0`` and ``r > 1 + c`` or ``A <= 0`` and ``r < 1 - c`` keeps its value but no

@@ -51,7 +51,8 @@ def test_the_group_weight_is_sigmoid_of_the_groups_preference_sum() -> None:
 def test_the_scripts_loss_has_the_gradient_of_the_group_preference() -> None:
     """The paper's objective per group and timestep, ``-log sigma(R(G+) - R(G-))`` with
     ``R(G+) - R(G-) = -S``, has the gradient ``sigma(S) beta / n sum_i A_i grad d_i``; the
-    script's ``mean(sg(sigma(S)) A d)`` over the ``R`` terms is ``n / (beta R)`` times it."""
+    script's ``mean(sg(sigma(S)) A d)`` over the ``R`` terms has ``n / (beta R)`` times the
+    gradient of the sum over the groups (``1 / beta`` times that of their mean)."""
     g = torch.Generator().manual_seed(0)
     n, beta = 4, 25.0
     adv = torch.randn(3 * n, generator=g, dtype=torch.float64)
