@@ -74,6 +74,8 @@ CASES = {
     "dancegrpo": [],
     "mixgrpo": [],
     "nft": [],
+    "awm": [],
+    "dgpo": ["rollout.n=2", "train.micro_batch_size=2"],  # the two samples are a whole group
 }
 
 
