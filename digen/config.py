@@ -733,7 +733,7 @@ class EvalConfig:
     samples: int = 1
     """Images per prompt, each from its own fixed noise (the same at every evaluation)."""
     per_category: int | None = None
-    """Shapes-world prompts only: each category's prompts are taken this many times (cycled when it has fewer, evenly spaced when more; each eval.samples images), so a category with one held-out prompt weighs as much as one with 88; None: every prompt once."""
+    """Shapes-world prompts only: each category's prompts are taken this many times (cycled when it has fewer, evenly spaced when more; each eval.samples images), so a category with one held-out prompt weighs as much as one with 96; None: every prompt once."""
     ema: float = 0.0
     """Evaluate a moving average of the trained weights with this decay instead of the weights that sample: after optimizer step s, ema += (1 - min((1 + s) / (10 + s), ema)) (theta - ema) (DiffusionNFT evaluates one at 0.9, its preset's value); 0: evaluate the sampling weights. In [0, 1)."""
     num_inference_steps: int | None = None

@@ -30,7 +30,7 @@ SHAPES_TASK: dict[str, Any] = {
 """What the pretrained ``shapes`` flavour trains on by default: the shapes world's training
 captions, 4 a step (the tiny flavours' 2 barely move the held-out reward in 30 steps), the
 GenEval-style ``shapes`` reward, and held-out accuracy every 10 steps on 32 images of each
-category (the held-out set has 1 to 88 prompts a category, so one image a prompt would leave
+category (the held-out set has 1 to 96 prompts a category, so one image a prompt would leave
 the single-object figure to 1 image and GenEval's per-category mean to chance). 10 sampling
 steps: at 6 the base model gets few held-out captions right. Guidance 3 against the empty
 prompt (the flavour was pretrained with caption dropout for it), in sampling and evaluation
