@@ -359,10 +359,8 @@ def pretrain(
     step, pieces = 0, []
     if resume:
         state = torch.load(checkpoint, weights_only=False)
-        if state["recipe"] != dataclasses.asdict(recipe):
-            changed = sorted(
-                k for k, v in state["recipe"].items() if dataclasses.asdict(recipe).get(k) != v
-            )
+        changed = _recipe_changes(state["recipe"], recipe)
+        if changed:
             raise ValueError(
                 f"the checkpoint in {out} is of another recipe ({', '.join(changed)} differ); "
                 f"resume with the flags it was started with."
@@ -538,6 +536,16 @@ def compare_to_shipped(
     if recipe_file.is_file():
         report["shipped_eval"] = json.loads(recipe_file.read_text()).get("eval")
     return report
+
+
+def _recipe_changes(saved: dict[str, Any], recipe: Recipe) -> list[str]:
+    """The settings in which ``recipe`` differs from a checkpoint's ``saved`` one; a setting
+    added since the checkpoint was made counts as its default there."""
+    now = dataclasses.asdict(recipe)
+    defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
+    return sorted(
+        {k for k in now if saved.get(k, defaults[k]) != now[k]} | {k for k in saved if k not in now}
+    )
 
 
 def _evaluate_as(recipe: Recipe, out: Path) -> Any:

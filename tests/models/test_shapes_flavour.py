@@ -29,6 +29,7 @@ from digen.run.shapes_pretrain import (
     Recipe,
     Stopped,
     TrainingPairs,
+    _recipe_changes,
     compare_to_shipped,
     pretrain,
 )
@@ -201,6 +202,19 @@ def test_pretraining_in_pieces_ends_with_the_weights_of_one_unbroken_run(tmp_pat
             pretrain(other, tmp_path / "c", log=log, resume=True)
         with pytest.raises(ValueError, match="pass --resume"):
             pretrain(recipe, tmp_path / "c", log=log)
+
+
+def test_a_checkpoint_of_an_older_recipe_resumes_when_only_new_settings_keep_their_defaults() -> (
+    None
+):
+    recipe = Recipe(steps=10, tokens="words")
+    saved = dataclasses.asdict(recipe)
+    assert _recipe_changes(saved, recipe) == []
+    older = {k: v for k, v in saved.items() if k != "tokens"}  # made before tokens existed
+    assert _recipe_changes(older, dataclasses.replace(recipe, tokens="bytes")) == []
+    assert _recipe_changes(older, recipe) == ["tokens"]  # not the default: another recipe
+    assert _recipe_changes({**saved, "lr": 1.0}, recipe) == ["lr"]
+    assert _recipe_changes({**saved, "gone": 3}, recipe) == ["gone"]
 
 
 def test_sigterm_ends_a_pretraining_piece_with_a_checkpoint(tmp_path: Path) -> None:
