@@ -212,14 +212,17 @@ def evaluate_model(
     per_category: int = 16,
     seed: int = 0,
     prompt_sets: Sequence[str] = ("heldout", "train"),
+    lora: str | Path | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, torch.Tensor]]:
-    """Strict accuracy per category of the pipeline at ``path``, loaded as digen loads it.
+    """Strict accuracy per category of the pipeline at ``path``, loaded as digen loads it
+    (with the LoRA a run saved, ``<run>/lora``, loaded onto it when ``lora`` names one).
 
     For each prompt set, up to 8 prompts per category (a fixed choice) and
     ``per_category`` samples spread over them; deterministic sampling from
     :func:`~digen.seeding.eval_generator` noise with ``steps`` Euler steps of the model's
     scheduler and classifier-free guidance ``guidance`` against the empty prompt. Returns
-    the accuracies and the images ``uint8 [B, 1, H, W, 3]`` per prompt set.
+    the accuracies and the images ``uint8 [B, 1, H, W, 3]`` per prompt set
+    (:func:`evaluation_prompts` gives their prompts).
     """
     from digen.algos.rollout import SamplerSpec, sample_rollout
     from digen.models import get_adapter_class
@@ -230,19 +233,15 @@ def evaluate_model(
 
     with no_loading_bars():
         adapter = get_adapter_class(model_of_dir(path)).from_pretrained(path)
+        if lora is not None:
+            adapter.pipe.load_lora_weights(str(lora))
     spec = SamplerSpec(
         sigmas=adapter.sigmas(steps), window=(), stochastic=(), guidance_scale=guidance
     )
-    train, held_out = split_prompts()
-    pick = np.random.default_rng(1234)
     results, images = {}, {}
+    chosen = evaluation_prompts(per_category)
     for name in prompt_sets:
-        pool = held_out if name == "heldout" else train
-        prompts = []
-        for c in CATEGORIES:
-            mine = [p for p in pool if parse(p).category == c]
-            chosen = [mine[i] for i in sorted(pick.permutation(len(mine))[:8])]
-            prompts += [chosen[j % len(chosen)] for j in range(per_category)]
+        prompts = chosen[name]
         keys = [(i, 0) for i in range(len(prompts))]
         with torch.no_grad():
             cond = adapter.encode_prompts(prompts)
@@ -253,6 +252,22 @@ def evaluate_model(
         results[name] = accuracy(evaluate(pixels, prompts))
         images[name] = pixels
     return results, images
+
+
+def evaluation_prompts(per_category: int) -> dict[str, list[str]]:
+    """The prompts :func:`evaluate_model` samples, per prompt set (``heldout``, ``train``):
+    up to 8 captions of each category (a fixed choice), cycled to ``per_category``."""
+    train, held_out = split_prompts()
+    pick = np.random.default_rng(1234)
+    out = {}
+    for name, pool in (("heldout", held_out), ("train", train)):
+        prompts = []
+        for c in CATEGORIES:
+            mine = [p for p in pool if parse(p).category == c]
+            chosen = [mine[i] for i in sorted(pick.permutation(len(mine))[:8])]
+            prompts += [chosen[j % len(chosen)] for j in range(per_category)]
+        out[name] = prompts
+    return out
 
 
 def save_grid(path: Path, pixels: torch.Tensor, columns: int = 16) -> None:

@@ -1,0 +1,168 @@
+"""A labelled set of the shapes model's own samples, and the reward's agreement with it.
+
+The shapes reward reads images the way :mod:`digen.rewards.shapes` says; whether that is
+how a person reads the blocky, stretched, touching shapes a small model draws is measured
+against samples labelled by hand:
+
+    python benchmarks/shapes_labels.py sample --model DIR [--lora DIR] --name base \\
+        --per-category 32 --out tests/data/shapes_labels
+    python benchmarks/shapes_labels.py sheets --out tests/data/shapes_labels --to /tmp/sheets
+    python benchmarks/shapes_labels.py agree --out tests/data/shapes_labels
+
+``sample`` draws held-out and training captions (``per-category`` of each category from
+each set) from the weights with the evaluation's fixed noise and settings, and appends the
+32 px images to ``<name>.png`` (one row of tiles per 16 images) and their captions to
+``samples.jsonl``. ``sheets`` draws the tiles 8 times larger with their index and caption,
+24 to a sheet, for labelling by eye (the reader's reading is not shown). Labels go to
+``labels.jsonl``, one line per image::
+
+    {"set": "base", "i": 17, "objects": ["red square", "blue ?"], "meets": false}
+
+``objects``: every object a person sees, as colour and shape (``?`` for a blob that is no
+circle, square or triangle); ``meets``: whether the image meets its caption by GenEval's
+rule as a person judges it. ``agree`` reads every labelled image with the reward and reports
+how often its objects (as a multiset of colour and shape) and its verdict equal the label's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+COLUMNS = 16
+SIDE = 32
+
+
+def _tiles(path: Path) -> np.ndarray:
+    """``[N, 32, 32, 3]`` uint8 from an atlas PNG (tiles in rows of 16, no gaps)."""
+    from PIL import Image
+
+    atlas = np.asarray(Image.open(path).convert("RGB"))
+    rows, cols = atlas.shape[0] // SIDE, atlas.shape[1] // SIDE
+    tiles = atlas.reshape(rows, SIDE, cols, SIDE, 3).transpose(0, 2, 1, 3, 4)
+    return tiles.reshape(rows * cols, SIDE, SIDE, 3)
+
+
+def _write_atlas(path: Path, tiles: np.ndarray) -> None:
+    from PIL import Image
+
+    n = len(tiles)
+    rows = math.ceil(n / COLUMNS)
+    canvas = np.full((rows * COLUMNS, SIDE, SIDE, 3), 255, dtype=np.uint8)
+    canvas[:n] = tiles
+    grid = canvas.reshape(rows, COLUMNS, SIDE, SIDE, 3).transpose(0, 2, 1, 3, 4)
+    Image.fromarray(grid.reshape(rows * SIDE, COLUMNS * SIDE, 3)).save(path, optimize=True)
+
+
+def load(out: Path) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """The sets' tiles by name, and every sample's record (``set``, ``i``, ``caption``)."""
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    names = sorted({r["set"] for r in records})
+    return {n: _tiles(out / f"{n}.png") for n in names}, records
+
+
+def sample(args: argparse.Namespace) -> None:
+    from digen.run.shapes_pretrain import evaluate_model, evaluation_prompts
+
+    results, images = evaluate_model(
+        args.model,
+        steps=args.steps,
+        guidance=args.guidance,
+        per_category=args.per_category,
+        seed=args.seed,
+        lora=args.lora,
+    )
+    chosen = evaluation_prompts(args.per_category)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    tiles, records = [], []
+    for split in ("heldout", "train"):
+        pixels = images[split]
+        for k, prompt in enumerate(chosen[split]):
+            records.append({"set": args.name, "i": len(tiles), "split": split, "caption": prompt})
+            tiles.append(pixels[k, 0].numpy())
+    _write_atlas(out / f"{args.name}.png", np.stack(tiles))
+    with (out / "samples.jsonl").open("a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    print(json.dumps({"set": args.name, "images": len(tiles), "accuracy": results}))
+
+
+def sheets(args: argparse.Namespace) -> None:
+    from PIL import Image, ImageDraw
+
+    sets, records = load(args.out)
+    args.to.mkdir(parents=True, exist_ok=True)
+    scale, per_sheet, cols = 8, 24, 6
+    cell_w, cell_h = SIDE * scale + 8, SIDE * scale + 36
+    for start in range(0, len(records), per_sheet):
+        chunk = records[start : start + per_sheet]
+        rows = math.ceil(len(chunk) / cols)
+        sheet = Image.new("RGB", (cols * cell_w, rows * cell_h), (128, 128, 128))
+        draw = ImageDraw.Draw(sheet)
+        for j, r in enumerate(chunk):
+            tile = Image.fromarray(sets[r["set"]][r["i"]]).resize(
+                (SIDE * scale, SIDE * scale), Image.NEAREST
+            )
+            x, y = (j % cols) * cell_w + 4, (j // cols) * cell_h + 4
+            sheet.paste(tile, (x, y))
+            draw.text((x, y + SIDE * scale + 2), f"{r['set']} {r['i']}", fill=(255, 255, 255))
+            draw.text((x, y + SIDE * scale + 16), r["caption"][:44], fill=(255, 255, 255))
+        sheet.save(args.to / f"sheet-{start // per_sheet:03d}.png")
+    print(f"{math.ceil(len(records) / per_sheet)} sheets in {args.to}")
+
+
+def agreement(out: Path) -> dict[str, float]:
+    """How often the reward reads a labelled image as its label does: its objects (colour
+    and shape, as a multiset) and its verdict; over every labelled image."""
+    from digen.rewards.shapes import find_objects
+    from digen.shapes import check, parse
+
+    sets, records = load(out)
+    caption = {(r["set"], r["i"]): r["caption"] for r in records}
+    labels = [json.loads(line) for line in (out / "labels.jsonl").read_text().splitlines()]
+    same_objects = same_verdict = 0
+    for label in labels:
+        frame = sets[label["set"]][label["i"]]
+        found = find_objects(frame)
+        read = Counter(f"{o.colour} {o.shape or '?'}" for o in found)
+        same_objects += read == Counter(label["objects"])
+        met = all(r.met for r in check(parse(caption[label["set"], label["i"]]), found))
+        same_verdict += met == label["meets"]
+    n = len(labels)
+    return {"images": n, "objects": same_objects / n, "verdict": same_verdict / n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python benchmarks/shapes_labels.py")
+    sub = ap.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sample", help="sample images to label")
+    s.add_argument("--model", type=Path, required=True)
+    s.add_argument("--lora", type=Path, default=None)
+    s.add_argument("--name", required=True)
+    s.add_argument("--per-category", type=int, default=16)
+    s.add_argument("--steps", type=int, default=10)
+    s.add_argument("--guidance", type=float, default=3.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", type=Path, required=True)
+    h = sub.add_parser("sheets", help="contact sheets for labelling by eye")
+    h.add_argument("--out", type=Path, required=True)
+    h.add_argument("--to", type=Path, required=True)
+    a = sub.add_parser("agree", help="the reward's agreement with the labels")
+    a.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if args.command == "sample":
+        sample(args)
+    elif args.command == "sheets":
+        sheets(args)
+    else:
+        print(json.dumps(agreement(args.out)))
+
+
+if __name__ == "__main__":
+    main()
