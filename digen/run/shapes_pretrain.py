@@ -116,6 +116,9 @@ class Recipe:
     the 2 px steps the images are then drawn in)."""
     balanced: bool = True
     """Draw a category first, then a caption (else captions uniformly)."""
+    mix: str = ""
+    """With ``balanced``: how often each category is drawn, relative to the others, as
+    ``position=3,color_attr=2`` (categories not named: 1); empty: all alike."""
     eval_every: int = 0
     """Evaluate every this many steps (0: only at the end)."""
     eval_steps: int = 20
@@ -134,6 +137,7 @@ class Recipe:
             raise ValueError(f"model {self.model!r}: choose flux or sd3.")
         if self.tokens not in ("bytes", "words"):
             raise ValueError(f"tokens {self.tokens!r}: choose bytes or words.")
+        category_mix(self.mix)
 
     def model_kwargs(self) -> dict[str, Any]:
         """What the backbone's ``build_shapes_components`` takes."""
@@ -153,21 +157,54 @@ class Recipe:
         }
 
 
+def category_mix(mix: str) -> list[float] | None:
+    """The relative weights ``mix`` (``position=3,color_attr=2``) gives each category, in
+    :data:`CATEGORIES` order; ``None`` for an empty ``mix`` (all alike)."""
+    if not mix.strip():
+        return None
+    weights = dict.fromkeys(CATEGORIES, 1.0)
+    for part in mix.split(","):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in weights:
+            raise ValueError(
+                f"mix {part.strip()!r}: write category=weight, the categories being "
+                f"{', '.join(CATEGORIES)}."
+            )
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise ValueError(f"mix {part.strip()!r}: {value.strip()!r} is not a number.") from None
+        if not weights[name] >= 0:
+            raise ValueError(f"mix {part.strip()!r}: a weight must be 0 or more.")
+    total = sum(weights.values())
+    if total <= 0:
+        raise ValueError(f"mix {mix!r}: at least one category needs a positive weight.")
+    return [weights[c] / total for c in CATEGORIES]
+
+
 class TrainingPairs:
     """(image, caption) pairs of the shapes world's training captions, from one seeded
     numpy Generator: the same seed gives the same stream."""
 
-    def __init__(self, seed: int, *, balanced: bool = True, resolution: int = 32) -> None:
+    def __init__(
+        self, seed: int, *, balanced: bool = True, mix: str = "", resolution: int = 32
+    ) -> None:
         train, _ = split_prompts()
         self.captions = train
         self.by_category = {c: [p for p in train if parse(p).category == c] for c in CATEGORIES}
         self.specs = {p: parse(p) for p in train}
         self.balanced = balanced
+        self.weights = category_mix(mix)
         self.resolution = resolution
         self.rng = np.random.default_rng(seed)
 
     def caption(self) -> str:
-        if self.balanced:
+        if self.balanced and self.weights is not None:
+            pool = self.by_category[
+                CATEGORIES[int(self.rng.choice(len(CATEGORIES), p=self.weights))]
+            ]
+        elif self.balanced:
             pool = self.by_category[CATEGORIES[int(self.rng.integers(len(CATEGORIES)))]]
         else:
             pool = self.captions
@@ -364,7 +401,7 @@ def pretrain(
     opt = torch.optim.AdamW(
         params, lr=recipe.lr, betas=(0.9, 0.99), weight_decay=recipe.weight_decay
     )
-    data = TrainingPairs(recipe.seed, balanced=recipe.balanced)
+    data = TrainingPairs(recipe.seed, balanced=recipe.balanced, mix=recipe.mix)
     noise_gen = torch.Generator().manual_seed(recipe.seed + 1)
     drop_gen = np.random.default_rng(recipe.seed + 2)
     shift_factor, scaling = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor

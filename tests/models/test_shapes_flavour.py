@@ -13,8 +13,10 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,10 +32,11 @@ from digen.run.shapes_pretrain import (
     Stopped,
     TrainingPairs,
     _recipe_changes,
+    category_mix,
     compare_to_shipped,
     pretrain,
 )
-from digen.shapes import CATEGORIES, split_prompts
+from digen.shapes import CATEGORIES, parse, split_prompts
 
 SMALL = {"width": 32, "heads": 2, "double_layers": 1, "single_layers": 1, "text_width": 32}
 SMALL_SD3 = {"width": 32, "heads": 2, "layers": 1, "text_width": 32}
@@ -107,6 +110,39 @@ def test_training_pairs_use_training_captions_only_and_repeat_from_a_seed() -> N
     assert ca == cb and torch.equal(xa, xb)
     assert not set(ca) & set(held_out)
     assert xa.shape == (64, 3, 32, 32) and xa.min() >= -1 and xa.max() <= 1
+
+
+def test_a_category_mix_draws_categories_at_its_weights() -> None:
+    pairs = TrainingPairs(5, mix="position=3,color_attr=2")
+    n = 9000
+    drawn = Counter(parse(pairs.caption()).category for _ in range(n))
+    weights = {c: 1.0 for c in CATEGORIES} | {"position": 3.0, "color_attr": 2.0}
+    for c in CATEGORIES:
+        p = weights[c] / sum(weights.values())
+        # 5 binomial standard deviations: a wrong weight (off by 1 in 9) is 15 away or more
+        assert abs(drawn[c] - n * p) <= 5 * (n * p * (1 - p)) ** 0.5, (c, drawn)
+    assert category_mix("") is None
+    assert category_mix("position=0, colors=2") == [1 / 6, 1 / 6, 1 / 6, 2 / 6, 0.0, 1 / 6]
+    # an empty mix keeps the plain balanced draw's stream, so older recipes repeat exactly
+    plain, rng = TrainingPairs(5, mix=""), np.random.default_rng(5)
+    for _ in range(50):
+        pool = plain.by_category[CATEGORIES[int(rng.integers(len(CATEGORIES)))]]
+        assert plain.caption() == pool[int(rng.integers(len(pool)))]
+
+
+@pytest.mark.parametrize(
+    ("mix", "why"),
+    [
+        ("posit=2", "write category=weight"),
+        ("position", "write category=weight"),
+        ("position=x", "is not a number"),
+        ("position=-1", "0 or more"),
+        (",".join(f"{c}=0" for c in CATEGORIES), "positive weight"),
+    ],
+)
+def test_a_bad_category_mix_is_one_sentence(mix: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        Recipe(steps=1, mix=mix)
 
 
 @pytest.mark.parametrize("model", SHAPES_MODELS)
