@@ -19,8 +19,9 @@ each set) from the weights with the evaluation's fixed noise and settings, and a
     {"set": "base", "i": 17, "objects": ["red square", "blue ?"], "meets": false}
 
 ``objects``: every object a person sees, as colour and shape (``?`` for a blob that is no
-circle, square or triangle); ``meets``: whether the image meets its caption by GenEval's
-rule as a person judges it. ``agree`` reads every labelled image with the reward and reports
+circle, square or triangle; ``red square|circle`` for one a person could name either way;
+a leading ``~`` for a speck a person could as well overlook); ``meets``: whether the image meets its caption by GenEval's
+rule as a person judges it (``null`` where the undecided shapes decide it). ``agree`` reads every labelled image with the reward and reports
 how often its objects (as a multiset of colour and shape) and its verdict equal the label's.
 """
 
@@ -29,8 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -117,25 +118,66 @@ def sheets(args: argparse.Namespace) -> None:
     print(f"{math.ceil(len(records) / per_sheet)} sheets in {args.to}")
 
 
-def agreement(out: Path) -> dict[str, float]:
+def readings(label: str) -> tuple[str, frozenset[str], bool]:
+    """A labelled object, ``"red square"`` or ``"red square|circle"`` (a blob a person could
+    name either way; ``?``: no circle, square or triangle), with a leading ``~`` when it is
+    a speck a person could as well overlook: its colour, the shapes it may be read as
+    (``?`` kept as ``?``) and whether it must be read."""
+    required = not label.startswith("~")
+    colour, _, shapes = label.lstrip("~").partition(" ")
+    return colour, frozenset(shapes.split("|")), required
+
+
+def objects_agree(read: list[tuple[str, str]], labelled: list[str]) -> bool:
+    """Whether the reader's objects ``(colour, shape or "?")`` pair off one to one with the
+    labelled ones, each read as one of the readings its label allows; a label marked ``~``
+    may go unread."""
+    allowed = [readings(label) for label in labelled]
+
+    def match(k: int, free: frozenset[int]) -> bool:
+        if k == len(read):
+            return not any(allowed[j][2] for j in free)
+        colour, shape = read[k]
+        return any(
+            allowed[j][0] == colour and shape in allowed[j][1] and match(k + 1, free - {j})
+            for j in free
+        )
+
+    return match(0, frozenset(range(len(labelled))))
+
+
+def agreement(out: Path, options: Any = None) -> dict[str, Any]:
     """How often the reward reads a labelled image as its label does: its objects (colour
-    and shape, as a multiset) and its verdict; over every labelled image."""
+    and shape, paired one to one, a label's alternatives each allowed) over every labelled
+    image, and its verdict over the images whose label gives one (``meets`` not null)."""
     from digen.rewards.shapes import find_objects
     from digen.shapes import check, parse
 
     sets, records = load(out)
     caption = {(r["set"], r["i"]): r["caption"] for r in records}
     labels = [json.loads(line) for line in (out / "labels.jsonl").read_text().splitlines()]
-    same_objects = same_verdict = 0
+    same_objects = same_verdict = decided = 0
+    misread = []
     for label in labels:
         frame = sets[label["set"]][label["i"]]
-        found = find_objects(frame)
-        read = Counter(f"{o.colour} {o.shape or '?'}" for o in found)
-        same_objects += read == Counter(label["objects"])
+        found = find_objects(frame, options)
+        read = [(o.colour, o.shape or "?") for o in found]
+        agree = objects_agree(read, label["objects"])
+        same_objects += agree
         met = all(r.met for r in check(parse(caption[label["set"], label["i"]]), found))
-        same_verdict += met == label["meets"]
+        if label["meets"] is not None:
+            decided += 1
+            same_verdict += met == label["meets"]
+        if not agree or (label["meets"] is not None and met != label["meets"]):
+            misread.append((label["set"], label["i"]))
     n = len(labels)
-    return {"images": n, "objects": same_objects / n, "verdict": same_verdict / n}
+    return {
+        "images": n,
+        "objects": same_objects / n,
+        "verdicts": decided,
+        "verdict": same_verdict / max(decided, 1),
+        "misread": misread,
+    }
 
 
 def main() -> None:

@@ -34,6 +34,52 @@ def run_config(cfg: DigenConfig, out_dir: Path | None, **kwargs: Any) -> RunResu
     return asyncio.run(DigenRunner(cfg, out_dir=out_dir, progress=False, **kwargs).run())
 
 
+def short_tiny_run(out: Path, algo: str, steps: int = 2) -> list[dict[str, Any]]:
+    """``digen run`` of the tiny FLUX with ``algo`` for ``steps`` steps of 4 sampling steps
+    into ``out``, as a user types it; checks that it exits cleanly and says it finished, and
+    returns its metrics rows."""
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    args = ["run", "--model", "flux", "--algo", algo, "--steps", str(steps), "--out", str(out)]
+    args += ["--quiet", "model.flavour=tiny", "rollout.num_inference_steps=4"]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    assert summary["steps"] == steps and summary["interrupted"] is False
+    return read_jsonl(out / "metrics.jsonl")
+
+
+def accumulate_with_tsp_alike(
+    policy: Any, item: Any, scale: float
+) -> tuple[Any, Any, list[torch.Tensor]]:
+    """Accumulate ``item``'s gradient on ``policy`` timestep by timestep (TSP 1) and with
+    TSP 2, check that both give the same gradient, clear it, and return both stats and the
+    gradient (one tensor per parameter)."""
+    stats = policy.accumulate(item, scale, tsp_degree=1)
+    got = [p.grad.clone() for p in policy.params]
+    policy.optimizer.zero_grad(set_to_none=True)
+    stats_tsp = policy.accumulate(item, scale, tsp_degree=2)
+    for a, b in zip(got, [p.grad.clone() for p in policy.params], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    policy.optimizer.zero_grad(set_to_none=True)
+    return stats, stats_tsp, got
+
+
+def old_policy_model(policy: Any) -> torch.nn.Module:
+    """A copy of ``policy``'s transformer holding its old-policy weights, to evaluate as a
+    model of its own (as the published scripts keep one)."""
+    import copy
+
+    old_model = copy.deepcopy(policy.adapter.transformer)
+    with torch.no_grad():
+        named = dict(old_model.named_parameters())
+        for (name, _), o in zip(policy.synced_parameters(), policy.old, strict=True):
+            named[name].copy_(o)
+    return old_model
+
+
 def flat_runtime(plain: Mapping[str, Any]) -> dict[str, Any]:
     """A config as plain data (``config_to_dict``) with its ``runtime`` laid out as runs
     before the runtime sections wrote it: every key of that layout directly under

@@ -5,16 +5,13 @@ gradient, the direction a step moves, the settings refused, and a short run."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from helpers import tiny_config
+from helpers import accumulate_with_tsp_alike, short_tiny_run, tiny_config
 
-from cli.main import main
 from digen.algos.awm import matching_loss, timestep_strata
 from digen.algos.rollout import Rollout
 from digen.errors import DigenError
@@ -160,13 +157,7 @@ def test_the_loss_and_its_gradient_are_the_published_ones(kl_weight: str) -> Non
     assert all(len(p) == 2 for p in positions) and len({tuple(p) for p in positions}) > 1
 
     # what digen accumulates, timestep by timestep and with TSP 2: the same gradient
-    stats = policy.accumulate(item, 1.0 / n_terms, tsp_degree=1)
-    got = [p.grad.clone() for p in policy.params]
-    policy.optimizer.zero_grad(set_to_none=True)
-    policy.accumulate(item, 1.0 / n_terms, tsp_degree=2)
-    for a, b in zip(got, [p.grad.clone() for p in policy.params], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
-    policy.optimizer.zero_grad(set_to_none=True)
+    stats, _, got = accumulate_with_tsp_alike(policy, item, 1.0 / n_terms)
 
     # the published loss, written out with the models evaluated as the script does
     cond = policy.conditioning(["a red square"])
@@ -251,14 +242,7 @@ def test_bad_settings_are_refused(overrides: list[str], match: str) -> None:
 
 @pytest.mark.slow
 def test_a_short_colocated_run(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    args = ["run", "--model", "flux", "--algo", "awm", "--steps", "2", "--out", str(out)]
-    args += ["--quiet", "model.flavour=tiny", "rollout.num_inference_steps=4"]
-    res = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    summary = json.loads(res.output.strip().splitlines()[-1])
-    assert summary["steps"] == 2 and summary["interrupted"] is False
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = short_tiny_run(tmp_path / "out", "awm")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["loss"]) and r["kl"] > 0 for r in rows)
     assert rows[0]["samples"] == 16 and rows[0]["optimizer_steps"] == 2

@@ -4,14 +4,13 @@ old policy's schedule, and what generators sample with."""
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import accumulate_with_tsp_alike, old_policy_model, tiny_config
 
 from digen.algos.nft import old_decay
 from digen.algos.rollout import Rollout
@@ -145,20 +144,10 @@ def test_the_loss_and_its_gradient_are_the_published_ones() -> None:
     n_terms = sum(len(p) for p in positions)
     assert all(len(p) == 3 for p in positions)  # int(4 * 0.99) of the 4 sampler steps
     assert len({tuple(p) for p in positions}) > 1  # each sample its own subset
-    stats = policy.accumulate(item, 1.0 / n_terms, tsp_degree=1)
-    got = [p.grad.clone() for p in policy.params]
-    policy.optimizer.zero_grad(set_to_none=True)
-    stats_tsp = policy.accumulate(item, 1.0 / n_terms, tsp_degree=2)
-    for a, b in zip(got, [p.grad.clone() for p in policy.params], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
-    policy.optimizer.zero_grad(set_to_none=True)
+    stats, stats_tsp, got = accumulate_with_tsp_alike(policy, item, 1.0 / n_terms)
 
     # the published loss, written out: models evaluated as the official script does
-    old_model = copy.deepcopy(policy.adapter.transformer)
-    with torch.no_grad():
-        named = dict(old_model.named_parameters())
-        for (name, _), o in zip(policy.synced_parameters(), policy.old, strict=True):
-            named[name].copy_(o)
+    old_model = old_policy_model(policy)
     live = policy.adapter.transformer
     cond = policy.conditioning([prompt])
     sigmas = policy.sigmas
