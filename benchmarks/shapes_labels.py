@@ -20,9 +20,16 @@ each set) from the weights with the evaluation's fixed noise and settings, and a
 
 ``objects``: every object a person sees, as colour and shape (``?`` for a blob that is no
 circle, square or triangle; ``red square|circle`` for one a person could name either way;
-a leading ``~`` for a speck a person could as well overlook); ``meets``: whether the image meets its caption by GenEval's
-rule as a person judges it (``null`` where the undecided shapes decide it). ``agree`` reads every labelled image with the reward and reports
-how often its objects (as a multiset of colour and shape) and its verdict equal the label's.
+a leading ``~`` for a speck a person could as well overlook); ``meets``: whether the image
+meets its caption by GenEval's rule as a person judges it (``null`` where the shapes a
+person leaves open decide it). ``agree`` reads every labelled image with the reward and
+reports how often its objects pair off with the label's (colour and an allowed shape, one
+to one) and, where the label gives one, how often its verdict is the label's. The images
+labelled so far are the shapes FLUX's, as shipped before its pretraining on the pair split
+(``v1-base``: 96 held-out and 96 training captions, 16 of each category, 10 Euler steps,
+guidance 3); on them the reader agrees on the objects of 71 % and the verdicts of 90 %.
+The blobs of that model are rough, and 29 of the 192 verdicts turn on a shape a person
+could name either way.
 """
 
 from __future__ import annotations
