@@ -272,13 +272,14 @@ def test_named_objects_are_the_most_confident_detections_as_in_geneval() -> None
 # --------------------------------------------------------------------------- scenes
 
 
+@pytest.mark.parametrize("layout", ["free", "ordered"])
 @pytest.mark.parametrize("resolution", [32, 64])
-def test_scenes_for_captions_meet_them_and_keep_apart(resolution: int) -> None:
+def test_scenes_for_captions_meet_them_and_keep_apart(resolution: int, layout: str) -> None:
     g = geometry(resolution)
     rng = np.random.default_rng(resolution)
     for spec in SPECS:
         for _ in range(3):
-            scene = scene_for(spec, rng, resolution)
+            scene = scene_for(spec, rng, resolution, layout)
             assert all(r.met for r in check(spec, scene.objects)), caption(spec)
             assert len(scene.objects) == sum(o.count for o in spec.objects)
             for i, a in enumerate(scene.objects):
@@ -289,6 +290,36 @@ def test_scenes_for_captions_meet_them_and_keep_apart(resolution: int) -> None:
                     apart_x = b.left >= a.left + a.size + g.gap or a.left >= b.left + b.size + g.gap
                     apart_y = b.top >= a.top + a.size + g.gap or a.top >= b.top + b.size + g.gap
                     assert apart_x or apart_y
+
+
+@pytest.mark.parametrize("resolution", [32, 64])
+def test_ordered_scenes_put_each_object_in_the_half_its_words_name(resolution: int) -> None:
+    half = resolution / 2
+    rng = np.random.default_rng(11)
+    expected = {  # (axis, the first named object's side) by relation; None: no relation
+        None: ("x", "low"),
+        "left of": ("x", "low"),
+        "right of": ("x", "high"),
+        "above": ("y", "low"),
+        "below": ("y", "high"),
+    }
+    seen = set()
+    for spec in all_specs():
+        if len(spec.objects) != 2:
+            continue
+        axis, side = expected[spec.relation]
+        scene = scene_for(spec, rng, resolution, "ordered")
+        a, b = scene.objects
+        assert (a.shape, b.shape) == tuple(o.shape for o in spec.objects)
+        start = {"x": lambda o: o.left, "y": lambda o: o.top}[axis]
+        low, high = (a, b) if side == "low" else (b, a)
+        assert start(low) + low.size <= half - 1 and start(high) >= half + 1, caption(spec)
+        # the other axis is left free: over the world's captions both halves are used
+        across = {"x": lambda o: o.top, "y": lambda o: o.left}[axis]
+        seen.add((spec.relation, across(a) + a.size / 2 < half))
+    assert len(seen) == 2 * len(expected)
+    with pytest.raises(ValueError, match="choose one of free, ordered"):
+        scene_for(parse("a circle"), rng, resolution, "tidy")
 
 
 def test_scenes_are_seeded_and_vary() -> None:

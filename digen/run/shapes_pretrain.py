@@ -60,7 +60,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from digen.shapes import CATEGORIES, parse, render, scene_for, split_prompts, vocabulary
+from digen.shapes import (
+    CATEGORIES,
+    LAYOUTS,
+    parse,
+    render,
+    scene_for,
+    split_prompts,
+    vocabulary,
+)
 
 __all__ = [
     "Recipe",
@@ -119,6 +127,10 @@ class Recipe:
     mix: str = ""
     """With ``balanced``: how often each category is drawn, relative to the others, as
     ``position=3,color_attr=2`` (categories not named: 1); empty: all alike."""
+    layout: str = "free"
+    """Where the two objects of a two-object caption go (:func:`~digen.shapes.scene_for`):
+    ``free`` (anywhere the caption allows) or ``ordered`` (in the halves the caption's word
+    order names)."""
     eval_every: int = 0
     """Evaluate every this many steps (0: only at the end)."""
     eval_steps: int = 20
@@ -137,6 +149,10 @@ class Recipe:
             raise ValueError(f"model {self.model!r}: choose flux or sd3.")
         if self.tokens not in ("bytes", "words"):
             raise ValueError(f"tokens {self.tokens!r}: choose bytes or words.")
+        if self.mix and not self.balanced:
+            raise ValueError("a category mix needs balanced drawing; drop one of the two.")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r}: choose one of {', '.join(LAYOUTS)}.")
         category_mix(self.mix)
 
     def model_kwargs(self) -> dict[str, Any]:
@@ -188,7 +204,13 @@ class TrainingPairs:
     numpy Generator: the same seed gives the same stream."""
 
     def __init__(
-        self, seed: int, *, balanced: bool = True, mix: str = "", resolution: int = 32
+        self,
+        seed: int,
+        *,
+        balanced: bool = True,
+        mix: str = "",
+        layout: str = "free",
+        resolution: int = 32,
     ) -> None:
         train, _ = split_prompts()
         self.captions = train
@@ -196,6 +218,7 @@ class TrainingPairs:
         self.specs = {p: parse(p) for p in train}
         self.balanced = balanced
         self.weights = category_mix(mix)
+        self.layout = layout
         self.resolution = resolution
         self.rng = np.random.default_rng(seed)
 
@@ -214,7 +237,10 @@ class TrainingPairs:
         """``n`` pairs: images ``[n, 3, H, W]`` in ``[-1, 1]`` and their captions."""
         captions = [self.caption() for _ in range(n)]
         images = np.stack(
-            [render(scene_for(self.specs[c], self.rng, self.resolution)) for c in captions]
+            [
+                render(scene_for(self.specs[c], self.rng, self.resolution, self.layout))
+                for c in captions
+            ]
         )  # [n, H, W, 3] uint8
         x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # [n, 3, H, W]
         return x, captions
@@ -401,7 +427,9 @@ def pretrain(
     opt = torch.optim.AdamW(
         params, lr=recipe.lr, betas=(0.9, 0.99), weight_decay=recipe.weight_decay
     )
-    data = TrainingPairs(recipe.seed, balanced=recipe.balanced, mix=recipe.mix)
+    data = TrainingPairs(
+        recipe.seed, balanced=recipe.balanced, mix=recipe.mix, layout=recipe.layout
+    )
     noise_gen = torch.Generator().manual_seed(recipe.seed + 1)
     drop_gen = np.random.default_rng(recipe.seed + 2)
     shift_factor, scaling = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
@@ -666,7 +694,11 @@ def _parser() -> argparse.ArgumentParser:
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type]
-            choices = {"model": ("flux", "sd3"), "tokens": ("bytes", "words")}.get(f.name)
+            choices = {
+                "model": ("flux", "sd3"),
+                "tokens": ("bytes", "words"),
+                "layout": LAYOUTS,
+            }.get(f.name)
             ap.add_argument(
                 flag, type=kind, default=f.default, choices=choices, help=(f.__doc__ or None)
             )

@@ -36,7 +36,7 @@ from digen.run.shapes_pretrain import (
     compare_to_shipped,
     pretrain,
 )
-from digen.shapes import CATEGORIES, parse, split_prompts
+from digen.shapes import CATEGORIES, PALETTE, parse, split_prompts
 
 SMALL = {"width": 32, "heads": 2, "double_layers": 1, "single_layers": 1, "text_width": 32}
 SMALL_SD3 = {"width": 32, "heads": 2, "layers": 1, "text_width": 32}
@@ -143,6 +143,41 @@ def test_a_category_mix_draws_categories_at_its_weights() -> None:
 def test_a_bad_category_mix_is_one_sentence(mix: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         Recipe(steps=1, mix=mix)
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"mix": "position=2", "balanced": False}, "needs balanced drawing"),
+        ({"layout": "tidy"}, "choose one of free, ordered"),
+    ],
+)
+def test_recipe_fields_that_do_not_go_together_are_one_sentence(
+    fields: dict[str, object], why: str
+) -> None:
+    with pytest.raises(ValueError, match=why):
+        Recipe(steps=1, **fields)  # type: ignore[arg-type]
+
+
+def test_the_ordered_layout_reaches_the_training_pairs() -> None:
+    """The recipe's layout is the one the drawn scenes follow: with ``ordered`` the first
+    named object of a colour-attribution caption is always the left one; with ``free`` it is
+    the left one about half the time."""
+    only_attribution = ",".join(f"{c}={int(c == 'color_attr')}" for c in CATEGORIES)
+
+    def first_on_the_left(layout: str) -> list[bool]:
+        images, captions = TrainingPairs(3, mix=only_attribution, layout=layout).batch(64)
+        out = []
+        for image, text in zip(images, captions, strict=True):  # image: [3, 32, 32]
+            rgb = torch.tensor(PALETTE[parse(text).objects[0].colour]) / 127.5 - 1.0  # [3]
+            hit = ((image - rgb.view(3, 1, 1)).abs().amax(0) < 1e-6).nonzero()  # [K, 2] (y, x)
+            assert len(hit), text
+            out.append(bool(hit[:, 1].float().mean() < 16))
+        return out
+
+    assert all(first_on_the_left("ordered"))
+    free = sum(first_on_the_left("free"))
+    assert 16 <= free <= 48  # about half of 64 (8 binomial standard deviations wide)
 
 
 @pytest.mark.parametrize("model", SHAPES_MODELS)

@@ -20,7 +20,8 @@ from digen.rewards.shapes import accuracy, evaluate, find_objects
 from digen.run.shapes_pretrain import evaluate_model, evaluation_prompts
 from digen.shapes import PALETTE, SHAPES, Scene, SceneObject, render
 
-pytestmark = pytest.mark.slow
+# one worker samples the shipped model once for every case
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_shapes_gaming")]
 
 PER_CATEGORY = 16
 RESOLUTION = 32
