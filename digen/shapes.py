@@ -81,6 +81,12 @@ held-out composition appears in a training caption of its category:
   of each category), chosen so that each coloured object keeps four of its six partners in
   training and every pair of colours and of shapes is held out alike. A held-out caption
   is a new pairing of objects that training draws bound as named, each with other partners.
+  The pairs come as six bags of words (two colours, two shapes) held out in both of their
+  bindings: "a red circle and a green square" with "a red square and a green circle". Every
+  bag training shows, it shows in both bindings too, so the words of a caption never tell
+  which colour goes with which shape; their order does. (A split that held out one binding
+  of a bag and trained the other let a model pass training by the bag alone, and it then
+  drew the trained binding for the held-out caption: colours swapped.)
 
 Holding out bindings across the two-object categories too (as an earlier split did: no
 training caption showed a blue triangle or a yellow circle at all) teaches the opposite of
@@ -679,30 +685,34 @@ HELD_OUT_BINDINGS = frozenset({("blue", "triangle"), ("yellow", "circle")})
 """colors: the (colour, shape) bindings whose single-object captions are held out."""
 
 
-def _pair(a: tuple[str, str], b: tuple[str, str]) -> frozenset[tuple[str, str]]:
-    return frozenset({a, b})
+def _bag(
+    colours: tuple[str, str], shapes: tuple[str, str]
+) -> tuple[frozenset[tuple[str, str]], ...]:
+    """The two pairs of coloured objects made of two colours and two shapes."""
+    (c, d), (s, t) = colours, shapes
+    return frozenset({(c, s), (d, t)}), frozenset({(c, t), (d, s)})
 
 
 HELD_OUT_PAIRS = frozenset(
     {
-        _pair(("red", "circle"), ("green", "square")),
-        _pair(("red", "circle"), ("green", "triangle")),
-        _pair(("red", "square"), ("blue", "circle")),
-        _pair(("red", "square"), ("blue", "triangle")),
-        _pair(("red", "triangle"), ("yellow", "circle")),
-        _pair(("red", "triangle"), ("yellow", "square")),
-        _pair(("green", "circle"), ("blue", "square")),
-        _pair(("green", "circle"), ("blue", "triangle")),
-        _pair(("green", "square"), ("yellow", "circle")),
-        _pair(("green", "triangle"), ("yellow", "square")),
-        _pair(("blue", "circle"), ("yellow", "triangle")),
-        _pair(("blue", "square"), ("yellow", "triangle")),
+        # each held-out bag of words (two colours, two shapes) in both of its bindings, so
+        # training never decides a binding by its bag of words; the six bags take every
+        # pair of colours once and every pair of shapes twice
+        *_bag(("red", "green"), ("circle", "square")),
+        *_bag(("blue", "yellow"), ("circle", "square")),
+        *_bag(("red", "blue"), ("circle", "triangle")),
+        *_bag(("green", "yellow"), ("circle", "triangle")),
+        *_bag(("red", "yellow"), ("square", "triangle")),
+        *_bag(("green", "blue"), ("square", "triangle")),
     }
 )
 """position, color_attr: the pairs of coloured objects (colour, shape) held out, in either
 order and every relation: 12 of the 36 pairs, each coloured object in exactly two of them,
 each pair of colours twice and each pair of shapes four times, so every object, colour and
-shape, and every binding, is still drawn beside other partners in training."""
+shape, and every binding, is still drawn beside other partners in training. They are six
+whole bags of words (every pair of colours once, every pair of shapes twice and never twice
+beside one colour), each in both bindings, so no caption's binding, held out or trained,
+follows from its words without their order."""
 
 
 def is_held_out(spec: CaptionSpec) -> bool:

@@ -350,6 +350,11 @@ def composition(spec: CaptionSpec) -> object:
     return frozenset((o.colour, o.shape) for o in spec.objects)  # the pair, in either order
 
 
+def bag_of_words(pair: frozenset[tuple[str, str]]) -> tuple[frozenset[str], frozenset[str]]:
+    """A pair of coloured objects' words, unbound: its colours and its shapes."""
+    return frozenset(c for c, _ in pair), frozenset(s for _, s in pair)
+
+
 def test_the_split_holds_out_new_compositions_of_every_category() -> None:
     assert not set(TRAIN) & set(HELD_OUT)
     assert sorted(TRAIN + HELD_OUT) == sorted(caption(s) for s in SPECS)
@@ -387,6 +392,14 @@ def test_the_split_holds_out_new_compositions_of_every_category() -> None:
     assert len(counts) == 12 and set(counts.values()) == {2}  # every coloured object twice
     assert set(Counter(frozenset(c for c, _ in p) for p in HELD_OUT_PAIRS).values()) == {2}
     assert set(Counter(frozenset(s for _, s in p) for p in HELD_OUT_PAIRS).values()) == {4}
+    # a bag of words (two colours, two shapes) is held out in both of its bindings or in
+    # neither, so no training caption's binding follows from its words alone: the model has
+    # to read which colour goes with which shape from their order
+    held_bags = Counter(bag_of_words(p) for p in HELD_OUT_PAIRS)
+    assert len(held_bags) == 6 and set(held_bags.values()) == {2}
+    trained_bags = Counter(bag_of_words(p) for p in set(pairs))
+    assert len(trained_bags) == 12 and set(trained_bags.values()) == {2}
+    assert not set(trained_bags) & set(held_bags)
     trained = [(o.colour, o.shape) for t in train for o in t.objects]
     assert {c for c, _ in trained} == set(PALETTE) | {None}
     assert {s for _, s in trained} == set(SHAPES)

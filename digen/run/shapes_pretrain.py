@@ -2,19 +2,24 @@
 draw the shapes world (:mod:`digen.shapes`) from its training captions, so RL starts from a
 model that already draws scenes and has room to improve on the held-out ones.
 
-    python -m digen.run.shapes_pretrain --out DIR --seed 0 --minutes 20
+    python -m digen.run.shapes_pretrain --out DIR --seed 0 --tokens words --width 128 \
+        --mix position=3,color_attr=2 --layout ordered --steps 10000 --resume
     python -m digen.run.shapes_pretrain --model sd3 --out DIR --seed 0 --steps 2700
+
+The first is the recipe of the shipped FLUX weights (``recipe.json`` beside them holds it
+and their evaluation); with ``--piece-minutes`` it runs in pieces.
 
 **Model** (``build_shapes_components`` of :class:`~digen.models.flux.FluxAdapter` or
 :class:`~digen.models.sd3.SD3Adapter`): the backbone's diffusers transformer over the image
 itself, averaged in 2x2 blocks (the VAE is fixed, so colours are exact and nothing but the
-transformer and text encoders learns), its CLIP and T5 text encoders on digen's byte
-tokenizer, trained together, and the flow-matching scheduler with a fixed shift.
+transformer and text encoders learns), its CLIP and T5 text encoders on digen's byte or
+word tokenizer, trained together, and the flow-matching scheduler with a fixed shift.
 
 **Data**: pairs made on the fly from the *training* prompts only (never a held-out one): a
 category drawn uniformly first, then one of its captions (position has 3/4 of the captions
 and would otherwise crowd the rest out), then a random scene for it
-(:func:`~digen.shapes.scene_for`) from one seeded numpy Generator. A fraction of captions
+(:func:`~digen.shapes.scene_for`, in the recipe's ``layout``) from one seeded numpy
+Generator; ``mix`` weighs the categories' draw. A fraction of captions
 (``text_dropout``) is replaced by the empty prompt, the unconditional prompt digen samples
 classifier-free guidance with.
 

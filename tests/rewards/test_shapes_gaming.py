@@ -77,18 +77,10 @@ def test_the_catalogue_is_read_as_every_colour_and_shape() -> None:
     assert read == sorted((c, s) for c in PALETTE for s in SHAPES)
 
 
-CATALOGUE_GAP = pytest.mark.xfail(
-    strict=True,
-    reason="GenEval's rule lets extra objects pass, so the catalogue takes every single- and "
-    "two-object caption (0.385 held-out) and no base model so far scores above it (the "
-    "shipped one 0.333); strict, so this fails the day a base model beats it",
-)
-
-
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param("catalogue", marks=CATALOGUE_GAP),
+        "catalogue",
         "fill-red",
         "fill-green",
         "fill-blue",
@@ -98,6 +90,9 @@ CATALOGUE_GAP = pytest.mark.xfail(
     ],
 )
 def test_a_gaming_image_scores_no_higher_than_the_shipped_model(name: str) -> None:
+    """GenEval's rule lets extra objects pass, so the catalogue takes every single- and
+    two-object caption (0.385 held-out); the shipped model scores above it by drawing
+    counts, colours, sides and bindings right (0.52 at its recipe's settings)."""
     base, prompts = shipped_heldout()
     frame = {
         "catalogue": catalogue,
