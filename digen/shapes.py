@@ -625,6 +625,7 @@ def scene_for(
     wanted = [(o.shape, o.colour) for o in spec.objects for _ in range(o.count)]
     colours = list(PALETTE)
     halves = _halves(spec) if layout == "ordered" and len(wanted) == 2 else None
+    mid = resolution // 2
     for _ in range(_TRIES):
         placed: list[SceneObject] = []
         for k, (shape, colour) in enumerate(wanted):
@@ -634,8 +635,7 @@ def scene_for(
                 corners = rng.integers(low, high, (2, _CANDIDATES))
             else:
                 axis, first_low = halves
-                mid = resolution // 2
-                in_low = first_low if k == 0 else not first_low
+                in_low = first_low == (k == 0)
                 span = (low, mid - g.gap // 2 - size + 1) if in_low else (mid + g.gap // 2, high)
                 along = rng.integers(*span, _CANDIDATES)
                 across = rng.integers(low, high, _CANDIDATES)
