@@ -13,7 +13,18 @@ and their evaluation); with ``--piece-minutes`` it runs in pieces.
 :class:`~digen.models.sd3.SD3Adapter`): the backbone's diffusers transformer over the image
 itself, averaged in 2x2 blocks (the VAE is fixed, so colours are exact and nothing but the
 transformer and text encoders learns), its CLIP and T5 text encoders on digen's byte or
-word tokenizer, trained together, and the flow-matching scheduler with a fixed shift.
+word tokenizer, trained together or (``text_lr=0``) kept at their seeded random init, and
+the flow-matching scheduler with a fixed shift.
+
+**Word order**: the transformer reads the text tokens as a set (FLUX gives them all one
+position), so which colour goes with which shape, and which object a relation puts where,
+reaches it only through the text encoders' contextual vectors. Trained from scratch on
+word tokens, the encoders learn to drop that context (:func:`order_sensitivity`, logged at
+every evaluation as ``text_order``, falls to 0.003: a caption and its swapped binding
+encode alike), and colour attribution and position stay a coin toss: so it is with the
+shipped FLUX weights. Frozen at an init whose T5 relative-position bias is at the scale of
+a trained T5's (``--text-lr 0 --t5-position-bias 16``), the encoders keep word order and
+the transformer learns to read it (docs/TRAINING.md has the figures).
 
 **Data**: pairs made on the fly from the *training* prompts only (never a held-out one): a
 category drawn uniformly first, then one of its captions (position has 3/4 of the captions
@@ -68,6 +79,7 @@ import torch
 from digen.shapes import (
     CATEGORIES,
     LAYOUTS,
+    caption,
     parse,
     render,
     scene_for,
@@ -81,6 +93,7 @@ __all__ = [
     "compare_to_shipped",
     "evaluate_model",
     "main",
+    "order_sensitivity",
     "pretrain",
     "sample_sigmas",
 ]
@@ -106,6 +119,15 @@ class Recipe:
     ema: float = 0.999
     """EMA decay (with the usual ``(1 + n) / (10 + n)`` ramp early on)."""
     text_dropout: float = 0.1
+    text_lr: float = 1.0
+    t5_position_bias: float = 1.0
+    """Multiplies the T5 encoder's relative-position bias at init (std ``0.125 x`` this at
+    ``text_width`` 64). At 1 a random T5 barely tells word orders apart; 16 (std 2, the
+    scale a trained T5's biases have) makes it encode which word follows which."""
+    """The text encoders' learning rate, as a fraction of ``lr``; 0 keeps them at their
+    random init. Trained from scratch at the full rate, they learn to ignore word order (a
+    caption and its swapped binding encode alike), which makes colour attribution and
+    position a coin toss; kept near their init they keep the order they start with."""
     logit_mean: float = 0.0
     logit_std: float = 1.0
     shift: float = 1.0
@@ -146,6 +168,10 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.steps < 0 or (self.steps == 0 and self.minutes <= 0):
             raise ValueError("give a positive --steps or --minutes.")
+        if self.t5_position_bias <= 0:
+            raise ValueError(f"t5_position_bias {self.t5_position_bias} must be positive.")
+        if self.text_lr < 0:
+            raise ValueError(f"text_lr {self.text_lr} must be 0 (frozen) or more.")
         if not 0.0 <= self.text_dropout < 1.0:
             raise ValueError(f"text_dropout {self.text_dropout} must be in [0, 1).")
         if self.batch < 1 or self.lr <= 0 or self.shift <= 0:
@@ -272,6 +298,17 @@ def _trained_modules(pipe: Any) -> dict[str, torch.nn.Module]:
     return {n: getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None}
 
 
+def _scale_t5_position_bias(encoders: Sequence[torch.nn.Module], factor: float) -> None:
+    """Multiply the relative-position bias of every T5 encoder among ``encoders``."""
+    if factor == 1.0:
+        return
+    for m in encoders:
+        for name, weight in m.named_parameters():
+            if name.endswith("relative_attention_bias.weight"):
+                with torch.no_grad():
+                    weight.mul_(factor)
+
+
 def evaluate_model(
     path: str | Path,
     *,
@@ -336,6 +373,49 @@ def evaluation_prompts(per_category: int) -> dict[str, list[str]]:
             prompts += [chosen[j % len(chosen)] for j in range(per_category)]
         out[name] = prompts
     return out
+
+
+def swapped_binding(text: str) -> str:
+    """``text`` with the colours of its two objects exchanged: "a red circle to the left of
+    a green square" -> "a green circle to the left of a red square", the same words in
+    another order. Only a caption of two coloured objects has one."""
+    spec = parse(text)
+    if len(spec.objects) != 2 or any(o.colour is None for o in spec.objects):
+        raise ValueError(f"{text!r} does not name two coloured objects.")
+    a, b = spec.objects
+    objects = (dataclasses.replace(a, colour=b.colour), dataclasses.replace(b, colour=a.colour))
+    return caption(dataclasses.replace(spec, objects=objects))
+
+
+def order_sensitivity(encode: Any, captions: Sequence[str]) -> dict[str, float]:
+    """How much the text conditioning ``encode(captions)`` (a
+    :class:`~digen.models.base.PromptEmbeds`) tells a caption from its
+    :func:`swapped_binding`, as the transformer can see it.
+
+    The transformer reads the sequence of text vectors as a set (FLUX's text tokens share
+    one position, SD3's have none), so a sequence is compared as a set: ``sequence`` is the
+    mean over captions of the largest distance from one of its vectors to the nearest vector
+    of the swapped caption, relative to that vector's norm; ``pooled`` the mean relative
+    distance of the pooled vectors. Both 0 mean the conditioning is a bag of words, and the
+    model cannot learn which colour goes with which shape or which object is where."""
+    swapped = [swapped_binding(c) for c in captions]
+    with torch.no_grad():
+        mine, theirs = encode(list(captions)).tensors, encode(swapped).tensors
+    a, b = mine["prompt_embeds"].float(), theirs["prompt_embeds"].float()  # [N, L, D]
+    nearest = (
+        torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist").min(-1).values
+    )  # [N, L]
+    sequence = (nearest / a.norm(dim=-1).clamp_min(1e-12)).max(dim=-1).values
+    p, q = mine["pooled_prompt_embeds"].float(), theirs["pooled_prompt_embeds"].float()
+    pooled = (p - q).norm(dim=-1) / p.norm(dim=-1).clamp_min(1e-12)
+    return {"sequence": float(sequence.mean()), "pooled": float(pooled.mean())}
+
+
+def order_captions() -> list[str]:
+    """The captions :func:`order_sensitivity` is measured on during pretraining: every
+    colour-attribution caption, held out or not (each names two coloured objects)."""
+    train, held_out = split_prompts()
+    return [c for c in train + held_out if parse(c).category == "color_attr"]
 
 
 def save_grid(path: Path, pixels: torch.Tensor, columns: int = 16) -> None:
@@ -417,20 +497,25 @@ def pretrain(
     pipe.set_progress_bar_config(disable=True)
     adapter = cls(pipe, height=32, width=32)
     named = _trained_modules(pipe)
-    modules = list(named.values())
-    for m in modules:
-        m.requires_grad_(True)
-        m.train()
-    for m in modules[1:]:
-        m.eval()  # no dropout inside the text encoders; caption dropout is the regulariser
-    params = [p for m in modules for p in m.parameters()]
     n_params = {
         f"{name} ({type(m).__name__})": sum(p.numel() for p in m.parameters())
         for name, m in named.items()
     }
+    transformer, *encoders = named.values()
+    _scale_t5_position_bias(encoders, recipe.t5_position_bias)
+    transformer.requires_grad_(True).train()
+    for m in encoders:  # no dropout inside the text encoders; caption dropout is the regulariser
+        m.requires_grad_(recipe.text_lr > 0).eval()
+    groups = [([*transformer.parameters()], 1.0)]
+    if recipe.text_lr > 0:
+        groups.append(([p for m in encoders for p in m.parameters()], recipe.text_lr))
+    params = [p for group, _ in groups for p in group]
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(
-        params, lr=recipe.lr, betas=(0.9, 0.99), weight_decay=recipe.weight_decay
+        [{"params": group, "lr_scale": scale} for group, scale in groups],
+        lr=recipe.lr,
+        betas=(0.9, 0.99),
+        weight_decay=recipe.weight_decay,
     )
     data = TrainingPairs(
         recipe.seed, balanced=recipe.balanced, mix=recipe.mix, layout=recipe.layout
@@ -494,7 +579,7 @@ def pretrain(
         while step < total:
             t0 = time.perf_counter()
             for group in opt.param_groups:
-                group["lr"] = recipe.lr * _lr_factor(step, recipe, total)
+                group["lr"] = group["lr_scale"] * recipe.lr * _lr_factor(step, recipe, total)
             x, captions = data.batch(recipe.batch)  # [B, 3, 32, 32] in [-1, 1]
             with torch.no_grad():  # the latent: the image, block-averaged when down-sampled
                 z = pipe.vae.encode(x).latent_dist.mode()  # [B, 3, 32 / d, 32 / d]
@@ -634,14 +719,23 @@ def _recipe_changes(saved: dict[str, Any], recipe: Recipe) -> list[str]:
 
 
 def _evaluate_as(recipe: Recipe, out: Path) -> Any:
-    """:func:`evaluate_model` of the pipeline in ``out`` with ``recipe``'s evaluation settings."""
-    return evaluate_model(
+    """:func:`evaluate_model` of the pipeline in ``out`` with ``recipe``'s evaluation
+    settings, with its :func:`order_sensitivity` beside the accuracies as ``text_order``."""
+    from digen.models import get_adapter_class
+    from digen.models._quiet import no_loading_bars
+    from digen.models.checks import model_of_dir
+
+    results, images = evaluate_model(
         out,
         steps=recipe.eval_steps,
         guidance=recipe.eval_guidance,
         per_category=recipe.eval_per_category,
         seed=recipe.seed,
     )
+    with no_loading_bars():
+        adapter = get_adapter_class(model_of_dir(out)).from_pretrained(out)
+    results["text_order"] = order_sensitivity(adapter.encode_prompts, order_captions())
+    return results, images
 
 
 def _save(

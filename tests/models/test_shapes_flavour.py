@@ -34,7 +34,9 @@ from digen.run.shapes_pretrain import (
     _recipe_changes,
     category_mix,
     compare_to_shipped,
+    order_sensitivity,
     pretrain,
+    swapped_binding,
 )
 from digen.shapes import CATEGORIES, PALETTE, parse, split_prompts
 
@@ -150,6 +152,8 @@ def test_a_bad_category_mix_is_one_sentence(mix: str, why: str) -> None:
     [
         ({"mix": "position=2", "balanced": False}, "needs balanced drawing"),
         ({"layout": "tidy"}, "choose one of free, ordered"),
+        ({"text_lr": -0.1}, "must be 0 \\(frozen\\) or more"),
+        ({"t5_position_bias": 0.0}, "t5_position_bias 0.0 must be positive"),
     ],
 )
 def test_recipe_fields_that_do_not_go_together_are_one_sentence(
@@ -178,6 +182,92 @@ def test_the_ordered_layout_reaches_the_training_pairs() -> None:
     assert all(first_on_the_left("ordered"))
     free = sum(first_on_the_left("free"))
     assert 16 <= free <= 48  # about half of 64 (8 binomial standard deviations wide)
+
+
+def test_a_swapped_binding_exchanges_the_colours_of_the_two_objects() -> None:
+    assert (
+        swapped_binding("a red circle to the left of a green square")
+        == "a green circle to the left of a red square"
+    )
+    assert swapped_binding("a blue triangle and a yellow circle") == (
+        "a yellow triangle and a blue circle"
+    )
+    with pytest.raises(ValueError, match="does not name two coloured objects"):
+        swapped_binding("a circle and a square")
+
+
+class _WordEncoder:
+    """Conditioning made of one fixed vector per word, optionally shifted by its place."""
+
+    def __init__(self, with_place: bool) -> None:
+        self.with_place = with_place
+        self.table: dict[str, torch.Tensor] = {}
+        self.rng = torch.Generator().manual_seed(0)
+
+    def _vector(self, word: str) -> torch.Tensor:
+        if word not in self.table:
+            self.table[word] = torch.randn(8, generator=self.rng)
+        return self.table[word]
+
+    def __call__(self, captions: list[str]) -> models_base.PromptEmbeds:
+        rows = []
+        for text in captions:
+            words = text.split()
+            rows.append(
+                torch.stack(
+                    [
+                        self._vector(w) + (0.5 * i if self.with_place else 0)
+                        for i, w in enumerate(words)
+                    ]
+                )
+            )
+        seq = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [N, L, 8]
+        return models_base.PromptEmbeds(
+            {"prompt_embeds": seq, "pooled_prompt_embeds": seq.sum(dim=1)}  # a bag: [N, 8]
+        )
+
+
+def test_order_sensitivity_is_zero_for_a_bag_of_words_and_not_for_word_order() -> None:
+    """Conditioning that holds each word alone cannot tell a caption from its swapped
+    binding (0 in both measures); with each vector shifted by its word's place the sequence
+    can (the shift moves "red" by 0.5 x 7 places in every coordinate)."""
+    captions = ["a red circle to the left of a green square", "a blue square and a red circle"]
+    bag = order_sensitivity(_WordEncoder(with_place=False), captions)
+    summed_in_another_order = 16 * torch.finfo(torch.float32).eps  # <= 10 words a sum
+    assert bag["sequence"] == 0.0
+    assert bag["pooled"] == pytest.approx(0.0, abs=summed_in_another_order)
+    placed = order_sensitivity(_WordEncoder(with_place=True), captions)
+    assert placed["sequence"] > 0.1
+    assert placed["pooled"] == pytest.approx(0.0, abs=summed_in_another_order)
+
+
+def test_frozen_text_encoders_stay_at_their_seeded_init(tmp_path: Path) -> None:
+    """With ``text_lr=0`` the text encoders are saved as the seeded init made them, the T5
+    encoder's relative-position bias multiplied by ``t5_position_bias``, while the
+    transformer trains; with ``0.1`` they train too."""
+    base = dataclasses.replace(Recipe(steps=2, batch=4, eval_steps=1, eval_per_category=1), **SMALL)
+
+    def weights(run: str, recipe: Recipe) -> dict[str, dict[str, torch.Tensor]]:
+        with open(tmp_path / f"{run}.log", "w") as log:
+            pretrain(recipe, tmp_path / run, log=log)
+        return {
+            part: load_file(str(next((tmp_path / run / part).glob("*.safetensors"))))
+            for part in ("transformer", "text_encoder", "text_encoder_2")
+        }
+
+    frozen = weights("frozen", dataclasses.replace(base, text_lr=0.0, t5_position_bias=4.0))
+    slow = weights("slow", dataclasses.replace(base, text_lr=0.1))
+    torch.manual_seed(base.seed)  # as pretrain() seeds before building the components
+    made = get_adapter_class("flux").build_shapes_components(**base.model_kwargs())
+    init = {part: made[part].state_dict() for part in frozen}
+    for part in ("text_encoder", "text_encoder_2"):
+        assert frozen[part].keys() <= init[part].keys()
+        for name, value in frozen[part].items():
+            scale = 4.0 if name.endswith("relative_attention_bias.weight") else 1.0
+            torch.testing.assert_close(value, scale * init[part][name], atol=0, rtol=0)
+        assert any(not torch.equal(v, init[part][k]) for k, v in slow[part].items())
+    assert any("relative_attention_bias" in name for name in frozen["text_encoder_2"])
+    assert any(not torch.equal(v, init["transformer"][k]) for k, v in frozen["transformer"].items())
 
 
 @pytest.mark.parametrize("model", SHAPES_MODELS)
@@ -360,6 +450,8 @@ def test_the_pretraining_command_trains_and_evaluates_again_to_the_same_figures(
     for split in ("heldout", "train"):
         assert set(again[split]) == {*CATEGORIES, "overall"}
         assert again[split] == trained[split]
+    assert set(again["text_order"]) == {"sequence", "pooled"}
+    assert again["text_order"] == trained["text_order"]  # the same encoders, measured again
 
 
 @pytest.mark.parametrize("model", SHAPES_MODELS)
