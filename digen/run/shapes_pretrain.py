@@ -120,14 +120,15 @@ class Recipe:
     """EMA decay (with the usual ``(1 + n) / (10 + n)`` ramp early on)."""
     text_dropout: float = 0.1
     text_lr: float = 1.0
+    """The text encoders' learning rate, as a fraction of ``lr``; 0 keeps them at their
+    random init. Trained from scratch at the full rate, they learn to ignore word order (a
+    caption and its swapped binding encode alike), which makes colour attribution and
+    position a coin toss; frozen they keep the order their init gives them (at a tenth of the
+    rate they lose it too)."""
     t5_position_bias: float = 1.0
     """Multiplies the T5 encoder's relative-position bias at init (std ``0.125 x`` this at
     ``text_width`` 64). At 1 a random T5 barely tells word orders apart; 16 (std 2, the
     scale a trained T5's biases have) makes it encode which word follows which."""
-    """The text encoders' learning rate, as a fraction of ``lr``; 0 keeps them at their
-    random init. Trained from scratch at the full rate, they learn to ignore word order (a
-    caption and its swapped binding encode alike), which makes colour attribution and
-    position a coin toss; kept near their init they keep the order they start with."""
     logit_mean: float = 0.0
     logit_std: float = 1.0
     shift: float = 1.0
