@@ -319,9 +319,12 @@ def evaluate_model(
     seed: int = 0,
     prompt_sets: Sequence[str] = ("heldout", "train"),
     lora: str | Path | None = None,
+    text_order: bool = False,
 ) -> tuple[dict[str, dict[str, float]], dict[str, torch.Tensor]]:
     """Strict accuracy per category of the pipeline at ``path``, loaded as digen loads it
-    (with the LoRA a run saved, ``<run>/lora``, loaded onto it when ``lora`` names one).
+    (with the LoRA a run saved, ``<run>/lora``, loaded onto it when ``lora`` names one),
+    and with ``text_order`` the same pipeline's :func:`order_sensitivity` on
+    :func:`order_captions` under ``results["text_order"]``.
 
     For each prompt set, up to 8 prompts per category (a fixed choice) and
     ``per_category`` samples spread over them; deterministic sampling from
@@ -357,6 +360,8 @@ def evaluate_model(
             pixels = adapter.decode(rollout.final)  # [B, 1, H, W, 3]
         results[name] = accuracy(evaluate(pixels, prompts))
         images[name] = pixels
+    if text_order:
+        results["text_order"] = order_sensitivity(adapter.encode_prompts, order_captions())
     return results, images
 
 
@@ -722,21 +727,14 @@ def _recipe_changes(saved: dict[str, Any], recipe: Recipe) -> list[str]:
 def _evaluate_as(recipe: Recipe, out: Path) -> Any:
     """:func:`evaluate_model` of the pipeline in ``out`` with ``recipe``'s evaluation
     settings, with its :func:`order_sensitivity` beside the accuracies as ``text_order``."""
-    from digen.models import get_adapter_class
-    from digen.models._quiet import no_loading_bars
-    from digen.models.checks import model_of_dir
-
-    results, images = evaluate_model(
+    return evaluate_model(
         out,
         steps=recipe.eval_steps,
         guidance=recipe.eval_guidance,
         per_category=recipe.eval_per_category,
         seed=recipe.seed,
+        text_order=True,
     )
-    with no_loading_bars():
-        adapter = get_adapter_class(model_of_dir(out)).from_pretrained(out)
-    results["text_order"] = order_sensitivity(adapter.encode_prompts, order_captions())
-    return results, images
 
 
 def _save(
