@@ -744,12 +744,15 @@ def _save(
     out: Path,
     save_context: Any,
 ) -> None:
-    """Save ``pipe`` with the EMA weights in place of the live ones, then put those back."""
+    """Save ``pipe`` with the EMA weights in place of the live ones, then put those back
+    (without the libraries' saving bars, which would fill the log between its rows)."""
+    from digen.models._quiet import no_loading_bars
+
     live = [p.detach().clone() for p in params]
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
-        with save_context():
+        with save_context(), no_loading_bars():
             pipe.save_pretrained(str(out), safe_serialization=True)
         for p, v in zip(params, live):
             p.copy_(v)

@@ -444,6 +444,9 @@ def test_the_pretraining_command_trains_and_evaluates_again_to_the_same_figures(
             [*command, *flags, *extra], capture_output=True, text=True, timeout=600
         )
         assert done.returncode == 0, done.stderr[-2000:]
+        # a log a person reads: JSON rows, with no saving bars between them
+        assert all(json.loads(line) for line in done.stdout.splitlines())
+        assert "shards" not in done.stderr, done.stderr[-2000:]
     trained = json.loads((out / "recipe.json").read_text())["eval"]
     again = json.loads(done.stdout.strip().splitlines()[-1])
     assert (again["eval_steps"], again["guidance"]) == (1, 3.0)
