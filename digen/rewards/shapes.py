@@ -8,10 +8,14 @@ It reads only the image and its caption, in four steps:
   edge is cut half-way and an unclear colour (grey, black, brown) is no object;
 * objects: the connected components (4-neighbour) of each colour; a component smaller than
   ``min_area`` times the smallest object's box (a speck) is dropped;
-* shape: a component whose box is at most ``max_aspect`` times longer one way than the other
-  is the shape whose outline, drawn into that box as :func:`digen.shapes.render` draws it,
-  overlaps it best (intersection over union), if that overlap is at least ``min_iou``; any
-  other component keeps its colour but has no shape, and meets no requirement;
+* shape: the outline that fits the component best. Each shape is drawn as
+  :func:`digen.shapes.render` draws it into boxes up to 2 px larger or smaller than the
+  component's box each way (at most ``max_aspect`` times longer one way than the other),
+  placed up to 1 px off its centre, its edges softened as a small model's decoder softens
+  them (``edge_blur``), and compared with how much of the component's colour each pixel
+  around it holds (a soft intersection over union: a half-coloured edge pixel counts half).
+  The component is the shape of the best fit if that overlap is at least ``min_iou``;
+  otherwise it keeps its colour but has no shape, and meets no requirement;
 * its box and centre, which position captions compare.
 
 The caption's requirements are then checked on those objects by GenEval's rule
@@ -29,10 +33,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from digen.rewards.hooks import check_samples
 from digen.shapes import (
@@ -81,16 +87,23 @@ class ReadOptions:
     black 185, a dull red (180, 70, 70) 45 from red's."""
     min_area: float = 0.25
     """Components smaller than this fraction of the smallest object's box are specks."""
-    max_aspect: float = 1.4
-    """Longer side / shorter side of a component's box beyond which it has no shape."""
+    max_aspect: float = 1.6
+    """Longer side / shorter side beyond which an outline is not tried (a component that
+    only a longer outline would fit has no shape)."""
     min_iou: float = 0.6
     """Overlap with the best-fitting outline below which a component has no shape."""
+    edge_blur: float = 0.5
+    """How soft the outlines' edges are drawn before they are compared: each pixel mixed
+    with its 4 neighbours by this weight against its own 1 (a 3-tap ``[b, 1, b]`` blur each
+    way); 0: hard edges. 0.5 fits the samples of the shipped shapes models (REWARDS.md)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"option {f.name} must be a number > 0, got {value!r}.")
+            floor_ok = value >= 0 if f.name == "edge_blur" else value > 0
+            if isinstance(value, bool) or not isinstance(value, int | float) or not floor_ok:
+                bound = ">= 0" if f.name == "edge_blur" else "> 0"
+                raise ValueError(f"option {f.name} must be a number {bound}, got {value!r}.")
         if self.max_aspect < 1:
             raise ValueError(f"option max_aspect must be at least 1, got {self.max_aspect!r}.")
         if self.min_iou > 1:
@@ -110,7 +123,8 @@ class FoundObject:
     area: int
     """Pixels in the component."""
     iou: float
-    """Its overlap with its shape's outline (with the best outline when it has no shape)."""
+    """Its soft overlap with its shape's best-fitting outline (with the best outline of any
+    shape when it has no shape)."""
 
     @property
     def x(self) -> float:
@@ -179,31 +193,87 @@ def find_objects(frame: np.ndarray, options: ReadOptions | None = None) -> tuple
     labels = label_components(classes)  # [H, W]
     side = geometry(min(frame.shape[:2])).min_size  # a ValueError below 32 px
     areas = np.bincount(labels[labels >= 0], minlength=labels.size)  # [H * W] by label
+    roots = np.flatnonzero(areas >= options.min_area * side * side)
+    alphas = _colour_amounts(frame, options.max_colour_distance) if len(roots) else None
     found = []
-    for root in np.flatnonzero(areas >= options.min_area * side * side):
-        ys, xs = np.nonzero(labels == root)
+    for root in roots:
+        mine = labels == root  # [H, W]
+        ys, xs = np.nonzero(mine)
         top, left = int(ys.min()), int(xs.min())
         height, width = int(ys.max()) + 1 - top, int(xs.max()) + 1 - left
-        crop = np.zeros((height, width), dtype=bool)
-        crop[ys - top, xs - left] = True
-        shape, iou = _outline(crop, options)
-        colour = _COLOURS[classes.flat[root]]
-        found.append(FoundObject(shape, colour, left, top, width, height, len(ys), iou))
+        k = classes.flat[root]
+        # how much of its colour each pixel holds, the other objects' pixels left out
+        amount = np.where((classes >= 0) & ~mine, 0.0, alphas[..., k])  # [H, W]
+        shape, iou = _outline(amount, top, left, height, width, options)
+        found.append(FoundObject(shape, _COLOURS[k], left, top, width, height, len(ys), iou))
     return tuple(found)
 
 
-def _outline(crop: np.ndarray, options: ReadOptions) -> tuple[str | None, float]:
-    """The shape whose outline fits the component ``crop`` ``[h, w]`` best, and the overlap
-    (no shape when the box is too long one way or the best overlap is too small)."""
-    height, width = crop.shape
-    ious = {}
-    for shape in SHAPES:
-        template = shape_mask(shape, width, height)  # [h, w]
-        ious[shape] = (crop & template).sum() / (crop | template).sum()
-    best = max(ious, key=ious.__getitem__)
-    stretched = max(width, height) > options.max_aspect * min(width, height)
-    fits = not stretched and ious[best] >= options.min_iou
-    return (best if fits else None), float(ious[best])
+_SIZE_STEPS = 2
+"""Outlines are tried in boxes up to this many pixels smaller or larger than the component's
+box, each way."""
+_SHIFT = 1
+"""... and placed up to this many pixels off the component's box centre."""
+_FAINT = 0.15
+"""A pixel less than this much of a colour counts as background when outlines are fitted:
+pixel noise (no sample of the shapes models has any) would otherwise swell every object."""
+
+
+def _colour_amounts(frame: np.ndarray, max_colour_distance: float) -> np.ndarray:
+    """``[H, W, K]``: how far along the line from the background to each palette colour each
+    pixel lies (0 background .. 1 the colour), 0 where the pixel is farther than
+    ``max_colour_distance`` from that line or less than :data:`_FAINT` of the way."""
+    towards = frame.astype(np.float64) - _BACKGROUND  # [H, W, 3]
+    lines = _LINES.astype(np.float64)
+    dots = towards @ lines.T  # [H, W, K]
+    along = np.clip(dots / (lines**2).sum(-1), 0.0, 1.0)
+    d2 = (towards**2).sum(-1, keepdims=True) - 2 * along * dots + along**2 * (lines**2).sum(-1)
+    return np.where((d2 <= max_colour_distance**2) & (along >= _FAINT), along, 0.0)
+
+
+@lru_cache(maxsize=4096)
+def _soft_outlines(width: int, height: int, blur: float) -> tuple[np.ndarray, np.ndarray]:
+    """Every shape of :data:`~digen.shapes.SHAPES` drawn into a ``width`` x ``height`` box
+    with a 1 px border, its edges softened by a ``[blur, 1, blur]`` blur each way:
+    ``[S, height + 2, width + 2]`` float64, and each outline's sum ``[S]`` (read-only;
+    cached)."""
+    out = np.stack([np.pad(shape_mask(s, width, height), 1) for s in SHAPES]).astype(np.float64)
+    if blur:
+        k = np.array([blur, 1.0, blur]) / (1 + 2 * blur)
+        p = np.pad(out, ((0, 0), (1, 1), (0, 0)))
+        p = k[0] * p[:, :-2] + k[1] * p[:, 1:-1] + k[2] * p[:, 2:]
+        p = np.pad(p, ((0, 0), (0, 0), (1, 1)))
+        out = k[0] * p[..., :-2] + k[1] * p[..., 1:-1] + k[2] * p[..., 2:]
+    sums = out.sum((1, 2))
+    out.flags.writeable = sums.flags.writeable = False
+    return out, sums
+
+
+def _outline(
+    amount: np.ndarray, top: int, left: int, height: int, width: int, options: ReadOptions
+) -> tuple[str | None, float]:
+    """The shape whose softened outline fits ``amount`` ``[H, W]`` (the component's colour
+    per pixel) best around the component's box, and the soft overlap of that fit (no shape
+    when it is below ``min_iou``)."""
+    m = _SIZE_STEPS + 1 + _SHIFT  # room around the box for the largest outline, shifted
+    window = np.pad(amount, m)[top : top + height + 2 * m, left : left + width + 2 * m]
+    total = float(window.sum())
+    best = np.full(len(SHAPES), -1.0)  # [S]: each shape's best overlap
+    for h in range(max(3, height - _SIZE_STEPS), height + _SIZE_STEPS + 1):
+        for w in range(max(3, width - _SIZE_STEPS), width + _SIZE_STEPS + 1):
+            if max(h, w) > options.max_aspect * min(h, w):
+                continue
+            outlines, sums = _soft_outlines(w, h, options.edge_blur)  # [S, h + 2, w + 2], [S]
+            # the outlines' box centred on the component's, moved up to _SHIFT px each way
+            y0 = m - 1 - (h - height) // 2 - _SHIFT
+            x0 = m - 1 - (w - width) // 2 - _SHIFT
+            region = window[y0 : y0 + h + 2 + 2 * _SHIFT, x0 : x0 + w + 2 + 2 * _SHIFT]
+            places = sliding_window_view(region, (h + 2, w + 2))  # [P, P, h + 2, w + 2]
+            inter = np.minimum(places[:, :, None], outlines).sum((-1, -2))  # [P, P, S]
+            iou = inter / (total + sums - inter)
+            best = np.maximum(best, iou.max((0, 1)))
+    k = int(best.argmax())
+    return (SHAPES[k] if best[k] >= options.min_iou else None), max(float(best[k]), 0.0)
 
 
 # --------------------------------------------------------------------------- scoring
