@@ -93,9 +93,10 @@ class ReadOptions:
     min_iou: float = 0.6
     """Overlap with the best-fitting outline below which a component has no shape."""
     edge_blur: float = 0.5
-    """How soft the outlines' edges are drawn before they are compared: each pixel mixed
-    with its 4 neighbours by this weight against its own 1 (a 3-tap ``[b, 1, b]`` blur each
-    way); 0: hard edges. 0.5 fits the samples of the shipped shapes models (REWARDS.md)."""
+    """How soft the outlines' edges are drawn before they are compared: a 3-tap
+    ``[b, 1, b]`` blur down the rows, then the same across them (each pixel mixed with its
+    edge neighbours by ``b`` and its corner neighbours by ``b * b`` against its own 1);
+    0: hard edges. 0.5 fits the samples of the shipped shapes models (REWARDS.md)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
