@@ -32,7 +32,7 @@ evaluation's side: per-sample strict scores and GenEval's per-category and overa
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import Any
 
@@ -74,7 +74,6 @@ mark still gets advantages that point somewhere) or ``strict`` (GenEval's 0/1 sc
 _COLOURS = tuple(PALETTE)
 _BACKGROUND = np.array(BACKGROUND, dtype=np.float32)  # [3]
 _LINES = np.array(list(PALETTE.values()), dtype=np.float32) - _BACKGROUND  # [K, 3]: to each colour
-_LINE_LENGTHS2 = (_LINES**2).sum(-1)  # [K]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,7 +91,7 @@ class ReadOptions:
     only a longer outline would fit has no shape)."""
     min_iou: float = 0.6
     """Overlap with the best-fitting outline below which a component has no shape."""
-    edge_blur: float = 0.5
+    edge_blur: float = field(default=0.5, metadata={"zero_ok": True})
     """How soft the outlines' edges are drawn before they are compared: a 3-tap
     ``[b, 1, b]`` blur down the rows, then the same across them (each pixel mixed with its
     edge neighbours by ``b`` and its corner neighbours by ``b * b`` against its own 1);
@@ -101,9 +100,10 @@ class ReadOptions:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            floor_ok = value >= 0 if f.name == "edge_blur" else value > 0
+            zero_ok = f.metadata.get("zero_ok", False)  # the rest must be positive
+            floor_ok = value >= 0 if zero_ok else value > 0
             if isinstance(value, bool) or not isinstance(value, int | float) or not floor_ok:
-                bound = ">= 0" if f.name == "edge_blur" else "> 0"
+                bound = ">= 0" if zero_ok else "> 0"
                 raise ValueError(f"option {f.name} must be a number {bound}, got {value!r}.")
         if self.max_aspect < 1:
             raise ValueError(f"option max_aspect must be at least 1, got {self.max_aspect!r}.")
@@ -136,6 +136,20 @@ class FoundObject:
         return self.top + self.height / 2
 
 
+def _along_lines(frame: np.ndarray, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """``frame`` ``[H, W, 3]`` -> ``[H, W, K]`` twice, computed in ``dtype``: how far along
+    the line from the background to each palette colour the nearest point to each pixel lies
+    (clipped to 0 .. 1), and the squared RGB distance from the pixel to that point."""
+    towards = frame.astype(dtype) - _BACKGROUND.astype(dtype)  # [H, W, 3]
+    lines = _LINES.astype(dtype)  # whole numbers: exact in either dtype
+    lengths2 = (lines**2).sum(-1)  # [K]
+    dots = towards @ lines.T  # [H, W, K]
+    along = np.clip(dots / lengths2, 0.0, 1.0)  # 0 background, 1 the colour
+    # squared distance to the nearest point of each line: |p - a v|^2, expanded
+    d2 = (towards**2).sum(-1, keepdims=True) - 2 * along * dots + along**2 * lengths2
+    return along, d2
+
+
 def classify_pixels(frame: np.ndarray, max_colour_distance: float) -> np.ndarray:
     """``frame`` ``[H, W, 3]`` uint8 -> ``[H, W]`` int: the index of each pixel's palette
     colour in :data:`~digen.shapes.PALETTE`, or -1 for background and unclear colours.
@@ -146,11 +160,7 @@ def classify_pixels(frame: np.ndarray, max_colour_distance: float) -> np.ndarray
     ``max_colour_distance`` of it; otherwise it is background. So a soft edge is cut where
     it is half colour, and a half-red edge reads as red (its plain nearest colour is yellow).
     """
-    towards = frame.astype(np.float32) - _BACKGROUND  # [H, W, 3]
-    dots = towards @ _LINES.T  # [H, W, K]
-    along = np.clip(dots / _LINE_LENGTHS2, 0.0, 1.0)  # [H, W, K]: 0 background, 1 the colour
-    # squared distance to the nearest point of each line: |p - a v|^2, expanded
-    d2 = (towards**2).sum(-1, keepdims=True) - 2 * along * dots + along**2 * _LINE_LENGTHS2
+    along, d2 = _along_lines(frame, np.float32)  # [H, W, K] each
     nearest = d2.argmin(-1)[..., None]  # [H, W, 1]
     near = np.take_along_axis(d2, nearest, -1)[..., 0] <= max_colour_distance**2  # [H, W]
     colourful = np.take_along_axis(along, nearest, -1)[..., 0] >= 0.5
@@ -224,11 +234,7 @@ def _colour_amounts(frame: np.ndarray, max_colour_distance: float) -> np.ndarray
     """``[H, W, K]``: how far along the line from the background to each palette colour each
     pixel lies (0 background .. 1 the colour), 0 where the pixel is farther than
     ``max_colour_distance`` from that line or less than :data:`_FAINT` of the way."""
-    towards = frame.astype(np.float64) - _BACKGROUND  # [H, W, 3]
-    lines = _LINES.astype(np.float64)
-    dots = towards @ lines.T  # [H, W, K]
-    along = np.clip(dots / (lines**2).sum(-1), 0.0, 1.0)
-    d2 = (towards**2).sum(-1, keepdims=True) - 2 * along * dots + along**2 * (lines**2).sum(-1)
+    along, d2 = _along_lines(frame, np.float64)  # [H, W, K] each
     return np.where((d2 <= max_colour_distance**2) & (along >= _FAINT), along, 0.0)
 
 
