@@ -26,11 +26,13 @@ meets its caption by GenEval's rule as a person judges it (``null`` where the sh
 person leaves open decide it). ``agree`` reads every labelled image with the reward and
 reports how often its objects pair off with the label's (colour and an allowed shape, one
 to one) and, where the label gives one, how often its verdict is the label's, in all and per
-set. Three sets are labelled (96 held-out and 96 training captions each, 16 of each category,
+set. Four sets are labelled (96 held-out and 96 training captions each, 16 of each category,
 10 Euler steps, guidance 3): ``v1-base``, the shapes FLUX shipped before its pretraining on
 the pair split; ``v2-base``, the one shipped since; ``v2-rl``, the same after the README's
-30-step run with seed 0. The reader gives the label's verdict on 148 of 163, 168 of 172 and
-170 of 171 decided images (docs/REWARDS.md has the history).
+30-step run with seed 0; ``w4k-base``, the 4000-step pretraining with fixed text encoders
+(docs/TRAINING.md, "Word order"), labelled after the reader was settled. The reader gives
+the label's verdict on 148 of 163, 168 of 172, 170 of 171 and 156 of 171 decided images
+(docs/REWARDS.md has the history).
 """
 
 from __future__ import annotations
