@@ -714,6 +714,8 @@ class DataConfig:
     """Prompt file (.txt one per line, or .jsonl with a "prompt" field), or a shipped set by name (default; ocr: text to render for the OCR reward; shapes, shapes-heldout: the shapes world's training and held-out captions); None: the default set."""
     train_batch_size: int = 2
     """Unique prompts per train step (each replicated n times)."""
+    per_category: int | None = None
+    """Shapes-world prompts only: train on each category's prompts this many times an epoch (cycled when it has fewer, evenly spaced when more), so every category is drawn alike (the shapes training set has 192 position captions and 2 single-object ones; 192 keeps every caption); None: every prompt once an epoch."""
 
     def __post_init__(self) -> None:
         _validate_section(self, "data")
@@ -722,6 +724,8 @@ class DataConfig:
         if self.prompts is not None and not self.prompts:
             raise _bad(_key(p, "prompts"), self.prompts, "give a prompt file path or null")
         _at_least(p, "train_batch_size", self.train_batch_size, 1)
+        if self.per_category is not None:
+            _at_least(p, "per_category", self.per_category, 1)
 
 
 @dataclass(kw_only=True, slots=True)

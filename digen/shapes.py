@@ -744,9 +744,14 @@ def balanced(prompts: Sequence[str], per_category: int) -> list[str]:
 
     A prompt outside the shapes world is a ValueError naming it (:func:`parse`).
     """
-    by_category: dict[str, list[str]] = {c: [] for c in CATEGORIES}
-    for prompt in prompts:
-        by_category[parse(prompt).category].append(prompt)
+    return [prompts[i] for i in balanced_indices(prompts, per_category)]
+
+
+def balanced_indices(prompts: Sequence[str], per_category: int) -> list[int]:
+    """The indices into ``prompts`` of :func:`balanced`'s choice, in its order."""
+    by_category: dict[str, list[int]] = {c: [] for c in CATEGORIES}
+    for i, prompt in enumerate(prompts):
+        by_category[parse(prompt).category].append(i)
     chosen = []
     for group in by_category.values():
         n = len(group)

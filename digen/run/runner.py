@@ -39,12 +39,23 @@ from digen.run.session import (
 from digen.run.trackers import require
 from digen.runtime.placement import check_devices_here
 from digen.sched.trace import Trace
-from digen.shapes import balanced
+from digen.shapes import balanced_indices
 
 if TYPE_CHECKING:
     from digen.runtime.backend import TrainingBackend
 
 __all__ = ["DigenRunner", "RunResult"]
+
+
+def _per_category(prompts: PromptSet, n: int, section: str) -> PromptSet:
+    """``prompts`` with each shapes-world category's prompts taken ``n`` times
+    (:func:`digen.shapes.balanced`), their metadata kept; ``section`` names the setting
+    (``data`` or ``eval``) in the error a prompt outside the shapes world gets."""
+    try:
+        chosen = balanced_indices(prompts.prompts, n)
+    except ValueError as exc:
+        raise DigenError(f"{section}.per_category needs shapes-world prompts: {exc}") from None
+    return PromptSet([prompts.prompts[i] for i in chosen], [prompts.metadata[i] for i in chosen])
 
 
 class DigenRunner:
@@ -101,18 +112,16 @@ class DigenRunner:
         self.prompts = PromptSet.load(self.cfg.data.prompts)
         if self.prompts.skipped:
             print(f"note: {self.prompts.skip_note}", file=sys.stderr)
+        if self.cfg.data.per_category is not None:
+            self.prompts = _per_category(self.prompts, self.cfg.data.per_category, "data")
         self.eval_prompts: PromptSet | None = None
         """The evaluation's prompts (``eval.every > 0``), loaded before anything starts."""
         if self.cfg.eval.every:
             self.eval_prompts = PromptSet.for_eval(self.cfg.eval.prompts, self.cfg.data.prompts)
             if self.cfg.eval.per_category is not None:
-                try:
-                    chosen = balanced(self.eval_prompts.prompts, self.cfg.eval.per_category)
-                except ValueError as exc:
-                    raise DigenError(
-                        f"eval.per_category needs shapes-world prompts: {exc}"
-                    ) from None
-                self.eval_prompts = PromptSet(chosen)
+                self.eval_prompts = _per_category(
+                    self.eval_prompts, self.cfg.eval.per_category, "eval"
+                )
         self._join_secret: str | None = None
         """With ``runtime.elastic.accept_generators``: what a joining generator must prove it knows;
         read here from ``runtime.elastic.join_secret_file``, else made when the run starts."""

@@ -211,3 +211,31 @@ def test_per_category_takes_each_held_out_category_alike_and_needs_shapes_prompt
     other = ["eval.every=1", "eval.per_category=3", f"eval.prompts={_prompts(tmp_path)}"]
     with pytest.raises(DigenError, match="eval.per_category needs shapes-world prompts: "):
         DigenRunner(tiny_config("flux", "flowgrpo", other), out_dir=tmp_path / "b")
+
+
+def test_data_per_category_trains_each_category_alike_and_needs_shapes_prompts(
+    tmp_path: Path,
+) -> None:
+    from collections import Counter
+
+    from digen.errors import DigenError
+    from digen.run.runner import DigenRunner
+    from digen.shapes import CATEGORIES, parse
+
+    base = ["data.prompts=shapes", "rewards=[shapes]"]
+    plain = DigenRunner(tiny_config("flux", "flowgrpo", base), out_dir=tmp_path / "a").prompts
+    counts = Counter(parse(p).category for p in plain.prompts)
+    assert counts["position"] > 50 * counts["single_object"]  # the shipped set, once each
+    even = ["data.per_category=192", *base]
+    runner = DigenRunner(tiny_config("flux", "flowgrpo", even), out_dir=tmp_path / "b")
+    got = [parse(p).category for p in runner.prompts.prompts]
+    assert got == [c for c in CATEGORIES for _ in range(192)]
+    assert set(runner.prompts.prompts) == set(plain.prompts)  # 192: every caption kept
+    # an epoch's train steps draw the categories alike: 1152 prompts, 4 a step
+    steps = [runner.prompts.for_step(0, s, 4)[0] for s in range(288)]
+    drawn = Counter(parse(p).category for step in steps for p in step)
+    assert drawn == Counter({c: 192 for c in CATEGORIES})
+
+    other = ["data.per_category=3", f"data.prompts={_prompts(tmp_path)}"]
+    with pytest.raises(DigenError, match="data.per_category needs shapes-world prompts: "):
+        DigenRunner(tiny_config("flux", "flowgrpo", other), out_dir=tmp_path / "c")
