@@ -22,21 +22,22 @@ SHAPES_LR = 1e-3
 
 
 SHAPES_TASK: dict[str, Any] = {
-    "data": {"prompts": "shapes", "train_batch_size": 4},
+    "data": {"prompts": "shapes", "train_batch_size": 4, "per_category": 192},
     "rewards": [{"name": "shapes"}],
     "eval": {"every": 10, "samples": 1, "per_category": 32},
     "rollout": {"num_inference_steps": 10, "guidance_scale": 3.0},
 }
 """What the pretrained ``shapes`` flavour trains on by default: the shapes world's training
-captions, 4 a step (the tiny flavours' 2 barely move the held-out reward in 30 steps), the
-GenEval-style ``shapes`` reward, and held-out accuracy every 10 steps on 32 images of each
-category (the held-out set has 1 to 96 prompts a category, so one image a prompt would leave
-the single-object figure to 1 image and GenEval's per-category mean to chance). 10 sampling
+captions, 4 a step (the tiny flavours' 2 barely move the held-out reward in 30 steps), each
+category's captions 192 times an epoch (every caption kept; drawn as they come, 192 of the
+262 are position captions and 2 ask for one object, and the FLUX weights fell with both
+seeds tried where with every category alike none of ten runs fell), the GenEval-style
+``shapes`` reward, and held-out accuracy every 10 steps on 32 images of each category (the
+held-out set has 1 to 96 prompts a category, so one image a prompt would leave the
+single-object figure to 1 image and GenEval's per-category mean to chance). 10 sampling
 steps: at 6 the base model gets few held-out captions right. Guidance 3 against the empty
-prompt (the flavour was pretrained with caption dropout for it), in sampling and evaluation
-as Flow-GRPO samples with CFG: with the weights shipped before 2026-12-07 it doubled the base
-model's held-out accuracy (0.125 -> 0.214 with seed 0) and made the 30-step rise positive
-with every seed tried, where without it two seeds of three barely moved."""
+prompt (the flavours were pretrained with caption dropout for it), in sampling and
+evaluation as Flow-GRPO samples with CFG. docs/TRAINING.md has the measurements."""
 
 
 def preset(

@@ -54,7 +54,10 @@ def _per_category(prompts: PromptSet, n: int, section: str) -> PromptSet:
     try:
         chosen = balanced_indices(prompts.prompts, n)
     except ValueError as exc:
-        raise DigenError(f"{section}.per_category needs shapes-world prompts: {exc}") from None
+        raise DigenError(
+            f"{section}.per_category needs shapes-world prompts: {str(exc).rstrip('.')}; "
+            f"set {section}.per_category=null to take every prompt once."
+        ) from None
     return PromptSet([prompts.prompts[i] for i in chosen], [prompts.metadata[i] for i in chosen])
 
 

@@ -3,7 +3,8 @@ draw the shapes world (:mod:`digen.shapes`) from its training captions, so RL st
 model that already draws scenes and has room to improve on the held-out ones.
 
     python -m digen.run.shapes_pretrain --out DIR --seed 0 --tokens words --width 128 \
-        --mix position=3,color_attr=2 --layout ordered --steps 10000 --resume
+        --mix position=3,color_attr=2 --layout ordered --text-lr 0 --t5-position-bias 16 \
+        --eval-every 0 --steps 4000 --resume
     python -m digen.run.shapes_pretrain --model sd3 --out DIR --seed 0 --steps 2700
 
 The first is the recipe of the shipped FLUX weights (``recipe.json`` beside them holds it
@@ -21,10 +22,11 @@ position), so which colour goes with which shape, and which object a relation pu
 reaches it only through the text encoders' contextual vectors. Trained from scratch on
 word tokens, the encoders learn to drop that context (:func:`order_sensitivity`, logged at
 every evaluation as ``text_order``, falls to 0.003: a caption and its swapped binding
-encode alike), and colour attribution and position stay a coin toss: so it is with the
-shipped FLUX weights. Frozen at an init whose T5 relative-position bias is at the scale of
-a trained T5's (``--text-lr 0 --t5-position-bias 16``), the encoders keep word order and
-the transformer learns to read it (docs/TRAINING.md has the figures).
+encode alike), and colour attribution and position stay a coin toss: so it was with the
+FLUX weights shipped before 2026-12-08. Frozen at an init whose T5 relative-position bias
+is at the scale of a trained T5's (``--text-lr 0 --t5-position-bias 16``, as the shipped
+FLUX weights are), the encoders keep word order and the transformer learns to read it
+(docs/TRAINING.md has the figures).
 
 **Data**: pairs made on the fly from the *training* prompts only (never a held-out one): a
 category drawn uniformly first, then one of its captions (position has 3/4 of the captions

@@ -688,7 +688,7 @@ def test_the_shapes_flavour_presets_the_shapes_task_at_its_own_size() -> None:
     assert cfg.data.prompts == "shapes" and [r.name for r in cfg.rewards] == ["shapes"]
     assert (cfg.eval.every, cfg.eval.samples, cfg.eval.per_category) == (10, 1, 32)
     assert tuple(SHAPES_TASK["eval"].values()) == (10, 1, 32)
-    assert cfg.data.train_batch_size == 4
+    assert (cfg.data.train_batch_size, cfg.data.per_category) == (4, 192)
     assert cfg.train.lr < load_config(model="flux").train.lr  # a model that already draws
     tiny = load_config(model="flux")
     # guidance against the empty prompt, which the flavour was pretrained to give

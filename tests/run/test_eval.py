@@ -237,5 +237,6 @@ def test_data_per_category_trains_each_category_alike_and_needs_shapes_prompts(
     assert drawn == Counter({c: 192 for c in CATEGORIES})
 
     other = ["data.per_category=3", f"data.prompts={_prompts(tmp_path)}"]
-    with pytest.raises(DigenError, match="data.per_category needs shapes-world prompts: "):
+    with pytest.raises(DigenError, match="data.per_category needs shapes-world prompts: ") as e:
         DigenRunner(tiny_config("flux", "flowgrpo", other), out_dir=tmp_path / "c")
+    assert str(e.value).endswith("set data.per_category=null to take every prompt once.")
