@@ -256,6 +256,17 @@ def _soft_outlines(width: int, height: int, blur: float) -> tuple[np.ndarray, np
     return out, sums
 
 
+def _crop(a: np.ndarray, top: int, left: int, height: int, width: int) -> np.ndarray:
+    """``a[top : top + height, left : left + width]`` ``[height, width]``, zero where it
+    reaches past ``a``'s edges."""
+    out = np.zeros((height, width), a.dtype)
+    y0, x0 = max(top, 0), max(left, 0)
+    y1, x1 = min(top + height, a.shape[0]), min(left + width, a.shape[1])
+    if y0 < y1 and x0 < x1:
+        out[y0 - top : y1 - top, x0 - left : x1 - left] = a[y0:y1, x0:x1]
+    return out
+
+
 def _outline(
     amount: np.ndarray, top: int, left: int, height: int, width: int, options: ReadOptions
 ) -> tuple[str | None, float]:
@@ -263,7 +274,7 @@ def _outline(
     per pixel) best around the component's box, and the soft overlap of that fit (no shape
     when it is below ``min_iou``)."""
     m = _SIZE_STEPS + 1 + _SHIFT  # room around the box for the largest outline, shifted
-    window = np.pad(amount, m)[top : top + height + 2 * m, left : left + width + 2 * m]
+    window = _crop(amount, top - m, left - m, height + 2 * m, width + 2 * m)
     total = float(window.sum())
     best = np.full(len(SHAPES), -1.0)  # [S]: each shape's best overlap
     for h in range(max(3, height - _SIZE_STEPS), height + _SIZE_STEPS + 1):

@@ -141,6 +141,20 @@ def test_every_drawn_outline_reads_as_itself(size: int) -> None:
         assert (hard.shape, hard.iou) == (shape, 1.0)
 
 
+@pytest.mark.parametrize("corner", ["top-left", "bottom-right"])
+def test_outlines_against_the_frame_edge_read_as_themselves(corner: str) -> None:
+    """The outline fit looks a few pixels around each object's box; past the frame's edge it
+    sees background, so a shape drawn into a corner is read as a shape in open space is."""
+    size = 10
+    at = 0 if corner == "top-left" else 32 - size
+    for shape, colour in zip(SHAPES, PALETTE):
+        image = render(Scene(32, (SceneObject(shape, colour, at, at, size),)))
+        (found,) = find_objects(image)
+        assert (found.shape, found.colour, found.width, found.height) == (shape, colour, size, size)
+        (hard,) = find_objects(image, ReadOptions(edge_blur=0))
+        assert (hard.shape, hard.iou) == (shape, 1.0)
+
+
 def test_specks_stretched_blobs_and_ragged_blobs_are_no_shapes() -> None:
     frame = np.full((32, 32, 3), 255, dtype=np.uint8)
     frame[2:5, 2:5] = PALETTE["red"]  # 9 px: below a quarter of an 8 px box
